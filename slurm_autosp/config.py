@@ -1,0 +1,377 @@
+"""The whole job as one tree of typed dataclasses.
+
+`load_config(["cfg=configs/x.yaml", "train.steps=10"])` merges a YAML file and dotlist
+overrides onto these dataclasses (OmegaConf structured configs), so unknown keys and wrong
+types fail with the key's full path before anything is submitted. `validate` then checks what
+types cannot: values that are out of range and fields that contradict each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration the job cannot run with; the message names the key and the fix."""
+
+
+class Backend(str, enum.Enum):
+    auto = "auto"
+    local = "local"
+    slurm = "slurm"
+
+
+class Vendor(str, enum.Enum):
+    nvidia = "nvidia"
+    amd = "amd"
+
+
+class Fabric(str, enum.Enum):
+    infiniband = "infiniband"
+    roce = "roce"
+    efa = "efa"
+    slingshot = "slingshot"
+    tcp = "tcp"
+
+
+class DataSource(str, enum.Enum):
+    synthetic = "synthetic"
+    tokens = "tokens"
+
+
+class Precision(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class LrSchedule(str, enum.Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives: `<output_root>/<name>/` holds everything it writes."""
+
+    name: str = "tiny"
+    output_root: str = "runs"
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.output_root).expanduser().resolve() / self.name
+
+
+@dataclass
+class ClusterConfig:
+    """The machines: the profile that submit-time checks and the job's resources come from."""
+
+    backend: Backend = Backend.auto
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU ranks with gloo (laptops, CI)
+    tasks_per_node: Optional[int] = None  # default: one rank per GPU, or 2 CPU ranks
+    cpus_per_task: int = 1
+    vendor: Vendor = Vendor.nvidia
+    gpu_memory_gb: float = 80.0
+    nvlink_domain_size: Optional[int] = None  # default: all GPUs of one node
+    fabric: Fabric = Fabric.infiniband
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    exclusive: bool = False
+    mem_gb: Optional[int] = None
+    time_min: int = 60
+    signal_delay_s: int = 120
+    max_requeues: int = 3
+    collective_timeout_min: float = 30.0  # above compile time plus checkpoint time
+    setup: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tasks_per_node or self.gpus_per_node or 2
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.gpus_per_node > 0
+
+
+@dataclass
+class ModelConfig:
+    """A Hugging Face causal LM: fields keep HF's names and go to its config class unchanged.
+
+    The defaults are a tiny Llama that trains on a laptop CPU. Null fields take the HF
+    class's defaults. `pretrained_path` loads a local
+    checkpoint instead; `builder="pkg.module:function"` calls the user's own constructor with
+    this config.
+    """
+
+    model_type: str = "llama"
+    vocab_size: Optional[int] = 256
+    hidden_size: Optional[int] = 64
+    intermediate_size: Optional[int] = 128
+    num_hidden_layers: Optional[int] = 2
+    num_attention_heads: Optional[int] = 4
+    num_key_value_heads: Optional[int] = 2
+    head_dim: Optional[int] = None
+    max_position_embeddings: Optional[int] = 4096
+    rope_theta: Optional[float] = None
+    rms_norm_eps: Optional[float] = None
+    tie_word_embeddings: Optional[bool] = None
+    attn_implementation: str = "sdpa"
+    pretrained_path: Optional[str] = None
+    builder: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)  # other HF config fields, verbatim
+
+    def hf_fields(self) -> Dict[str, Any]:
+        """The HF config fields that are set, with `extra` merged in."""
+        skip = {"model_type", "attn_implementation", "pretrained_path", "builder", "extra"}
+        fields = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in skip and getattr(self, f.name) is not None
+        }
+        return {**fields, **self.extra}
+
+
+@dataclass
+class DataConfig:
+    """Training samples: `synthetic` (deterministic and learnable) or a `tokens` file."""
+
+    source: DataSource = DataSource.synthetic
+    path: Optional[str] = None
+    seq_len: int = 256
+
+
+@dataclass
+class ParallelConfig:
+    sp_size: int = 1
+    zero_stage: int = 1
+    allow_cross_domain: bool = False  # let SP groups span NVLink domains (slow; logged)
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False
+    per_layer: bool = True  # one graph per decoder layer: compile time flat in depth
+    cache_dir: Optional[str] = None  # default: node-local, under the system temp dir
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    micro_batch: int = 1
+    grad_accum: int = 1
+    lr: float = 3e-4
+    lr_schedule: LrSchedule = LrSchedule.cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    precision: Optional[Precision] = None  # default: bf16 on GPU, fp32 on CPU
+    seed: int = 0
+    log_every: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0: no periodic saves
+    every_minutes: float = 0.0
+    keep: int = 2
+
+
+@dataclass
+class TraceConfig:
+    tensorboard: bool = True
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    dry_run: bool = False
+
+    @property
+    def precision(self) -> Precision:
+        if self.train.precision is not None:
+            return self.train.precision
+        return Precision.bf16 if self.cluster.uses_gpus else Precision.fp32
+
+    @property
+    def dp_size(self) -> int:
+        return self.cluster.world_size // self.parallel.sp_size
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, across all data-parallel ranks and micro-steps."""
+        return self.train.micro_batch * self.train.grad_accum * self.dp_size
+
+
+def load_config(argv: List[str]) -> JobConfig:
+    """Merge `cfg=PATH.yaml` and `a.b=c` overrides onto the defaults, then validate."""
+    cfg_path = None
+    overrides = []
+    for arg in argv:
+        if "=" not in arg:
+            raise ConfigError(
+                f"argument {arg!r} is not key=value; use cfg=PATH.yaml and overrides like "
+                "train.steps=100"
+            )
+        key, value = arg.split("=", 1)
+        if key == "cfg":
+            cfg_path = value
+        else:
+            overrides.append(arg)
+
+    merged: DictConfig = OmegaConf.structured(JobConfig)
+    if cfg_path is not None:
+        merged = _merge(merged, _read_yaml(cfg_path), f"in {cfg_path}")
+    merged = _merge(merged, _parse_overrides(overrides), "on the command line")
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, JobConfig)
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _read_yaml(path: str) -> DictConfig:
+    if not os.path.isfile(path):
+        raise ConfigError(f"cfg={path}: no such file (give the path of a YAML config, e.g. configs/tiny_cpu.yaml)")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as err:  # yaml.YAMLError and friends
+        raise ConfigError(f"cfg={path}: not valid YAML: {err}") from err
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"cfg={path}: expected a mapping of sections (run:, model:, train:, ...)")
+    return loaded
+
+
+def _parse_overrides(overrides: List[str]) -> DictConfig:
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot parse overrides {overrides}: {err}") from err
+
+
+def _merge(base: DictConfig, update: DictConfig, where: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, update)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_explain(err, where)) from err
+
+
+def _explain(err: OmegaConfBaseException, where: str) -> str:
+    """One line naming the full key, OmegaConf's reason, and the keys that section accepts."""
+    key = getattr(err, "full_key", None) or "?"
+    reason = str(err).splitlines()[0]
+    section = getattr(err, "object_type", None)
+    if isinstance(err, ConfigKeyError) and dataclasses.is_dataclass(section):
+        known = ", ".join(f.name for f in dataclasses.fields(section))
+        return f"{key} {where}: unknown key. {reason} Known keys here: {known}"
+    return f"{key} {where}: {reason}"
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that types cannot express; each message names the key and what would work."""
+    problems = []
+    c, t, p, m = cfg.cluster, cfg.train, cfg.parallel, cfg.model
+
+    def positive(key: str, value: float) -> None:
+        if value <= 0:
+            problems.append(f"{key}={value} must be > 0")
+
+    for key, value in [
+        ("cluster.nodes", c.nodes),
+        ("cluster.cpus_per_task", c.cpus_per_task),
+        ("cluster.time_min", c.time_min),
+        ("data.seq_len", cfg.data.seq_len),
+        ("parallel.sp_size", p.sp_size),
+        ("train.steps", t.steps),
+        ("train.micro_batch", t.micro_batch),
+        ("train.grad_accum", t.grad_accum),
+        ("train.lr", t.lr),
+        ("train.log_every", t.log_every),
+    ]:
+        positive(key, value)
+    if c.gpus_per_node < 0:
+        problems.append(f"cluster.gpus_per_node={c.gpus_per_node} must be >= 0 (0 runs on CPU)")
+    if c.tasks_per_node is not None:
+        positive("cluster.tasks_per_node", c.tasks_per_node)
+        if c.uses_gpus and c.tasks_per_node != c.gpus_per_node:
+            problems.append(
+                f"cluster.tasks_per_node={c.tasks_per_node} must equal cluster.gpus_per_node="
+                f"{c.gpus_per_node} (one rank per GPU); leave tasks_per_node unset"
+            )
+    if p.sp_size > 0 and c.world_size % p.sp_size:
+        problems.append(
+            f"parallel.sp_size={p.sp_size} does not divide the world size "
+            f"{c.world_size} (cluster.nodes={c.nodes} x {c.ranks_per_node} ranks per node); "
+            f"choose one of {_divisors(c.world_size)}"
+        )
+    if p.zero_stage != 1:
+        problems.append(f"parallel.zero_stage={p.zero_stage} is not supported yet; use 1 (ZeRO-1)")
+    if p.sp_size > 1 and not cfg.compile.enabled:
+        problems.append(
+            f"parallel.sp_size={p.sp_size} needs the AutoSP compiler: set compile.enabled=true"
+        )
+    heads = m.num_attention_heads
+    if heads and p.sp_size > 0 and heads % p.sp_size:
+        problems.append(
+            f"parallel.sp_size={p.sp_size} does not divide model.num_attention_heads={heads}; "
+            f"choose one of {_divisors(heads)}"
+        )
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        problems.append(f"train.betas={list(t.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if not 0 <= t.min_lr_ratio <= 1:
+        problems.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if t.warmup_steps < 0:
+        problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.grad_clip < 0:
+        problems.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    if cfg.precision is Precision.bf16 and not c.uses_gpus:
+        problems.append("train.precision=bf16 needs GPUs (cluster.gpus_per_node > 0); use fp32 on CPU")
+    if cfg.data.source is DataSource.tokens:
+        if not cfg.data.path:
+            problems.append("data.source=tokens needs data.path (a token file written by slurm_autosp.data)")
+        elif not os.path.isfile(cfg.data.path):
+            problems.append(f"data.path={cfg.data.path}: no such file")
+    if m.pretrained_path and m.builder:
+        problems.append("model.pretrained_path and model.builder are exclusive; set one")
+    if m.pretrained_path and not os.path.isdir(m.pretrained_path):
+        problems.append(f"model.pretrained_path={m.pretrained_path}: no such directory")
+    if m.builder and ":" not in m.builder:
+        problems.append(f"model.builder={m.builder!r} must look like 'package.module:function'")
+    if not (m.pretrained_path or m.builder):
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(m, key) is None:
+                problems.append(f"model.{key} is required to build a model from its config")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,74 @@
+"""python -m slurm_autosp.submit cfg=CONFIG.yaml [key=value ...]
+
+Submit a training job: sbatch on a SLURM cluster, local processes elsewhere. Without
+cfg=, the embedded default trains a tiny Llama on 2 local CPU ranks.
+
+  python -m slurm_autosp.submit cfg=configs/tiny_cpu.yaml train.steps=50
+  python -m slurm_autosp.submit cfg=configs/llama70b_128k.yaml cluster.nodes=8 dry_run=true
+
+Every key of the config can be overridden as section.key=value (e.g. parallel.sp_size=4,
+cluster.backend=local). The run's directory <run.output_root>/<run.name>/ receives the
+resolved config, per-rank logs, checkpoints and TensorBoard events:
+
+  tensorboard --logdir <run.output_root>/<run.name>/tensorboard
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+from slurm_autosp.config import ConfigError, JobConfig, load_config, to_yaml
+from slurm_autosp.launch.executor import build_executor, submitit_dir
+from slurm_autosp.launch.job import TrainingJob
+from slurm_autosp.launch.watch import JobFailed, wait_for_job
+
+
+def prepare_run_dir(cfg: JobConfig) -> None:
+    """Create the run directory and record the resolved config a resumed job will read."""
+    run_dir = cfg.run.dir
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    except OSError as err:
+        raise ConfigError(
+            f"run.output_root={cfg.run.output_root}: cannot write the run directory {run_dir} ({err}); "
+            "choose a writable run.output_root on shared storage"
+        ) from err
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        cfg = load_config(argv)
+        executor = build_executor(cfg)
+        if cfg.dry_run:
+            print(to_yaml(cfg))
+            print(f"# dry run: would submit {cfg.cluster.world_size} ranks through submitit's "
+                  f"{executor.cluster} executor; nothing submitted")
+            return 0
+        prepare_run_dir(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    job = executor.submit(TrainingJob(cfg))
+    print(f"submitted job {job.job_id} ({executor.cluster}, {cfg.cluster.world_size} ranks); "
+          f"run directory {cfg.run.dir}; per-rank logs in {submitit_dir(cfg.run.dir)}", flush=True)
+    try:
+        wait_for_job(job, echo=lambda line: print(line, flush=True))
+    except JobFailed as err:
+        print(f"error: job {job.job_id}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        job.cancel(check=False)
+        print(f"\ninterrupted: cancelled job {job.job_id}", file=sys.stderr)
+        return 130
+    print(f"job {job.job_id} finished; TensorBoard: tensorboard --logdir {cfg.run.dir / 'tensorboard'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

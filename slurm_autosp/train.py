@@ -1,0 +1,98 @@
+"""The training loop: short enough to read in one sitting; components do the work."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from slurm_autosp.config import JobConfig
+from slurm_autosp.data import build_source, micro_batch
+from slurm_autosp.engine import build_engine
+from slurm_autosp.launch.distributed import DistContext
+from slurm_autosp.metrics import MetricsLogger, peak_memory_bytes, reset_peak_memory
+from slurm_autosp.model import build_model
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TrainResult:
+    losses: List[float]
+    steps: int
+
+
+def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token targets over the whole sequence, shifted once (never per shard)."""
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    labels[:, :-1] = tokens[:, 1:]
+    return labels
+
+
+def train(cfg: JobConfig, ctx: DistContext) -> TrainResult:
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    engine = build_engine(model, cfg)
+    source = build_source(cfg)
+    metrics = MetricsLogger(cfg, is_writer=ctx.rank == 0)
+    tokens_per_step = cfg.global_batch * cfg.data.seq_len
+    losses = []
+    try:
+        for step in range(cfg.train.steps):
+            reset_peak_memory(ctx.device)
+            lr = engine.get_lr()[0]
+            start = time.perf_counter()
+            loss = _optimizer_step(engine, cfg, ctx, source, step)
+            step_time = time.perf_counter() - start
+            losses.append(loss)
+            metrics.log_step(
+                step + 1,
+                {
+                    "train/loss": loss,
+                    "train/lr": lr,
+                    "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                    "throughput/tokens_per_s": tokens_per_step / step_time,
+                    "time/step_s": step_time,
+                    "memory/peak_mib": peak_memory_bytes(ctx.device) / 2**20,
+                },
+            )
+    finally:
+        metrics.close()
+    return TrainResult(losses=losses, steps=cfg.train.steps)
+
+
+def _optimizer_step(engine: Any, cfg: JobConfig, ctx: DistContext, source: Any, step: int) -> float:
+    """One optimizer step over `grad_accum` micro-batches; returns the step's global loss.
+
+    The objective is the mean over every valid label of the step (all micro-batches, all
+    ranks). DeepSpeed divides each backward by grad_accum and averages gradients over the
+    world, so each rank's loss is its label sum over the global count, times world * grad_accum.
+    """
+    batches = [
+        _model_inputs(micro_batch(source, cfg, step, m, ctx.rank), ctx.device)
+        for m in range(cfg.train.grad_accum)
+    ]
+    valid = torch.stack([(b["shift_labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
+    dist.all_reduce(valid)
+    num_items = valid.clamp(min=1)
+    scale = ctx.world_size * cfg.train.grad_accum
+    step_loss = torch.zeros((), device=ctx.device)
+    for batch in batches:
+        loss = engine(**batch, num_items_in_batch=num_items).loss
+        engine.backward(loss * scale)
+        engine.step()
+        step_loss += loss.detach()
+    dist.all_reduce(step_loss)
+    return step_loss.item()
+
+
+def _model_inputs(tokens: torch.Tensor, device: torch.device) -> Dict[str, torch.Tensor]:
+    tokens = tokens.to(device)
+    labels = shift_labels(tokens)
+    return {"input_ids": tokens, "labels": labels, "shift_labels": labels}

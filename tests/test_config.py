@@ -1,0 +1,95 @@
+"""Bad configuration fails at once, naming the key, the problem and what would work."""
+
+import pytest
+
+from slurm_autosp.config import ConfigError, DataSource, JobConfig, load_config
+
+CONFIGS = ["configs/tiny_cpu.yaml", "configs/llama8b_32k.yaml", "configs/llama70b_128k.yaml"]
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_shipped_configs_load(path):
+    cfg = load_config([f"cfg={path}"])
+    assert isinstance(cfg, JobConfig)
+
+
+def test_llama_configs_have_the_real_llama31_shapes():
+    m8 = load_config(["cfg=configs/llama8b_32k.yaml"])
+    m70 = load_config(["cfg=configs/llama70b_128k.yaml"])
+    shape = lambda c: (c.model.hidden_size, c.model.num_hidden_layers, c.model.num_attention_heads,
+                       c.model.num_key_value_heads, c.model.intermediate_size, c.model.vocab_size, c.data.seq_len)
+    assert shape(m8) == (4096, 32, 32, 8, 14336, 128256, 32768)
+    assert shape(m70) == (8192, 80, 64, 8, 28672, 128256, 131072)
+
+
+def test_overrides_win_over_the_file():
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml", "train.steps=7", "model.num_key_value_heads=1"])
+    assert cfg.train.steps == 7 and cfg.model.num_key_value_heads == 1
+
+
+def test_unknown_key_names_its_full_path_and_suggests_the_right_one():
+    with pytest.raises(ConfigError) as err:
+        load_config(["cfg=configs/tiny_cpu.yaml", "train.stepz=3"])
+    assert "train.stepz" in str(err.value)
+    assert "'steps'" in str(err.value)
+
+
+def test_unknown_key_in_the_yaml_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"train\.stepz in .*bad\.yaml"):
+        load_config([f"cfg={path}"])
+
+
+def test_wrong_type_names_the_key_and_the_value():
+    with pytest.raises(ConfigError, match=r"train\.steps .*'abc'.*Integer"):
+        load_config(["train.steps=abc"])
+
+
+def test_bad_choice_lists_the_accepted_values():
+    with pytest.raises(ConfigError, match=r"cluster\.backend.*'cloud'.*\[auto, local, slurm\]"):
+        load_config(["cluster.backend=cloud"])
+
+
+def test_sp_size_that_does_not_divide_heads_lists_the_sizes_that_would():
+    with pytest.raises(ConfigError, match=r"parallel\.sp_size=3 does not divide model\.num_attention_heads=4; choose one of 1, 2, 4"):
+        load_config(["parallel.sp_size=3", "cluster.tasks_per_node=3", "compile.enabled=true"])
+
+
+def test_sp_size_must_divide_the_world():
+    with pytest.raises(ConfigError, match=r"parallel\.sp_size=4 does not divide the world size 2"):
+        load_config(["parallel.sp_size=4", "compile.enabled=true"])
+
+
+def test_bf16_on_cpu_is_refused_before_submission():
+    with pytest.raises(ConfigError, match=r"train\.precision=bf16 needs GPUs"):
+        load_config(["train.precision=bf16"])
+
+
+def test_token_source_needs_an_existing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.path=.*missing\.bin: no such file"):
+        load_config(["data.source=tokens", f"data.path={tmp_path / 'missing.bin'}"])
+
+
+def test_missing_config_file_is_named():
+    with pytest.raises(ConfigError, match=r"cfg=nowhere\.yaml: no such file"):
+        load_config(["cfg=nowhere.yaml"])
+
+
+def test_argument_without_equals_sign_is_explained():
+    with pytest.raises(ConfigError, match=r"'train\.steps' is not key=value"):
+        load_config(["train.steps"])
+
+
+def test_all_problems_are_reported_together():
+    with pytest.raises(ConfigError) as err:
+        load_config(["train.steps=0", "train.lr=-1"])
+    assert "train.steps=0 must be > 0" in str(err.value)
+    assert "train.lr=-1.0 must be > 0" in str(err.value)
+
+
+def test_defaults_are_the_tiny_cpu_job():
+    cfg = load_config([])
+    assert cfg.cluster.world_size == 2 and not cfg.cluster.uses_gpus
+    assert cfg.data.source is DataSource.synthetic
+    assert cfg.precision.value == "fp32"

@@ -1,0 +1,65 @@
+"""The embedded default job runs end to end through submitit's local executor."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def submit(*overrides, env=None, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "slurm_autosp.submit", "cfg=configs/tiny_cpu.yaml", "cluster.backend=local", *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    proc = submit(f"run.output_root={root}", "train.steps=30", "train.log_every=1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root / "tiny_cpu", proc.stdout
+
+
+def test_two_rank_run_prints_falling_losses(tiny_run):
+    _, stdout = tiny_run
+    losses = [float(line.split("loss ")[1].split()[0]) for line in stdout.splitlines() if "| loss " in line]
+    assert len(losses) == 30
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_run_directory_holds_config_logs_and_events(tiny_run):
+    run_dir, _ = tiny_run
+    assert (run_dir / "config.yaml").read_text().count("tasks_per_node: 2") == 1
+    logs = sorted(p.name for p in (run_dir / "submitit").glob("*_log.out"))
+    assert len(logs) == 2 and logs[0].endswith("_0_log.out") and logs[1].endswith("_1_log.out")
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 31))
+    assert loss[-1].value < loss[0].value
+    assert {"train/lr", "train/grad_norm", "throughput/tokens_per_s", "memory/peak_mib"} <= set(events.Tags()["scalars"])
+
+
+def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):
+    (tmp_path / "broken_model.py").write_text(textwrap.dedent("""
+        import submitit
+        from slurm_autosp.model import build_model
+        from dataclasses import replace
+
+        def build(cfg):
+            if submitit.JobEnvironment().global_rank == 1:
+                raise RuntimeError("rank one cannot build its model")
+            return build_model(replace(cfg, builder=None))
+    """))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = submit(f"run.output_root={tmp_path}", "model.builder=broken_model:build", env=env, timeout=300)
+    assert proc.returncode == 1
+    assert "rank 1 failed" in proc.stderr
+    assert "rank one cannot build its model" in proc.stderr
