@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import submitit
@@ -14,9 +16,25 @@ def submitit_dir(run_dir: Path) -> Path:
     return run_dir / "submitit"
 
 
+def slurm_reachable() -> bool:
+    """A controller answers: installed client tools alone do not make a cluster."""
+    if shutil.which("sbatch") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=15).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def resolve_backend(backend: Backend) -> Backend:
+    if backend is Backend.auto:
+        return Backend.slurm if slurm_reachable() else Backend.local
+    return backend
+
+
 def build_executor(cfg: JobConfig) -> submitit.AutoExecutor:
     c = cfg.cluster
-    cluster = None if c.backend is Backend.auto else c.backend.value
+    cluster = resolve_backend(c.backend).value
     if c.backend is Backend.local and c.nodes != 1:
         raise ConfigError(f"cluster.nodes={c.nodes}: the local backend runs on one machine; set cluster.nodes=1")
     executor = submitit.AutoExecutor(folder=submitit_dir(cfg.run.dir), cluster=cluster)

@@ -1,0 +1,42 @@
+"""The model comes from an HF config, a local checkpoint, or the user's own builder."""
+
+import pytest
+import torch
+
+from slurm_autosp.config import ConfigError, ModelConfig
+from slurm_autosp.model import build_model
+
+
+def tiny_builder(cfg):
+    return torch.nn.Linear(cfg.hidden_size, cfg.vocab_size)
+
+
+def test_hf_fields_reach_the_hf_config_unchanged():
+    model = build_model(ModelConfig(num_key_value_heads=1, extra={"rms_norm_eps": 1e-3}))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_key_value_heads == 1 and model.config.rms_norm_eps == 1e-3
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_local_pretrained_path_loads_the_saved_weights(tmp_path):
+    saved = build_model(ModelConfig(model_type="qwen2", num_key_value_heads=1))
+    saved.save_pretrained(tmp_path)
+    loaded = build_model(ModelConfig(pretrained_path=str(tmp_path)))
+    assert type(loaded).__name__ == "Qwen2ForCausalLM"
+    for (name, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_user_builder_is_called_with_the_model_config():
+    model = build_model(ModelConfig(builder=f"{__name__}:tiny_builder"))
+    assert isinstance(model, torch.nn.Linear) and model.out_features == 256
+
+
+def test_unimportable_builder_is_explained():
+    with pytest.raises(ConfigError, match=r"model\.builder='nowhere\.mod:fn': cannot import it"):
+        build_model(ModelConfig(builder="nowhere.mod:fn"))
+
+
+def test_unknown_model_type_is_named():
+    with pytest.raises(ConfigError, match=r"model\.model_type='llamma'"):
+        build_model(ModelConfig(model_type="llamma"))
