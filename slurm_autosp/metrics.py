@@ -20,15 +20,19 @@ def tensorboard_dir(run_dir: Path) -> Path:
 class MetricsLogger:
     """Rank 0 writes; the other ranks' calls are no-ops, so the loop needs no rank checks."""
 
-    def __init__(self, cfg: JobConfig, is_writer: bool):
+    def __init__(self, cfg: JobConfig, is_writer: bool, first_step: int = 0):
         self.cfg = cfg
         self.is_writer = is_writer
         self.writer: Optional[object] = None
         if is_writer and cfg.trace.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(tensorboard_dir(cfg.run.dir)))
-            self.writer.add_text("config", f"```\n{to_yaml(cfg)}\n```", 0)
+            # A resumed run may have logged steps past its checkpoint before it stopped:
+            # purge_step makes TensorBoard drop those, so curves have no duplicate steps.
+            purge = first_step + 1 if first_step else None
+            self.writer = SummaryWriter(str(tensorboard_dir(cfg.run.dir)), purge_step=purge)
+            if not first_step:
+                self.writer.add_text("config", f"```\n{to_yaml(cfg)}\n```", 0)
 
     def log_step(self, step: int, scalars: Dict[str, float]) -> None:
         if not self.is_writer:
@@ -52,6 +56,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
 
 
 def reset_peak_memory(device: torch.device) -> None:

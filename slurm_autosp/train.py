@@ -5,15 +5,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.config import JobConfig
+from slurm_autosp.checkpoint.export import export_hf
+from slurm_autosp.checkpoint.schedule import SaveSchedule, checkpoint_dir
+from slurm_autosp.checkpoint.signals import StopRequest
+from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
+from slurm_autosp.config import JobConfig, config_hash
 from slurm_autosp.data import build_source, micro_batch
 from slurm_autosp.engine import build_engine
 from slurm_autosp.launch.distributed import DistContext
+from slurm_autosp.launch.requeue import requeue_and_exit
 from slurm_autosp.metrics import MetricsLogger, peak_memory_bytes, reset_peak_memory
 from slurm_autosp.model import build_model
 
@@ -24,8 +29,8 @@ IGNORE_INDEX = -100
 
 @dataclass
 class TrainResult:
-    losses: List[float]
-    steps: int
+    first_step: int  # steps done before this job started (resumed runs)
+    losses: List[float]  # one per step this job ran
 
 
 def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
@@ -35,24 +40,30 @@ def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def train(cfg: JobConfig, ctx: DistContext) -> TrainResult:
+def train(cfg: JobConfig, ctx: DistContext, stop: StopRequest) -> TrainResult:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     engine = build_engine(model, cfg)
     source = build_source(cfg)
-    metrics = MetricsLogger(cfg, is_writer=ctx.rank == 0)
+    store = CheckpointStore(checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep)
+    store.check_writable()
+    resumed = store.load_latest(engine)
+    first_step = resumed.step if resumed else 0
+    schedule = SaveSchedule(cfg.checkpoint)
+    metrics = MetricsLogger(cfg, is_writer=ctx.rank == 0, first_step=first_step)
     tokens_per_step = cfg.global_batch * cfg.data.seq_len
     losses = []
     try:
-        for step in range(cfg.train.steps):
+        for step in range(first_step, cfg.train.steps):
             reset_peak_memory(ctx.device)
             lr = engine.get_lr()[0]
             start = time.perf_counter()
             loss = _optimizer_step(engine, cfg, ctx, source, step)
             step_time = time.perf_counter() - start
             losses.append(loss)
+            done = step + 1
             metrics.log_step(
-                step + 1,
+                done,
                 {
                     "train/loss": loss,
                     "train/lr": lr,
@@ -62,9 +73,36 @@ def train(cfg: JobConfig, ctx: DistContext) -> TrainResult:
                     "memory/peak_mib": peak_memory_bytes(ctx.device) / 2**20,
                 },
             )
+            save_due, stop_now = _agree(ctx, schedule.due(done), stop.requested)
+            if save_due or stop_now or done == cfg.train.steps:
+                store.save(engine, _trainer_state(cfg, ctx, done))
+                schedule.saved()
+            if stop_now:
+                log.info("stopping at step %d on %s", done, stop.signal_name or "another rank's signal")
+                metrics.close()
+                requeue_and_exit(ctx.rank, cfg.cluster.max_requeues)
     finally:
         metrics.close()
-    return TrainResult(losses=losses, steps=cfg.train.steps)
+    if ctx.rank == 0:
+        export_hf(engine.module, cfg.run.dir)
+    return TrainResult(first_step=first_step, losses=losses)
+
+
+def _trainer_state(cfg: JobConfig, ctx: DistContext, done: int) -> TrainerState:
+    return TrainerState(
+        step=done,
+        samples_consumed=done * cfg.global_batch,
+        world_size=ctx.world_size,
+        config_hash=config_hash(cfg),
+        layout=f"world={ctx.world_size} sp={cfg.parallel.sp_size} dp={cfg.dp_size}",
+    )
+
+
+def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> Tuple[bool, bool]:
+    """Any rank's reason to save or stop is every rank's: they must act at the same step."""
+    flags = torch.tensor([int(save_due), int(stop_requested)], device=ctx.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1])
 
 
 def _optimizer_step(engine: Any, cfg: JobConfig, ctx: DistContext, source: Any, step: int) -> float:

@@ -13,22 +13,24 @@ import torch
 from slurm_autosp.config import JobConfig
 
 
-class TrainingJob(submitit.helpers.Checkpointable):
+class TrainingJob:
     """Sets up the process, joins the process group and trains; submitit calls it on every rank."""
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
 
     def __call__(self):
+        from slurm_autosp.checkpoint.signals import StopRequest
         from slurm_autosp.launch.distributed import init_distributed
         from slurm_autosp.train import train
 
+        stop = StopRequest.install()
         cfg = self.cfg
         rank = submitit.JobEnvironment().global_rank
         _configure_process(cfg, rank)
         ctx = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)
         try:
-            return train(cfg, ctx)
+            return train(cfg, ctx, stop)
         finally:
             torch.distributed.destroy_process_group()
 

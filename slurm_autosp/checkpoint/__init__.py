@@ -1,0 +1,1 @@
+"""Checkpoints that survive preemption, time limits and crashes, and resume exactly."""

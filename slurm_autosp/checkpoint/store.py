@@ -1,0 +1,202 @@
+"""Atomic checkpoints on shared storage, and finding the newest good one to resume from.
+
+A save writes everything under a temporary name (DeepSpeed's model and per-rank ZeRO shards,
+each rank's RNG state, the trainer state), checksums it in parallel across ranks, writes the
+manifest, and only then renames the directory into place and moves the `latest` pointer. A
+save that dies half-way leaves a `.partial` directory that is never resumed from; the last
+good checkpoint is untouched until a newer one is complete, and retention deletes only
+older ones.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from slurm_autosp.checkpoint.manifest import (
+    FileRecord,
+    hash_files,
+    list_files,
+    my_share,
+    read_manifest,
+    verify_share,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+ENGINE_TAG = "engine"
+TRAINER_STATE = "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or resumed; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What DeepSpeed does not save but an exact resume needs."""
+
+    step: int  # optimizer steps completed
+    samples_consumed: int  # the data position: global sample index of the next sample
+    world_size: int
+    config_hash: str
+    layout: str
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+class CheckpointStore:
+    """All ranks call `save` and `load_latest` together; rank 0 does the bookkeeping."""
+
+    def __init__(self, root: Path, rank: int, world_size: int, keep: int):
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self.keep = keep
+
+    def check_writable(self) -> None:
+        """Fail before training, not at the first save an hour later."""
+        problem = ""
+        if self.rank == 0:
+            probe = self.root / f".write-probe-{os.getpid()}"
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                probe.write_bytes(b"ok")
+                probe.unlink()
+            except OSError as err:
+                problem = f"checkpoint directory {self.root} is not writable ({err.strerror or err})"
+        problem = _broadcast(problem)
+        if problem:
+            raise CheckpointError(f"{problem}; choose a writable run.output_root on shared storage")
+
+    def save(self, engine: Any, state: TrainerState) -> Path:
+        final = self.root / step_dir_name(state.step)
+        partial = self.root / f".{final.name}.partial"
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            (partial / "rng").mkdir(parents=True)
+        dist.barrier()
+        engine.save_checkpoint(str(partial), tag=ENGINE_TAG, save_latest=False)
+        torch.save(_rng_state(), partial / "rng" / f"rank_{self.rank:05d}.pt")
+        if self.rank == 0:
+            (partial / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+        dist.barrier()
+        files = list_files(partial)
+        records: Dict[str, FileRecord] = {}
+        for share in _all_gather(hash_files(partial, my_share(files, self.rank, self.world_size), fsync=True)):
+            records.update(share)
+        if self.rank == 0:
+            write_manifest(partial, records, asdict(state))
+            self._commit(partial, final)
+        dist.barrier()
+        return final
+
+    def _commit(self, partial: Path, final: Path) -> None:
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_dir(self.root)
+        pointer = self.root / f".{LATEST}.tmp"
+        pointer.write_text(final.name)
+        with open(pointer) as f:
+            os.fsync(f.fileno())
+        os.replace(pointer, self.root / LATEST)
+        _fsync_dir(self.root)
+        size = sum((final / n).stat().st_size for n in list_files(final))
+        log.info("checkpoint %s saved (%.1f MiB)", final, size / 2**20)
+        for old in self.checkpoints()[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def checkpoints(self) -> List[Path]:
+        """Committed checkpoints, newest first (the `latest` pointer's target leading)."""
+        if not self.root.is_dir():
+            return []
+        found = sorted((p for p in self.root.glob("step_*") if p.is_dir()), reverse=True)
+        pointer = self.root / LATEST
+        if pointer.exists():
+            target = self.root / pointer.read_text().strip()
+            if target in found:
+                found.remove(target)
+                found.insert(0, target)
+        return found
+
+    def load_latest(self, engine: Any) -> Optional[TrainerState]:
+        """Resume from the newest checkpoint that verifies; skip (and name) the others."""
+        for candidate in self.checkpoints():
+            problems = self._verify(candidate)
+            if problems:
+                if self.rank == 0:
+                    log.warning("skipping checkpoint %s: %s", candidate, "; ".join(problems))
+                continue
+            state = TrainerState(**json.loads((candidate / TRAINER_STATE).read_text()))
+            if state.world_size != self.world_size:
+                raise CheckpointError(
+                    f"checkpoint {candidate} was written by {state.world_size} ranks but this job has "
+                    f"{self.world_size}; resume with the same cluster.nodes and GPUs per node, or "
+                    "start a new run (run.name=...)"
+                )
+            _, client_state = engine.load_checkpoint(str(candidate), tag=ENGINE_TAG)
+            if client_state is None:
+                raise CheckpointError(f"DeepSpeed could not load {candidate / ENGINE_TAG}")
+            _set_rng_state(torch.load(candidate / "rng" / f"rank_{self.rank:05d}.pt", weights_only=False))
+            if self.rank == 0:
+                log.info("resumed from %s at step %d", candidate, state.step)
+            return state
+        return None
+
+    def _verify(self, candidate: Path) -> List[str]:
+        try:
+            manifest = read_manifest(candidate)
+            problems = verify_share(candidate, manifest, self.rank, self.world_size)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            problems = [str(err)]
+        return sorted({p for share in _all_gather(problems) for p in share})
+
+
+def _all_gather(obj: Any) -> List[Any]:
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> Dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,121 @@
+"""Checkpoints are atomic: a broken or half-written one is skipped and the last good one used."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from slurm_autosp.checkpoint.store import CheckpointError, CheckpointStore, TrainerState  # noqa: E402
+from slurm_autosp.config import load_config  # noqa: E402
+from slurm_autosp.engine import build_engine  # noqa: E402
+from slurm_autosp.model import build_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def engine(single_rank_group):
+    cfg = load_config(["cluster.tasks_per_node=1"])
+    torch.manual_seed(0)
+    return build_engine(build_model(cfg.model), cfg)
+
+
+def state(step):
+    return TrainerState(step=step, samples_consumed=step * 2, world_size=1, config_hash="x", layout="world=1")
+
+
+def params(engine):
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def perturb(engine):
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.add_(1.0)
+
+
+def test_saved_checkpoint_restores_weights_and_trainer_state(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    before = params(engine)
+    store.save(engine, state(3))
+    perturb(engine)
+    resumed = store.load_latest(engine)
+    assert resumed == state(3)
+    assert all(torch.equal(a, b) for a, b in zip(before, params(engine)))
+    assert (tmp_path / "latest").read_text() == "step_00000003"
+
+
+def test_retention_keeps_the_newest_k(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    for step in (1, 2, 3):
+        store.save(engine, state(step))
+    assert [p.name for p in store.checkpoints()] == ["step_00000003", "step_00000002"]
+
+
+def test_save_that_dies_half_way_leaves_the_previous_checkpoint_in_use(tmp_path, engine, monkeypatch):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(1))
+    good = params(engine)
+    perturb(engine)
+
+    def die(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine, "save_checkpoint", die)
+    with pytest.raises(OSError, match="No space left"):
+        store.save(engine, state(2))
+    monkeypatch.undo()
+    assert (tmp_path / ".step_00000002.partial").is_dir()
+    assert store.load_latest(engine) == state(1)
+    assert all(torch.equal(a, b) for a, b in zip(good, params(engine)))
+
+
+def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, engine, caplog):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=3)
+    store.save(engine, state(1))
+    perturb(engine)
+    store.save(engine, state(2))
+    newest = tmp_path / "step_00000002"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    victim = newest / sorted(manifest["files"])[0]
+    victim.write_bytes(victim.read_bytes()[:-10])
+    with caplog.at_level("WARNING"):
+        assert store.load_latest(engine) == state(1)
+    assert "skipping checkpoint" in caplog.text and "step_00000002" in caplog.text
+
+
+def test_checkpoint_without_manifest_is_never_used(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=3)
+    store.save(engine, state(1))
+    store.save(engine, state(2))
+    (tmp_path / "step_00000002" / "manifest.json").unlink()
+    assert store.load_latest(engine) == state(1)
+
+
+def test_checkpoint_from_another_world_size_is_refused(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, TrainerState(step=1, samples_consumed=2, world_size=4, config_hash="x", layout=""))
+    with pytest.raises(CheckpointError, match="written by 4 ranks but this job has 1"):
+        store.load_latest(engine)
+
+
+def test_unwritable_checkpoint_directory_is_reported_before_training(tmp_path, single_rank_group):
+    blocker = tmp_path / "checkpoints"
+    blocker.write_text("a file where the directory should be")
+    store = CheckpointStore(blocker, rank=0, world_size=1, keep=2)
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*checkpoints is not writable"):
+        store.check_writable()

@@ -1,0 +1,84 @@
+"""A run stopped by SLURM's signal saves, requeues itself and resumes exactly where it stopped."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from submitit.core.utils import pickle_load
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 160
+ARGS = ["cfg=configs/tiny_cpu.yaml", "cluster.backend=local", f"train.steps={STEPS}", "train.log_every=1"]
+
+
+def submit_cmd(root, name):
+    return [sys.executable, "-m", "slurm_autosp.submit", *ARGS, f"run.output_root={root}", f"run.name={name}"]
+
+
+def final_result(run_dir):
+    results = sorted((run_dir / "submitit").glob("*_0_result.pkl"))
+    outcome, result = pickle_load(results[-1])
+    assert outcome == "success", result
+    return result
+
+
+def tensorboard_losses(run_dir):
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref")
+    proc = subprocess.run(submit_cmd(root, "ref"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return root / "ref"
+
+
+def interrupt_after_step(root, name, step, send):
+    """Run a job and call `send()` once rank 0 has logged `step`; returns submit's stdout."""
+    proc = subprocess.Popen(submit_cmd(root, name), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if f"step {step}/{STEPS} " in line:
+            send()
+            break
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    return "".join(lines) + out
+
+
+def test_signalled_run_requeues_and_resumes_with_identical_losses(tmp_path, uninterrupted):
+    folder = tmp_path / "resumed" / "submitit"
+    stdout = interrupt_after_step(
+        tmp_path, "resumed", 7,
+        lambda: subprocess.run(["pkill", f"-{signal.SIGUSR2.name}", "-f", f"submitit.core._submit {folder}"], check=True),
+    )
+    stopped = int(re.search(r"stopping at step (\d+) on SIGUSR2", stdout).group(1))
+    assert 7 <= stopped < STEPS
+    assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in stdout
+
+    reference, resumed = final_result(uninterrupted), final_result(tmp_path / "resumed")
+    assert resumed.first_step == stopped
+    assert resumed.losses == reference.losses[stopped:]  # bitwise: same floats after the resume
+
+    curve = tensorboard_losses(tmp_path / "resumed")
+    assert [s for s, _ in curve] == list(range(1, STEPS + 1))  # no duplicated or missing steps
+    assert curve == tensorboard_losses(uninterrupted)
+
+
+def test_unwritable_checkpoint_directory_fails_before_training(tmp_path):
+    run_dir = tmp_path / "blocked"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("a file where the checkpoint directory should be")
+    proc = subprocess.run(submit_cmd(tmp_path, "blocked"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert re.search(r"rank 0 failed:.*checkpoint directory .*blocked/checkpoints is not writable", proc.stderr, re.S)
+    assert "| loss " not in proc.stdout
