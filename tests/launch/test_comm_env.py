@@ -1,0 +1,92 @@
+"""launch.comm_env: NCCL/RCCL variables per vendor and fabric, user values always winning."""
+
+import pytest
+
+from slurm_autosp.launch.comm_env import FABRICS, VENDORS, collective_env, collective_env_settings
+
+RUN_DIR = "/shared/runs/llama70b_128k"
+
+
+def env(vendor="nvidia", fabric="infiniband", user_env=None, **kwargs):
+    return collective_env(vendor, fabric, user_env=user_env or {}, run_dir=RUN_DIR, **kwargs)
+
+
+def test_efa_selects_the_efa_provider_without_cuda_sync_memops():
+    e = env(fabric="efa")
+    assert e["FI_PROVIDER"] == "efa"
+    assert e["FI_EFA_SET_CUDA_SYNC_MEMOPS"] == "0"
+    assert e["FI_EFA_USE_DEVICE_RDMA"] == "1"
+
+
+def test_every_gpu_run_avoids_record_streams_and_keeps_a_flight_recorder_in_the_run_dir():
+    for vendor in ("nvidia", "amd"):
+        e = env(vendor=vendor)
+        assert e["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1"
+        assert int(e["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+        assert e["TORCH_FR_DUMP_TEMP_FILE"] == f"{RUN_DIR}/flight_recorder/rank_"
+
+
+def test_rccl_gets_fine_grained_pcie_and_nccl_gets_pci_bus_device_order():
+    assert env(vendor="amd")["HSA_FORCE_FINE_GRAIN_PCIE"] == "1"
+    assert "CUDA_DEVICE_ORDER" not in env(vendor="amd")
+    assert env(vendor="nvidia")["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert "HSA_FORCE_FINE_GRAIN_PCIE" not in env(vendor="nvidia")
+
+
+def test_compile_caches_are_node_local_and_follow_slurm_tmpdir():
+    assert env()["TRITON_CACHE_DIR"] == "/tmp/slurm_autosp_cache/triton"
+    e = env(user_env={"SLURM_TMPDIR": "/local/job42"})
+    assert e["TORCHINDUCTOR_CACHE_DIR"] == "/local/job42/slurm_autosp_cache/inductor"
+    assert env(node_local_cache_dir="/nvme/cache")["TRITON_CACHE_DIR"] == "/nvme/cache/triton"
+
+
+def test_debug_variables_only_in_debug_runs():
+    for vendor in VENDORS:
+        for fabric in FABRICS:
+            assert "NCCL_DEBUG" not in env(vendor, fabric)
+    assert env(debug=True)["NCCL_DEBUG"] == "INFO"
+
+
+def test_user_values_always_win():
+    user = {"FI_PROVIDER": "tcp", "NCCL_DEBUG": "WARN", "TRITON_CACHE_DIR": "/home/me/triton"}
+    e = env(fabric="efa", user_env=user, debug=True)
+    assert {k: e[k] for k in user} == user
+
+
+def test_a_user_value_under_another_name_wins_too():
+    e = env(user_env={"TORCH_FR_BUFFER_SIZE": "0"})
+    assert e["TORCH_FR_BUFFER_SIZE"] == "0"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in e
+
+
+@pytest.mark.parametrize(
+    "fabric, expected",
+    [
+        ("infiniband", {"NCCL_IB_TIMEOUT": "22"}),
+        ("roce", {"NCCL_IB_GID_INDEX": "3"}),
+        ("slingshot", {"NCCL_SOCKET_IFNAME": "hsn", "FI_CXI_DISABLE_HOST_REGISTER": "1"}),
+        ("tcp", {"NCCL_IB_DISABLE": "1"}),
+    ],
+)
+def test_each_fabric_gets_its_own_variables(fabric, expected):
+    e = env(fabric=fabric)
+    assert {k: e[k] for k in expected} == expected
+    assert "FI_PROVIDER" not in e
+
+
+def test_cpu_runs_get_only_the_compile_caches():
+    assert sorted(env(vendor="none", fabric="tcp")) == ["TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"]
+
+
+def test_every_variable_says_why():
+    for vendor in VENDORS:
+        for fabric in FABRICS:
+            for s in collective_env_settings(vendor, fabric, user_env={}, run_dir=RUN_DIR, debug=True):
+                assert len(s.why) > 20, s.name
+
+
+def test_unknown_vendor_or_fabric_names_the_choices():
+    with pytest.raises(ValueError, match=r"vendor='intel' is not one of nvidia, amd, none"):
+        env(vendor="intel")
+    with pytest.raises(ValueError, match=r"fabric='omnipath' is not one of infiniband, roce, efa, slingshot, tcp"):
+        env(fabric="omnipath")
