@@ -94,8 +94,13 @@ class ClusterConfig:
     signal_delay_s: int = 120
     max_requeues: int = 3
     collective_timeout_min: float = 30.0  # above compile time plus checkpoint time
-    setup: List[str] = field(default_factory=list)
-    env: Dict[str, str] = field(default_factory=dict)
+    setup: List[str] = field(default_factory=list)  # shell lines before srun (module load ...)
+    env: Dict[str, str] = field(default_factory=dict)  # exported on every rank; wins over ours
+    debug_collectives: bool = False  # NCCL_DEBUG=INFO and friends
+    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
+    container_mounts: List[str] = field(default_factory=list)  # srun --container-mounts
+    srun_args: List[str] = field(default_factory=list)
+    sbatch_extra: Dict[str, str] = field(default_factory=dict)  # any other #SBATCH option
 
     @property
     def ranks_per_node(self) -> int:
@@ -359,6 +364,10 @@ def validate(cfg: JobConfig) -> None:
         problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
     if t.grad_clip < 0:
         problems.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    if c.nvlink_domain_size is not None and c.nvlink_domain_size < 1:
+        problems.append(f"cluster.nvlink_domain_size={c.nvlink_domain_size} must be >= 1")
+    if c.backend is Backend.local and c.nodes != 1:
+        problems.append(f"cluster.nodes={c.nodes}: the local backend runs on one machine; set cluster.nodes=1")
     if cfg.precision is Precision.bf16 and not c.uses_gpus:
         problems.append("train.precision=bf16 needs GPUs (cluster.gpus_per_node > 0); use fp32 on CPU")
     if cfg.data.source is DataSource.tokens:

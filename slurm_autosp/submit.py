@@ -18,8 +18,13 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+import submitit
+
 from slurm_autosp.config import ConfigError, JobConfig, load_config, to_yaml
-from slurm_autosp.launch.executor import build_executor, submitit_dir
+from slurm_autosp.launch.comm_env import collective_env
+from slurm_autosp.launch.executor import build_executor, sbatch_script, submitit_dir
+from slurm_autosp.launch.layout import ParallelLayout
+from slurm_autosp.launch.placement import plan_layout
 from slurm_autosp.launch.job import TrainingJob
 from slurm_autosp.launch.watch import JobFailed, wait_for_job
 
@@ -37,6 +42,36 @@ def prepare_run_dir(cfg: JobConfig) -> None:
         ) from err
 
 
+def describe_dry_run(cfg: JobConfig, executor: submitit.AutoExecutor, layout: ParallelLayout) -> str:
+    """What would run, where and how: the script, the config, the layout and the environment."""
+    c = cfg.cluster
+    env = collective_env(
+        c.vendor.value if c.uses_gpus else "none",
+        c.fabric.value,
+        user_env=c.env,
+        run_dir=str(cfg.run.dir),
+        debug=c.debug_collectives,
+        node_local_cache_dir=cfg.compile.cache_dir,
+    )
+    env.update(c.env)
+    if executor.cluster == "slurm":
+        launch = "# sbatch script (submitit would submit exactly this)\n" + sbatch_script(executor)
+    else:
+        launch = f"# local: {c.world_size} processes on this machine through submitit's local executor"
+    return "\n".join(
+        [
+            launch,
+            "# resolved config",
+            to_yaml(cfg).rstrip(),
+            "# parallel layout",
+            repr(layout),
+            "# environment set on every rank before torch.distributed starts",
+            *(f"{k}={v}" for k, v in sorted(env.items())),
+            f"# dry run: nothing submitted ({c.world_size} ranks, backend {executor.cluster})",
+        ]
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help", "help") for a in argv):
@@ -44,19 +79,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     try:
         cfg = load_config(argv)
+        layout = plan_layout(cfg)
         executor = build_executor(cfg)
         if cfg.dry_run:
-            print(to_yaml(cfg))
-            print(f"# dry run: would submit {cfg.cluster.world_size} ranks through submitit's "
-                  f"{executor.cluster} executor; nothing submitted")
+            print(describe_dry_run(cfg, executor, layout))
             return 0
         prepare_run_dir(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     job = executor.submit(TrainingJob(cfg))
-    print(f"submitted job {job.job_id} ({executor.cluster}, {cfg.cluster.world_size} ranks); "
-          f"run directory {cfg.run.dir}; per-rank logs in {submitit_dir(cfg.run.dir)}", flush=True)
+    print(
+        f"submitted job {job.job_id} ({executor.cluster}, {cfg.cluster.world_size} ranks, {layout!r}); "
+        f"run directory {cfg.run.dir}; per-rank logs in {submitit_dir(cfg.run.dir)}",
+        flush=True,
+    )
     try:
         wait_for_job(job, echo=lambda line: print(line, flush=True))
     except JobFailed as err:

@@ -18,6 +18,7 @@ from slurm_autosp.config import JobConfig, config_hash
 from slurm_autosp.data import build_source, micro_batch
 from slurm_autosp.engine import build_engine
 from slurm_autosp.launch.distributed import DistContext
+from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.launch.requeue import requeue_and_exit
 from slurm_autosp.metrics import MetricsLogger, peak_memory_bytes, reset_peak_memory
 from slurm_autosp.model import build_model
@@ -40,7 +41,7 @@ def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def train(cfg: JobConfig, ctx: DistContext, stop: StopRequest) -> TrainResult:
+def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> TrainResult:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     engine = build_engine(model, cfg)
@@ -58,7 +59,7 @@ def train(cfg: JobConfig, ctx: DistContext, stop: StopRequest) -> TrainResult:
             reset_peak_memory(ctx.device)
             lr = engine.get_lr()[0]
             start = time.perf_counter()
-            loss = _optimizer_step(engine, cfg, ctx, source, step)
+            loss = _optimizer_step(engine, cfg, ctx, parallel, source, step)
             step_time = time.perf_counter() - start
             losses.append(loss)
             done = step + 1
@@ -75,7 +76,7 @@ def train(cfg: JobConfig, ctx: DistContext, stop: StopRequest) -> TrainResult:
             )
             save_due, stop_now = _agree(ctx, schedule.due(done), stop.requested)
             if save_due or stop_now or done == cfg.train.steps:
-                store.save(engine, _trainer_state(cfg, ctx, done))
+                store.save(engine, _trainer_state(cfg, ctx, parallel, done))
                 schedule.saved()
             if stop_now:
                 log.info("stopping at step %d on %s", done, stop.signal_name or "another rank's signal")
@@ -88,13 +89,13 @@ def train(cfg: JobConfig, ctx: DistContext, stop: StopRequest) -> TrainResult:
     return TrainResult(first_step=first_step, losses=losses)
 
 
-def _trainer_state(cfg: JobConfig, ctx: DistContext, done: int) -> TrainerState:
+def _trainer_state(cfg: JobConfig, ctx: DistContext, parallel: Parallel, done: int) -> TrainerState:
     return TrainerState(
         step=done,
         samples_consumed=done * cfg.global_batch,
         world_size=ctx.world_size,
         config_hash=config_hash(cfg),
-        layout=f"world={ctx.world_size} sp={cfg.parallel.sp_size} dp={cfg.dp_size}",
+        layout=repr(parallel.layout),
     )
 
 
@@ -105,7 +106,9 @@ def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> Tuple[bool
     return bool(flags[0]), bool(flags[1])
 
 
-def _optimizer_step(engine: Any, cfg: JobConfig, ctx: DistContext, source: Any, step: int) -> float:
+def _optimizer_step(
+    engine: Any, cfg: JobConfig, ctx: DistContext, parallel: Parallel, source: Any, step: int
+) -> float:
     """One optimizer step over `grad_accum` micro-batches; returns the step's global loss.
 
     The objective is the mean over every valid label of the step (all micro-batches, all
@@ -113,7 +116,7 @@ def _optimizer_step(engine: Any, cfg: JobConfig, ctx: DistContext, source: Any, 
     world, so each rank's loss is its label sum over the global count, times world * grad_accum.
     """
     batches = [
-        _model_inputs(micro_batch(source, cfg, step, m, ctx.rank), ctx.device)
+        _model_inputs(micro_batch(source, cfg, step, m, parallel.layout.dp_rank(ctx.rank)), ctx.device)
         for m in range(cfg.train.grad_accum)
     ]
     valid = torch.stack([(b["shift_labels"] != IGNORE_INDEX).sum() for b in batches]).sum()

@@ -21,10 +21,15 @@ def single_rank_group():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.setdefault("LOCAL_RANK", "0")
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"  # DeepSpeed insists on it; restored so later subprocesses don't inherit it
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    if saved is None:
+        del os.environ["LOCAL_RANK"]
+    else:
+        os.environ["LOCAL_RANK"] = saved
 
 
 @pytest.fixture

@@ -39,6 +39,11 @@ _GPU_COLLECTIVES = (
         "can be diagnosed after the fact",
         aliases=("TORCH_FR_BUFFER_SIZE",),
     ),
+    EnvSetting(
+        "TORCH_NCCL_DUMP_ON_TIMEOUT", "1",
+        "write the flight recorder's trace when a collective times out, instead of only "
+        "aborting: the dump names the collective each rank was stuck in",
+    ),
 )
 
 _NVIDIA = (

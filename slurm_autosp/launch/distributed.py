@@ -27,7 +27,7 @@ def init_distributed(use_gpus: bool, timeout_min: float) -> DistContext:
     """
     from submitit.helpers import TorchDistributedEnvironment
 
-    env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     if use_gpus:
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import submitit
 
-from slurm_autosp.config import Backend, ConfigError, JobConfig
+from typing import Any, Dict
+
+from slurm_autosp.config import Backend, ClusterConfig, JobConfig
 
 
 def submitit_dir(run_dir: Path) -> Path:
@@ -35,8 +37,6 @@ def resolve_backend(backend: Backend) -> Backend:
 def build_executor(cfg: JobConfig) -> submitit.AutoExecutor:
     c = cfg.cluster
     cluster = resolve_backend(c.backend).value
-    if c.backend is Backend.local and c.nodes != 1:
-        raise ConfigError(f"cluster.nodes={c.nodes}: the local backend runs on one machine; set cluster.nodes=1")
     executor = submitit.AutoExecutor(folder=submitit_dir(cfg.run.dir), cluster=cluster)
     params = dict(
         name=cfg.run.name,
@@ -47,5 +47,36 @@ def build_executor(cfg: JobConfig) -> submitit.AutoExecutor:
     )
     if c.uses_gpus:
         params["gpus_per_node"] = c.gpus_per_node
-    executor.update_parameters(**params)
+    if c.mem_gb is not None:
+        params["mem_gb"] = c.mem_gb
+    executor.update_parameters(**params, **_slurm_parameters(c))
     return executor
+
+
+def _slurm_parameters(c: ClusterConfig) -> Dict[str, Any]:
+    """The SLURM-only options (submitit ignores them on the local executor)."""
+    srun_args = list(c.srun_args)
+    if c.container_image:
+        srun_args.append(f"--container-image={c.container_image}")
+    if c.container_mounts:
+        srun_args.append(f"--container-mounts={','.join(c.container_mounts)}")
+    optional = {
+        "slurm_partition": c.partition,
+        "slurm_account": c.account,
+        "slurm_qos": c.qos,
+        "slurm_constraint": c.constraint,
+        "slurm_exclusive": c.exclusive or None,
+    }
+    return {
+        **{k: v for k, v in optional.items() if v is not None},
+        "slurm_signal_delay_s": c.signal_delay_s,
+        "slurm_setup": list(c.setup),
+        "slurm_srun_args": srun_args,
+        "slurm_additional_parameters": {"requeue": True, **c.sbatch_extra},
+    }
+
+
+def sbatch_script(executor: submitit.AutoExecutor) -> str:
+    """The exact script submitit would hand to sbatch (a dry run prints it)."""
+    slurm = executor._executor  # submitit renders the script only on its SLURM executor
+    return slurm._make_submission_file_text(slurm._submitit_command_str, uid="dry-run")

@@ -12,9 +12,14 @@ import torch
 
 from slurm_autosp.config import JobConfig
 
+log = logging.getLogger(__name__)
+
 
 class TrainingJob:
-    """Sets up the process, joins the process group and trains; submitit calls it on every rank."""
+    """Sets up the process, joins the process group and trains; submitit calls it on every rank.
+
+    Requeued jobs call it again with the same config: training resumes from the checkpoint.
+    """
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -22,17 +27,46 @@ class TrainingJob:
     def __call__(self):
         from slurm_autosp.checkpoint.signals import StopRequest
         from slurm_autosp.launch.distributed import init_distributed
+        from slurm_autosp.launch.placement import build_parallel, verify_topology
         from slurm_autosp.train import train
 
         stop = StopRequest.install()
         cfg = self.cfg
         rank = submitit.JobEnvironment().global_rank
         _configure_process(cfg, rank)
+        applied = _apply_collective_env(cfg)
         ctx = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)
         try:
-            return train(cfg, ctx, stop)
+            verify_topology(cfg, ctx.local_rank)
+            parallel = build_parallel(cfg)
+            if ctx.rank == 0:
+                log.info("%s", parallel.layout)
+                log.info("collective environment: %s", " ".join(f"{k}={v}" for k, v in sorted(applied.items())))
+            return train(cfg, ctx, parallel, stop)
         finally:
             torch.distributed.destroy_process_group()
+
+
+def _apply_collective_env(cfg: JobConfig) -> dict:
+    """Export the NCCL/RCCL settings for this fabric before the process group starts; the
+    user's `cluster.env` and anything already exported win."""
+    from slurm_autosp.launch.comm_env import collective_env
+
+    c = cfg.cluster
+    user_env = {**os.environ, **c.env}
+    env = collective_env(
+        c.vendor.value if c.uses_gpus else "none",
+        c.fabric.value,
+        user_env=user_env,
+        run_dir=str(cfg.run.dir),
+        debug=c.debug_collectives,
+        node_local_cache_dir=cfg.compile.cache_dir,
+    )
+    env.update(c.env)
+    os.environ.update(env)
+    if "TORCH_FR_DUMP_TEMP_FILE" in env:
+        os.makedirs(os.path.dirname(env["TORCH_FR_DUMP_TEMP_FILE"]), exist_ok=True)
+    return env
 
 
 def _configure_process(cfg: JobConfig, rank: int) -> None:

@@ -165,7 +165,7 @@ def derive_parallel_layout(
             f"sp_size={sp_size} cannot be placed inside one NVLink domain: the job has "
             f"{_domain_sizes_text(sizes)}, so SP all-to-all would cross the inter-node network. "
             f"SP sizes that fit inside a domain: {_choices_text(placeable)}. "
-            "Choose one of them, or set allow_cross_domain=true to accept the slower layout."
+            "Choose one of them, or set parallel.allow_cross_domain=true to accept the slower layout."
         )
     order = [rank for domain in topology.nvlink_domains for rank in domain]
     sp_groups = tuple(tuple(order[start : start + sp_size]) for start in range(0, world, sp_size))

@@ -45,7 +45,7 @@ def test_sp_groups_follow_detected_domains_not_rank_contiguity():
     assert str(error.value) == (
         "sp_size=4 cannot be placed inside one NVLink domain: the job has 4 domains of 2 GPUs, "
         "so SP all-to-all would cross the inter-node network. SP sizes that fit inside a domain: "
-        "1 or 2. Choose one of them, or set allow_cross_domain=true to accept the slower layout."
+        "1 or 2. Choose one of them, or set parallel.allow_cross_domain=true to accept the slower layout."
     )
 
 

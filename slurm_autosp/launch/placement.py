@@ -1,0 +1,108 @@
+"""From the config's cluster profile to the job's parallel layout, and the check at job start
+that the machines really are what the profile promised.
+
+Submit derives the layout from the profile, so a size that cannot be placed is refused
+before any allocation. Every job re-derives it from the same profile after checking the
+profile against what each node detects: ranks then agree on the groups by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig
+from slurm_autosp.launch.layout import LayoutError, ParallelLayout, build_process_groups, derive_parallel_layout
+from slurm_autosp.launch.topology import (
+    ClusterTopology,
+    NodeTopology,
+    TopologyError,
+    compare_topology,
+    detect_node_topology,
+    topology_from_profile,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TopologyMismatch(RuntimeError):
+    """The nodes are not what `cluster.*` describes; the message shows both."""
+
+
+def expected_topology(c: ClusterConfig) -> ClusterTopology:
+    """GPU jobs: the profile's NVLink domains. CPU jobs: each node's ranks share memory, so a
+    node is one domain of `ranks_per_node` devices."""
+    if c.uses_gpus:
+        return topology_from_profile(
+            c.nodes, c.gpus_per_node, c.nvlink_domain_size or c.gpus_per_node, c.vendor.value
+        )
+    ranks = c.ranks_per_node
+    node = lambda n: NodeTopology(f"node{n}", "none", ranks, (tuple(range(ranks)),))  # noqa: E731
+    return ClusterTopology(tuple(node(n) for n in range(c.nodes)))
+
+
+def plan_layout(cfg: JobConfig) -> ParallelLayout:
+    """The layout this config gets, or a ConfigError naming the keys to change."""
+    try:
+        topology = expected_topology(cfg.cluster)
+        return derive_parallel_layout(topology, cfg.parallel.sp_size, cfg.parallel.allow_cross_domain)
+    except TopologyError as err:
+        raise ConfigError(f"cluster.nvlink_domain_size / cluster.gpus_per_node: {err}") from err
+    except LayoutError as err:
+        raise ConfigError(f"parallel.sp_size={cfg.parallel.sp_size}: {err}") from err
+
+
+def check_detected_topology(cfg: JobConfig, reports: List[Optional[NodeTopology]]) -> None:
+    """Compare what each node found (one report per node, others None) with the profile."""
+    nodes = tuple(r for r in reports if r is not None)
+    c = cfg.cluster
+    if not c.uses_gpus:
+        if len(nodes) != c.nodes:
+            raise TopologyMismatch(f"cluster.nodes={c.nodes} but the job runs on {len(nodes)} nodes")
+        return
+    problems = compare_topology(expected_topology(c), ClusterTopology(nodes))
+    if problems:
+        raise TopologyMismatch(
+            "the nodes differ from the cluster profile (cluster.gpus_per_node="
+            f"{c.gpus_per_node}, cluster.nvlink_domain_size={c.nvlink_domain_size or c.gpus_per_node}, "
+            f"cluster.vendor={c.vendor.value}):\n  " + "\n  ".join(problems)
+            + "\nfix the profile to match the machines, or request the machines it describes"
+        )
+
+
+def verify_topology(cfg: JobConfig, local_rank: int) -> None:
+    """Each node's first rank detects its GPUs; rank 0 checks them all; every rank learns the
+    verdict, so a mismatch stops the whole job before the model loads."""
+    report = detect_node_topology() if local_rank == 0 else None
+    reports: List[Optional[NodeTopology]] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    verdict = [""]
+    if dist.get_rank() == 0:
+        try:
+            check_detected_topology(cfg, reports)
+        except TopologyMismatch as err:
+            verdict = [str(err)]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise TopologyMismatch(verdict[0])
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The layout and this rank's process groups: what the compiler and the loop use."""
+
+    layout: ParallelLayout
+    sp_group: ProcessGroup
+    dp_group: ProcessGroup
+
+
+def build_parallel(cfg: JobConfig) -> Parallel:
+    layout = plan_layout(cfg)
+    if layout.cross_domain:
+        log.warning("parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)")
+    sp_group, dp_group = build_process_groups(layout)
+    return Parallel(layout, sp_group, dp_group)
