@@ -32,7 +32,14 @@ class TrainingJob:
 
         stop = StopRequest.install()
         cfg = self.cfg
-        rank = submitit.JobEnvironment().global_rank
+        job_env = submitit.JobEnvironment()
+        if job_env.num_tasks != cfg.cluster.world_size:
+            raise RuntimeError(
+                f"the job has {job_env.num_tasks} tasks but the config describes {cfg.cluster.world_size} "
+                f"(cluster.nodes={cfg.cluster.nodes} x {cfg.cluster.ranks_per_node} ranks per node); "
+                "request matching --nodes/--ntasks-per-node or fix cluster.*"
+            )
+        rank = job_env.global_rank
         _configure_process(cfg, rank)
         applied = _apply_collective_env(cfg)
         ctx = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)

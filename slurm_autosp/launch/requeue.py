@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 from typing import NoReturn
 
@@ -27,6 +28,10 @@ def requeue_and_exit(rank: int, max_requeues: int) -> NoReturn:
         )
     if rank == 0:
         log.info("requeueing (restart %d of at most %d)", restarts + 1, max_requeues)
-        # submitit's per-backend requeue: scontrol on SLURM, the local controller's exit code otherwise.
-        submitit.JobEnvironment()._requeue(max_requeues - restarts - 1)
+        try:
+            # submitit's per-backend requeue: scontrol on SLURM, the local controller's exit code otherwise.
+            submitit.JobEnvironment()._requeue(max_requeues - restarts - 1)
+        except subprocess.CalledProcessError as err:
+            # On preemption with PreemptMode=REQUEUE, SLURM is requeueing the job itself.
+            log.warning("scontrol requeue failed (%s); relying on SLURM's own requeue", err)
     sys.exit(0)

@@ -3,6 +3,7 @@ the first failing rank stop the job and show that rank's error and the tail of i
 
 from __future__ import annotations
 
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +49,30 @@ def wait_for_job(
         if all(t.paths.result_pickle.exists() for t in tasks):
             _echo_lines(follower.new_text(), echo)
             return [pickle_load(t.paths.result_pickle)[1] for t in tasks]
-        if job.done():
+        if _ended(job):
             missing = [i for i, t in enumerate(tasks) if not t.paths.result_pickle.exists()]
             raise JobFailed(
                 f"job {job.job_id} ended (state {job.state}) but rank(s) {missing} returned no "
                 f"result: killed or out of memory?\n" + _log_tail(tasks[missing[0]], missing[0])
             )
         time.sleep(poll_s)
+
+
+def _ended(job: submitit.Job) -> bool:
+    """Whether the job has left the queue. Without SLURM accounting (sacct) submitit never
+    learns that a SLURM job ended, so ask squeue, which lists only live jobs."""
+    if not isinstance(job, submitit.SlurmJob):
+        return job.done()
+    try:
+        state = subprocess.run(
+            ["squeue", "-h", "-j", str(job.job_id), "-o", "%T"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return state not in _LIVE_STATES
+
+
+_LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED", "PREEMPTED", "STOPPED", "SIGNALING", "STAGE_OUT"}
 
 
 def _first_failure(tasks: List[submitit.Job]) -> Optional[JobFailed]:

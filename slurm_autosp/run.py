@@ -1,0 +1,39 @@
+"""python -m slurm_autosp.run cfg=CONFIG.yaml [key=value ...]
+
+One rank of a training job, for sites that submit their own sbatch scripts: `srun` starts it
+on every task (see sbatch/train.sbatch). It runs exactly what `slurm_autosp.submit` would
+run in each task, reading ranks and hosts from SLURM's environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.launch.job import TrainingJob
+from slurm_autosp.launch.placement import plan_layout
+from slurm_autosp.submit import prepare_run_dir
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__)
+        return 0
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
+    try:
+        cfg = load_config(argv)
+        plan_layout(cfg)
+        if os.environ.get("SLURM_PROCID", "0") == "0":
+            prepare_run_dir(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    TrainingJob(cfg)()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

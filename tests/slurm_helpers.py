@@ -1,0 +1,68 @@
+"""Driving jobs on the local Slurm test cluster from tests."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from submitit.core.utils import pickle_load
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def submit_cmd(*overrides):
+    return [sys.executable, "-m", "slurm_autosp.submit", "cfg=configs/tiny_cpu.yaml", *overrides]
+
+
+def final_result(run_dir: Path):
+    """Rank 0's TrainResult of the job's last attempt."""
+    results = sorted((run_dir / "submitit").glob("*_0_result.pkl"))
+    outcome, result = pickle_load(results[-1])
+    assert outcome == "success", result
+    return result
+
+
+def job_state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def release_requeued(job_id: str, timeout_s: float = 120) -> None:
+    """A requeued job waits ~120 s (its BeginTime); start it now instead."""
+    deadline = time.monotonic() + timeout_s
+    released_at = -1e9
+    while time.monotonic() < deadline:
+        state = job_state(job_id)
+        if state == "RUNNING":
+            return
+        # Each update moves StartTime again: update, then give the scheduler time to start it.
+        if state == "PENDING" and time.monotonic() - released_at > 20:
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now+2"], capture_output=True)
+            released_at = time.monotonic()
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} did not run again within {timeout_s}s (state {job_state(job_id)!r})")
+
+
+class RunningSubmit:
+    """`python -m slurm_autosp.submit` in the background, its output read line by line."""
+
+    def __init__(self, *overrides):
+        self.proc = subprocess.Popen(
+            submit_cmd(*overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.lines = []
+        self.job_id = None
+
+    def wait_for_line(self, needle: str) -> str:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if self.job_id is None and (m := re.search(r"submitted job (\d+)", line)):
+                self.job_id = m.group(1)
+            if needle in line:
+                return line
+        raise AssertionError(f"{needle!r} never appeared; stderr:\n{self.proc.stderr.read()}")
+
+    def finish(self, timeout_s: float = 600) -> str:
+        out, err = self.proc.communicate(timeout=timeout_s)
+        assert self.proc.returncode == 0, "".join(self.lines) + out + err
+        return "".join(self.lines) + out

@@ -1,0 +1,70 @@
+"""Dry runs and submit-time checks work without a GPU or a cluster and submit nothing."""
+
+import subprocess
+import sys
+
+import pytest
+
+from slurm_autosp.config import load_config
+from slurm_autosp.launch.placement import TopologyMismatch, check_detected_topology
+from slurm_autosp.launch.topology import NodeTopology, nvlink_domains_from_links, parse_nvidia_smi_topo
+from slurm_helpers import REPO
+
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+def submit(*args):
+    return subprocess.run([sys.executable, "-m", "slurm_autosp.submit", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
+    proc = submit("cfg=configs/llama70b_128k.yaml", "dry_run=true", f"run.output_root={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for line in ("#SBATCH --nodes=8", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8",
+                 "#SBATCH --signal=USR2@120", "#SBATCH --requeue"):
+        assert line in out
+    assert "TORCH_NCCL_AVOID_RECORD_STREAMS=1" in out and "NCCL_IB_TIMEOUT=" in out
+    assert "ParallelLayout(world_size 64 = sp 8 x dp 8" in out
+    assert "hidden_size: 8192" in out
+    assert "nothing submitted" in out
+    assert not (tmp_path / "llama70b_128k").exists()
+
+
+def test_sp_larger_than_an_nvlink_domain_is_refused_with_the_valid_sizes():
+    proc = submit("cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16", "dry_run=true")
+    assert proc.returncode == 2
+    assert "parallel.sp_size=16" in proc.stderr
+    assert "SP sizes that fit inside a domain: 1, 2, 4 or 8" in proc.stderr
+
+
+def test_crossing_domains_on_request_is_allowed():
+    proc = submit("cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16", "parallel.allow_cross_domain=true",
+                  "dry_run=true")
+    assert proc.returncode == 0, proc.stderr
+    assert "SP groups span NVLink domains" in proc.stdout
+
+
+def test_unknown_key_fails_at_once():
+    proc = submit("cfg=configs/tiny_cpu.yaml", "train.stepz=3")
+    assert proc.returncode == 2 and "train.stepz" in proc.stderr
+
+
+def detected_node(fixture):
+    matrix = parse_nvidia_smi_topo((FIXTURES / fixture).read_text())
+    return NodeTopology("gpu-node-1", "nvidia", matrix.gpu_count, nvlink_domains_from_links(matrix))
+
+
+def test_detected_topology_matching_the_profile_passes():
+    cfg = load_config(["cfg=configs/llama8b_32k.yaml"])
+    check_detected_topology(cfg, [detected_node("nvidia_smi_topo_dgx_h100.txt")] + [None] * 7)
+
+
+def test_detected_topology_that_disagrees_with_the_profile_stops_the_job_naming_both():
+    cfg = load_config(["cfg=configs/llama8b_32k.yaml"])
+    with pytest.raises(TopologyMismatch) as err:
+        check_detected_topology(cfg, [detected_node("nvidia_smi_topo_pcie_8x_rtx4090.txt")] + [None] * 7)
+    message = str(err.value)
+    assert "cluster.nvlink_domain_size=8" in message
+    assert "NVLink domains: expected 1 x 8 GPUs, detected 8 x 1 GPUs" in message

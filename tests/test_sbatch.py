@@ -1,0 +1,62 @@
+"""The hand-submittable sbatch script stays consistent with what submit generates, and runs."""
+
+import re
+import subprocess
+import time
+
+import pytest
+
+from slurm_autosp.config import ClusterConfig, load_config
+from slurm_autosp.launch.executor import build_executor, sbatch_script
+from slurm_helpers import REPO, job_state
+
+SCRIPT = (REPO / "sbatch" / "train.sbatch").read_text()
+
+
+def directives(text):
+    return {m.group(1): m.group(2) for m in re.finditer(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M)}
+
+
+@pytest.fixture(scope="module")
+def generated():
+    cfg = load_config(["cfg=configs/llama8b_32k.yaml", "cluster.backend=slurm"])
+    return sbatch_script(build_executor(cfg))
+
+
+def test_signal_requeue_and_log_options_match_submit(generated):
+    ours, theirs = directives(SCRIPT), directives(generated)
+    for option in ("signal", "requeue", "open-mode"):
+        assert ours[option] == theirs[option], option
+    assert ours["signal"] == f"USR2@{ClusterConfig().signal_delay_s}"
+
+
+def test_resource_defaults_match_the_shipped_8_gpu_profile(generated):
+    ours, theirs = directives(SCRIPT), directives(generated)
+    for option in ("nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task"):
+        assert ours[option] == theirs[option], option
+
+
+def test_both_run_every_task_through_srun_into_the_same_training_job(generated):
+    assert "export SUBMITIT_EXECUTOR=slurm" in SCRIPT and "export SUBMITIT_EXECUTOR=slurm" in generated
+    assert re.search(r"^srun --unbuffered .*-m slurm_autosp\.run \"\$@\"$", SCRIPT, re.M)
+    assert re.search(r"^srun --unbuffered .*-m submitit\.core\._submit ", generated, re.M)
+    run_module = (REPO / "slurm_autosp" / "run.py").read_text()
+    assert "TrainingJob(cfg)()" in run_module
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_hand_submitted_script_trains_on_slurm(tmp_path):
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={REPO}", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
+         "--time=10", f"--output={tmp_path}/slurm-%j.out", str(REPO / "sbatch" / "train.sbatch"),
+         "cfg=configs/tiny_cpu.yaml", f"run.output_root={tmp_path}", "train.steps=4"],
+        capture_output=True, text=True, check=True,
+    )
+    job_id = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while job_state(job_id) and time.monotonic() < deadline:
+        time.sleep(1)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert "step 4/4" in log, log
+    assert (tmp_path / "tiny_cpu" / "checkpoints" / "latest").read_text() == "step_00000004"
+    assert (tmp_path / "tiny_cpu" / "hf" / "model.safetensors").exists()

@@ -1,0 +1,88 @@
+"""Against a real Slurm on localhost: training through sbatch, preemption and the pre-timeout
+signal, each ending with the same losses as an uninterrupted run."""
+
+import re
+import subprocess
+
+import pytest
+
+from slurm_helpers import REPO, RunningSubmit, final_result, release_requeued, submit_cmd
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+STEPS = 200
+TRAIN = [f"train.steps={STEPS}", "train.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory):
+    """The uninterrupted run, on local processes: Slurm must not change a single bit."""
+    root = tmp_path_factory.mktemp("reference")
+    proc = subprocess.run(
+        submit_cmd("cluster.backend=local", f"run.output_root={root}", *TRAIN),
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return final_result(root / "tiny_cpu").losses
+
+
+@pytest.mark.parametrize("tasks", [2, 4])
+def test_tiny_cpu_trains_through_sbatch_and_leaves_a_complete_run_directory(tasks, tmp_path):
+    proc = subprocess.run(
+        submit_cmd("cluster.backend=slurm", f"cluster.tasks_per_node={tasks}", f"run.output_root={tmp_path}",
+                   "train.steps=6"),
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = re.search(r"submitted job (\d+) \(slurm, (\d+) ranks", proc.stdout)
+    assert job_id and int(job_id.group(2)) == tasks
+    run_dir = tmp_path / "tiny_cpu"
+    assert f"per-rank logs in {run_dir / 'submitit'}" in proc.stdout
+    assert "step 6/6" in proc.stdout
+    logs = sorted((run_dir / "submitit").glob(f"{job_id.group(1)}_*_log.out"))
+    assert len(logs) == tasks
+    assert (run_dir / "config.yaml").exists()
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000006"
+    assert (run_dir / "hf" / "model.safetensors").exists()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_slurm_run_matches_the_local_run_bit_for_bit(tmp_path, reference_losses):
+    proc = subprocess.run(
+        submit_cmd("cluster.backend=slurm", f"run.output_root={tmp_path}", *TRAIN),
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert final_result(tmp_path / "tiny_cpu").losses == reference_losses
+
+
+def _interrupted_run(tmp_path, reference_losses, interrupt, expect_signal):
+    run = RunningSubmit("cluster.backend=slurm", "cluster.partition=debug", f"run.output_root={tmp_path}", *TRAIN)
+    run.wait_for_line(f"step 10/{STEPS} ")
+    interrupt(run.job_id)
+    stopping = run.wait_for_line("stopping at step")
+    assert expect_signal in stopping
+    release_requeued(run.job_id)
+    out = run.finish()
+    stopped = int(re.search(r"stopping at step (\d+)", stopping).group(1))
+    assert 10 <= stopped < STEPS
+    assert f"resumed from {tmp_path / 'tiny_cpu' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in out
+    result = final_result(tmp_path / "tiny_cpu")
+    assert result.first_step == stopped
+    assert result.losses == reference_losses[stopped:]
+
+
+def test_preempted_run_saves_requeues_and_resumes_with_identical_losses(tmp_path, reference_losses):
+    def preempt(job_id):
+        subprocess.run(
+            ["sbatch", "-p", "urgent", "-n", "8", "--job-name=urgent", "--output=/dev/null", "--wrap", "sleep 2"],
+            check=True, capture_output=True,
+        )
+
+    _interrupted_run(tmp_path, reference_losses, preempt, "SIGTERM")
+
+
+def test_pre_timeout_signal_saves_requeues_and_resumes_with_identical_losses(tmp_path, reference_losses):
+    def pre_timeout_signal(job_id):
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+
+    _interrupted_run(tmp_path, reference_losses, pre_timeout_signal, "SIGUSR2")
