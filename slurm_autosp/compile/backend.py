@@ -1,0 +1,190 @@
+"""The AutoSP torch.compile backend: Ulysses all-to-alls around every SDPA call, then inductor.
+
+Two steps, kept apart so each can change alone: `rewrite_sdpa_for_sp` edits the Dynamo FX
+graph (q, k, v go from [B, H, S/P, D] to [B, H/P, S, D] before attention, the output comes
+back after), and `compile_with_inductor` turns the rewritten graph into code (the place a
+checkpointing partitioner policy will plug in).
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._inductor.compile_fx import compile_fx
+
+import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_HEAD_DIM, _SEQ_DIM = 1, 2
+_ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
+
+
+class AutoSPCompileError(RuntimeError):
+    """A model the AutoSP backend cannot make sequence parallel; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """How one attention call's heads are spread over the SP ranks.
+
+    `kv_repeat` > 1 when there are fewer KV heads than SP ranks: each KV head is repeated
+    (repeat_interleave, so copies of one head stay adjacent) to `sp_size` heads, and SP rank r
+    then holds KV head r // kv_repeat. Its query heads are [r*Hq/P, (r+1)*Hq/P), which under
+    grouped attention read KV head floor(h*Hkv/Hq), in [r/kv_repeat, (r+1)/kv_repeat): that
+    floor is r // kv_repeat for every one of them, so the rank holds exactly the KV head its
+    queries need. When Hkv % P == 0 rank r holds KV heads [r*Hkv/P, (r+1)*Hkv/P) and query
+    heads whose group index h // (Hq/Hkv) falls in that range, in the same local order.
+    """
+
+    query_heads: int
+    kv_heads: int
+    sp_size: int
+
+    def __post_init__(self) -> None:
+        if self.query_heads % self.sp_size or not (
+            self.kv_heads % self.sp_size == 0 or self.sp_size % self.kv_heads == 0
+        ):
+            raise AutoSPCompileError(
+                f"attention with {self.query_heads} query heads and {self.kv_heads} key/value heads "
+                f"cannot be split over sp_size={self.sp_size}: the query heads must divide by the SP "
+                f"size and the KV heads must divide by it or divide it. Valid SP sizes: "
+                f"{valid_sp_sizes(self.query_heads, self.kv_heads)}"
+            )
+
+    @property
+    def kv_repeat(self) -> int:
+        return max(1, self.sp_size // self.kv_heads)
+
+    @property
+    def local_grouped(self) -> bool:
+        """Whether each rank still has fewer KV heads than query heads (SDPA's enable_gqa)."""
+        return self.query_heads // self.sp_size != self.kv_heads * self.kv_repeat // self.sp_size
+
+
+def valid_sp_sizes(query_heads: int, kv_heads: int) -> list[int]:
+    """SP sizes an attention with these head counts can be split over."""
+    return [
+        p
+        for p in range(1, query_heads + 1)
+        if query_heads % p == 0 and (kv_heads % p == 0 or p % kv_heads == 0)
+    ]
+
+
+def _where(node: fx.Node) -> str:
+    """The user source line that produced `node`, for error messages."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    trace = [line.strip() for line in lines if line.strip(" ^~")]
+    return f"{trace[-2]} ({trace[-1]})" if len(trace) >= 2 else node.name
+
+
+def _sdpa_arguments(node: fx.Node) -> dict[str, object]:
+    arguments: dict[str, object] = dict(zip(_SDPA_PARAMS, node.args))
+    arguments.update(node.kwargs)
+    return arguments
+
+
+def _check_causal_without_mask(node: fx.Node, arguments: dict[str, object]) -> None:
+    if arguments.get("attn_mask") is not None:
+        raise AutoSPCompileError(
+            f"scaled_dot_product_attention at {_where(node)} receives an attn_mask. AutoSP attends "
+            "over the whole sequence with is_causal=True and never builds an S x S mask. For "
+            "Hugging Face models use compile_model(...) (it switches the model to "
+            "slurm_autosp.compile.hf_attention.SP_ATTENTION) and pass the inputs from "
+            "prepare_sp_inputs(...), which turns right padding into ignored labels; left padding "
+            "and packed sequences are not supported."
+        )
+    if not arguments.get("is_causal", False):
+        raise AutoSPCompileError(
+            f"scaled_dot_product_attention at {_where(node)} is not causal (is_causal=False); "
+            "AutoSP supports causal self-attention only."
+        )
+
+
+def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
+    arguments = _sdpa_arguments(node)
+    _check_causal_without_mask(node, arguments)
+    query, key, value = (arguments[name] for name in ("query", "key", "value"))
+    assert isinstance(query, fx.Node) and isinstance(key, fx.Node) and isinstance(value, fx.Node)
+    if query.meta["example_value"].dim() != 4:
+        raise AutoSPCompileError(
+            f"scaled_dot_product_attention at {_where(node)} gets {query.meta['example_value'].dim()}-D "
+            "queries; AutoSP needs [batch, heads, sequence, head_dim]"
+        )
+    layout = HeadLayout(
+        query_heads=int(query.meta["example_value"].shape[_HEAD_DIM]),
+        kv_heads=int(key.meta["example_value"].shape[_HEAD_DIM]),
+        sp_size=sp_size,
+    )
+
+    def scatter_heads(tensor: fx.Node, repeat: int) -> fx.Node:
+        if repeat > 1:
+            tensor = graph.call_function(torch.repeat_interleave, (tensor, repeat), {"dim": _HEAD_DIM})
+        return graph.call_function(_ALL_TO_ALL, (tensor, _HEAD_DIM, _SEQ_DIM, sp_size))
+
+    with graph.inserting_before(node):
+        arguments["query"] = scatter_heads(query, 1)
+        arguments["key"] = scatter_heads(key, layout.kv_repeat)
+        arguments["value"] = scatter_heads(value, layout.kv_repeat)
+    arguments["enable_gqa"] = layout.local_grouped
+    node.args = ()
+    node.kwargs = arguments
+    with graph.inserting_after(node):
+        output = graph.call_function(_ALL_TO_ALL, (node, _SEQ_DIM, _HEAD_DIM, sp_size))
+    node.replace_all_uses_with(output, delete_user_cb=lambda user: user is not output)
+
+
+def rewrite_sdpa_for_sp(gm: fx.GraphModule, sp_size: int) -> int:
+    """Wrap every scaled_dot_product_attention in `gm` with the Ulysses all-to-alls.
+
+    Returns how many calls were rewritten; a graph without any is legal (e.g. the lm_head
+    graph after a graph break).
+    """
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SDPA]
+    for node in calls:
+        _rewrite_one(gm.graph, node, sp_size)
+    if calls:
+        gm.graph.lint()
+        gm.recompile()
+    return len(calls)
+
+
+def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
+    """Compile a rewritten graph to code with inductor."""
+    return compile_fx(gm, list(example_inputs))
+
+
+class AutoSPBackend:
+    """A torch.compile backend making SDPA attention Ulysses sequence parallel over `sp_size`
+    ranks. The SP process group is set at run time with `set_sp_group`.
+
+    Reuse one instance for a run: Dynamo's cache only serves graphs compiled by the same
+    backend object. `sdpa_calls_rewritten` counts attention calls rewritten so far, over
+    every graph this backend compiled.
+    """
+
+    def __init__(self, sp_size: int) -> None:
+        if sp_size < 1:
+            raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+        self.sp_size = sp_size
+        self.sdpa_calls_rewritten = 0
+
+    def __repr__(self) -> str:
+        return f"AutoSPBackend(sp_size={self.sp_size})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
+        rewritten = rewrite_sdpa_for_sp(gm, self.sp_size)
+        compiled = compile_with_inductor(gm, example_inputs)
+        self.sdpa_calls_rewritten += rewritten  # only now: inductor may make Dynamo retrace and call again
+        return compiled
+
+    def require_sdpa_found(self) -> None:
+        """Raise unless some compiled graph had attention to rewrite; call after the first step."""
+        if self.sdpa_calls_rewritten == 0:
+            raise AutoSPCompileError(
+                "no scaled_dot_product_attention found in the compiled model, so nothing was made "
+                "sequence parallel and each rank would attend only within its own shard. Use a "
+                "model whose attention calls torch.nn.functional.scaled_dot_product_attention "
+                '(for Hugging Face models: attn_implementation="sdpa").'
+            )

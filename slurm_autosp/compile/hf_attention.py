@@ -1,0 +1,49 @@
+"""Make Hugging Face models reach SDPA with attn_mask=None and is_causal=True under torch.compile.
+
+With attn_implementation="sdpa" and no KV cache, transformers (5.x) builds a 4D mask whenever
+it is traced: `find_packed_sequence_indices` cannot prove from position_ids that the batch is
+not packed, so it keeps a packed-sequence mask and disables the is_causal shortcut. That mask
+would be per shard and wrong for Ulysses (and S x S in memory). Keeping the KV cache on avoids
+it but makes every decoder layer a different graph (the cache is indexed by `layer_idx`).
+
+So the model is switched to `SP_ATTENTION`: HF's own SDPA attention function under another
+name, with a mask function that returns no mask (and refuses a padding mask, which only
+`prepare_sp_inputs` may drop safely). Packed sequences are refused by `prepare_sp_inputs`.
+"""
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from slurm_autosp.compile.backend import AutoSPCompileError
+
+SP_ATTENTION = "slurm_autosp_sdpa"
+
+
+def _no_mask(*, attention_mask: torch.Tensor | None = None, **_: object) -> None:
+    """Causal attention needs no mask: SDPA's is_causal covers it over the full sequence."""
+    if attention_mask is not None:
+        raise AutoSPCompileError(
+            "an attention_mask was passed to a model prepared for sequence parallelism; pass the "
+            "batch through slurm_autosp.compile.prepare_sp_inputs(...) and call the model with "
+            "its .model_kwargs() (right padding becomes ignored labels; left padding is refused)"
+        )
+    return None
+
+
+AttentionInterface.register(SP_ATTENTION, sdpa_attention_forward)
+AttentionMaskInterface.register(SP_ATTENTION, _no_mask)
+
+
+def use_sp_attention(model: PreTrainedModel) -> None:
+    """Switch an HF model from "sdpa" to `SP_ATTENTION` (a no-op when already switched)."""
+    current = model.config._attn_implementation
+    if current == SP_ATTENTION:
+        return
+    if current != "sdpa":
+        raise AutoSPCompileError(
+            f'{type(model).__name__} uses attn_implementation="{current}"; AutoSP rewrites '
+            'scaled_dot_product_attention calls, so load the model with attn_implementation="sdpa"'
+        )
+    model.set_attn_implementation(SP_ATTENTION)

@@ -1,0 +1,125 @@
+"""Turn one full-sequence batch into this SP rank's shard, so SP training equals single-device.
+
+Everything that depends on the whole sequence happens here, once, before sharding: labels
+are shifted over the whole sequence (so the label pair crossing a shard boundary is kept),
+padding becomes ignored labels, and position ids are global. The compiled graph then sees
+only local tensors and is identical on every rank.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class SPBatch:
+    """This rank's shard of a batch.
+
+    `valid_labels` counts the labels of this shard that enter the loss. Summed over every
+    rank of the world and every micro-batch of the optimizer step, it is the step's loss
+    normaliser (`num_items_in_batch`).
+    """
+
+    input_ids: torch.Tensor
+    shift_labels: torch.Tensor
+    position_ids: torch.Tensor
+    valid_labels: int
+
+    def model_kwargs(self, num_items_in_batch: torch.Tensor | int) -> dict[str, object]:
+        """Keyword arguments for an HF causal LM: its loss is then this shard's summed token
+        loss divided by `num_items_in_batch` (0 for a shard without valid labels).
+
+        `labels` only switches HF's loss on; `shift_labels` is what it reads. The count goes in
+        as a tensor so Dynamo does not specialise the graph on its value. `use_cache=False`:
+        a KV cache would make every decoder layer a different graph.
+        """
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "labels": self.shift_labels,
+            "shift_labels": self.shift_labels,
+            "num_items_in_batch": torch.as_tensor(num_items_in_batch, device=self.input_ids.device),
+            "use_cache": False,
+        }
+
+
+def _drop_trailing_padding(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Padded positions become ignored labels; causal attention then makes dropping the mask exact."""
+    valid = attention_mask.bool()
+    lengths = valid.sum(dim=1, keepdim=True)
+    trailing = torch.arange(valid.shape[1], device=valid.device).unsqueeze(0) < lengths
+    if not torch.equal(valid, trailing):
+        rows = (valid != trailing).any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask of batch rows {rows} is not right padding (ones, then only zeros). "
+            "Sequence parallel attention is causal without a mask, which is exact only for "
+            "trailing padding: pad on the right (tokenizer.padding_side='right'); packed or "
+            "left-padded batches are not supported."
+        )
+    return labels.masked_fill(~valid, IGNORE_INDEX)
+
+
+def _check_single_sequence_rows(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    steps = position_ids[:, 1:] - position_ids[:, :-1]
+    if attention_mask is not None:
+        steps = steps.masked_fill(~attention_mask[:, 1:].bool(), 1)
+    if not bool((steps == 1).all()):
+        raise ValueError(
+            "position_ids do not increase by one along each row: packed sequences (several "
+            "documents per row) need a document mask, which sequence parallelism does not "
+            "support yet. Pass one sequence per row, or omit position_ids."
+        )
+
+
+def _pad_to_multiple(tensor: torch.Tensor, multiple: int, value: int) -> torch.Tensor:
+    missing = -tensor.shape[1] % multiple
+    return torch.nn.functional.pad(tensor, (0, missing), value=value)
+
+
+def prepare_sp_inputs(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    *,
+    sp_rank: int,
+    sp_size: int,
+    pad_token_id: int = 0,
+) -> SPBatch:
+    """Shard a [B, S] causal-LM batch for SP rank `sp_rank` of `sp_size`.
+
+    `labels` default to `input_ids` (they are shifted here, as HF would shift them).
+    `attention_mask` may only mark right padding. S need not divide by `sp_size`: the batch is
+    padded with `pad_token_id` tokens whose labels are ignored.
+    """
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank={sp_rank} is outside the SP group of size {sp_size}")
+    batch, seq = input_ids.shape
+    labels = input_ids if labels is None else labels
+    if attention_mask is not None:
+        labels = _drop_trailing_padding(labels, attention_mask)
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    else:
+        position_ids = position_ids.expand(batch, seq)
+        _check_single_sequence_rows(position_ids, attention_mask)
+
+    ignored_last = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    shift_labels = torch.cat([labels[:, 1:], ignored_last], dim=1)
+    padding = -seq % sp_size
+    position_tail = position_ids[:, -1:] + torch.arange(1, padding + 1, device=position_ids.device)
+    position_ids = torch.cat([position_ids, position_tail], dim=1)
+    input_ids = _pad_to_multiple(input_ids, sp_size, pad_token_id)
+    shift_labels = _pad_to_multiple(shift_labels, sp_size, IGNORE_INDEX)
+
+    shard = input_ids.shape[1] // sp_size
+    local = slice(sp_rank * shard, (sp_rank + 1) * shard)
+    local_labels = shift_labels[:, local].contiguous()
+    return SPBatch(
+        input_ids=input_ids[:, local].contiguous(),
+        shift_labels=local_labels,
+        position_ids=position_ids[:, local].contiguous(),
+        valid_labels=int((local_labels != IGNORE_INDEX).sum()),
+    )

@@ -1,0 +1,17 @@
+"""Fixtures for the compile tests: multi-rank pools shared by the whole session."""
+
+import pytest
+
+from tests._dist_pool import dist_pool_fixture_factory
+
+dist_pools = dist_pool_fixture_factory(lambda factory: str(factory.mktemp("inductor_cache")))
+
+
+@pytest.fixture(scope="session")
+def pool2(dist_pools):
+    return dist_pools(2)
+
+
+@pytest.fixture(scope="session")
+def pool4(dist_pools):
+    return dist_pools(4)

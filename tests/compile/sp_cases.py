@@ -1,0 +1,155 @@
+"""What every rank runs in the equivalence tests: one SP training step against a single-device
+reference computed on the same rank, reduced to a few error figures."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+from slurm_autosp.compile import (
+    IGNORE_INDEX,
+    AutoSPBackend,
+    compile_model,
+    loss_scale,
+    prepare_sp_inputs,
+    set_sp_group,
+)
+
+VOCAB = 256
+_backends: dict[tuple[int, bool], AutoSPBackend] = {}
+_sp_groups: dict[int, dist.ProcessGroup] = {}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One equivalence scenario; `batch` rows are split over the data-parallel ranks."""
+
+    family: str = "llama"
+    kv_heads: int = 2
+    seq: int = 128
+    batch: int = 2
+    labels: str = "plain"  # plain | uneven | first_shard_ignored
+    right_padding: bool = False
+    pass_position_ids: bool = True
+    per_layer: bool = False
+
+
+def tiny_model(family: str, kv_heads: int, attn_implementation: str = "sdpa", layers: int = 2) -> PreTrainedModel:
+    """The same weights on every rank and for the reference (fixed seed), in fp32."""
+    torch.manual_seed(0)
+    common = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=kv_heads, vocab_size=VOCAB, attn_implementation=attn_implementation,
+    )
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    return Qwen2ForCausalLM(Qwen2Config(**common))
+
+
+def contiguous_sp_group(sp_size: int) -> dist.ProcessGroup:
+    """This rank's SP group, SP groups being contiguous ranks (every rank creates every group).
+    Data parallelism runs across them; its gradient reduction is emulated over the world."""
+    if sp_size not in _sp_groups:
+        world = dist.get_world_size()
+        groups = [dist.new_group(list(range(s, s + sp_size))) for s in range(0, world, sp_size)]
+        _sp_groups[sp_size] = groups[dist.get_rank() // sp_size]
+    return _sp_groups[sp_size]
+
+
+def backend_for(sp_size: int, per_layer: bool) -> AutoSPBackend:
+    """One backend per layout and process, so Dynamo's cache serves every case that fits."""
+    return _backends.setdefault((sp_size, per_layer), AutoSPBackend(sp_size))
+
+
+def make_batch(case: Case) -> dict[str, torch.Tensor]:
+    """The full global batch, identical on every rank."""
+    generator = torch.Generator().manual_seed(case.seq * 7 + case.batch)
+    input_ids = torch.randint(1, VOCAB, (case.batch, case.seq), generator=generator)
+    labels = input_ids.clone()
+    if case.labels == "uneven":
+        ignored = torch.rand(case.batch, case.seq, generator=generator) < torch.linspace(0.9, 0.0, case.seq)
+        labels[ignored] = IGNORE_INDEX
+    batch = {"input_ids": input_ids, "labels": labels}
+    if case.right_padding:
+        lengths = torch.tensor([case.seq - 9 * (row + 1) for row in range(case.batch)])
+        mask = (torch.arange(case.seq)[None] < lengths[:, None]).long()
+        batch["input_ids"] = input_ids.masked_fill(mask == 0, 0)
+        batch["attention_mask"] = mask
+    if case.pass_position_ids:
+        batch["position_ids"] = torch.arange(case.seq).expand(case.batch, case.seq)
+    return batch
+
+
+def _ignore_first_shard(labels: torch.Tensor, shard: int) -> torch.Tensor:
+    """Labels whose shifted targets all fall on SP rank 0: that shard has nothing to learn."""
+    labels = labels.clone()
+    labels[:, : shard + 1] = IGNORE_INDEX
+    return labels
+
+
+def reference_step(case: Case, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Single-device loss, per-token losses [B, S] and gradients of the plain HF model."""
+    model = tiny_model(case.family, case.kv_heads)
+    labels = batch["labels"]
+    if "attention_mask" in batch:
+        labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+    out = model(**{**batch, "labels": labels}, use_cache=False)
+    out.loss.backward()
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    per_token = F.cross_entropy(out.logits.detach().transpose(1, 2), shifted, reduction="none")
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return out.loss.detach(), per_token, grads
+
+
+def sp_step(case: Case, sp_size: int) -> dict[str, float]:
+    """One SP step with gradients reduced the way DeepSpeed ZeRO-1 does (mean over the world),
+    compared with the reference. Returns relative loss error, max per-token error on this
+    rank's shard, and the worst parameter's max|g - g_ref| / max|g_ref|."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp_group = contiguous_sp_group(sp_size)
+    sp_rank, dp_rank = rank % sp_size, rank // sp_size
+    dp_size = world // sp_size
+    batch = make_batch(case)
+    if case.labels == "first_shard_ignored":
+        batch["labels"] = _ignore_first_shard(batch["labels"], -(-case.seq // sp_size))
+    ref_loss, ref_per_token, ref_grads = reference_step(case, batch)
+
+    rows = slice(dp_rank * case.batch // dp_size, (dp_rank + 1) * case.batch // dp_size)
+    local = {key: value[rows] for key, value in batch.items()}
+    shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size)
+    count = torch.tensor(shard.valid_labels)
+    dist.all_reduce(count)
+
+    model = tiny_model(case.family, case.kv_heads)
+    backend = backend_for(sp_size, case.per_layer)
+    compile_model(model, backend, per_layer=case.per_layer)
+    kwargs = shard.model_kwargs(count)
+    for name in ("input_ids", "position_ids", "shift_labels"):
+        torch._dynamo.mark_dynamic(kwargs[name], 1)
+    set_sp_group(sp_group)
+    out = model(**kwargs)
+    (out.loss * loss_scale(world, grad_accum=1)).backward()
+    backend.require_sdpa_found()
+
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    per_token = F.cross_entropy(out.logits.detach().transpose(1, 2), shard.shift_labels, reduction="none")
+    shard_len = shard.input_ids.shape[1]
+    padded_ref = F.pad(ref_per_token, (0, shard_len * sp_size - case.seq))
+    ref_local = padded_ref[rows, sp_rank * shard_len : (sp_rank + 1) * shard_len]
+    grad_error = 0.0
+    for name, param in model.named_parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= world
+        reference = ref_grads[name]
+        error = (param.grad - reference).abs().max() / reference.abs().max()
+        grad_error = max(grad_error, float(error))
+    return {
+        "loss": float(loss),
+        "loss_rel_error": float((loss - ref_loss).abs() / ref_loss.abs()),
+        "token_error": float((per_token - ref_local).abs().max()),
+        "grad_rel_error": grad_error,
+        "finite": bool(torch.isfinite(out.loss)),
+    }
