@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from slurm_autosp.heads import valid_sp_sizes
+
 
 class ConfigError(ValueError):
     """A configuration the job cannot run with; the message names the key and the fix."""
@@ -350,11 +352,12 @@ def validate(cfg: JobConfig) -> None:
         problems.append(
             f"parallel.sp_size={p.sp_size} needs the AutoSP compiler: set compile.enabled=true"
         )
-    heads = m.num_attention_heads
-    if heads and p.sp_size > 0 and heads % p.sp_size:
+    heads, kv_heads = m.num_attention_heads, m.num_key_value_heads or m.num_attention_heads
+    if heads and kv_heads and p.sp_size > 0 and p.sp_size not in valid_sp_sizes(heads, kv_heads):
         problems.append(
-            f"parallel.sp_size={p.sp_size} does not divide model.num_attention_heads={heads}; "
-            f"choose one of {_divisors(heads)}"
+            f"parallel.sp_size={p.sp_size} cannot split model.num_attention_heads={heads} / "
+            f"model.num_key_value_heads={kv_heads} over SP ranks; choose one of "
+            f"{', '.join(map(str, valid_sp_sizes(heads, kv_heads)))}"
         )
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         problems.append(f"train.betas={list(t.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.checkpoint.schedule import SaveSchedule, checkpoint_dir
 from slurm_autosp.checkpoint.signals import StopRequest
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
+from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs, set_sp_group
 from slurm_autosp.config import JobConfig, config_hash
 from slurm_autosp.data import build_source, micro_batch
 from slurm_autosp.engine import build_engine
@@ -25,8 +26,6 @@ from slurm_autosp.model import build_model
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
-
 
 @dataclass
 class TrainResult:
@@ -34,16 +33,20 @@ class TrainResult:
     losses: List[float]  # one per step this job ran
 
 
-def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token targets over the whole sequence, shifted once (never per shard)."""
-    labels = torch.full_like(tokens, IGNORE_INDEX)
-    labels[:, :-1] = tokens[:, 1:]
-    return labels
+def compile_for_sp(model: torch.nn.Module, cfg: JobConfig, parallel: Parallel) -> Optional[AutoSPBackend]:
+    """Compile the model with the AutoSP backend over this rank's SP group (if enabled)."""
+    if not cfg.compile.enabled:
+        return None
+    backend = AutoSPBackend(cfg.parallel.sp_size)
+    set_sp_group(parallel.sp_group)
+    compile_model(model, backend, per_layer=cfg.compile.per_layer)
+    return backend
 
 
 def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> TrainResult:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
+    backend = compile_for_sp(model, cfg, parallel)
     engine = build_engine(model, cfg)
     source = build_source(cfg)
     store = CheckpointStore(checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep)
@@ -61,6 +64,8 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
             start = time.perf_counter()
             loss = _optimizer_step(engine, cfg, ctx, parallel, source, step)
             step_time = time.perf_counter() - start
+            if backend is not None and step == first_step:
+                backend.require_sdpa_found()
             losses.append(loss)
             done = step + 1
             metrics.log_step(
@@ -111,29 +116,29 @@ def _optimizer_step(
 ) -> float:
     """One optimizer step over `grad_accum` micro-batches; returns the step's global loss.
 
-    The objective is the mean over every valid label of the step (all micro-batches, all
-    ranks). DeepSpeed divides each backward by grad_accum and averages gradients over the
-    world, so each rank's loss is its label sum over the global count, times world * grad_accum.
+    Every rank of an SP group reads the same sequences and keeps its shard. The objective is
+    the mean over every valid label of the step (all micro-batches, all ranks): each rank's
+    loss is its label sum over that global count, scaled for DeepSpeed's gradient averaging
+    (`loss_scale`).
     """
+    layout = parallel.layout
     batches = [
-        _model_inputs(micro_batch(source, cfg, step, m, parallel.layout.dp_rank(ctx.rank)), ctx.device)
+        prepare_sp_inputs(
+            micro_batch(source, cfg, step, m, layout.dp_rank(ctx.rank)).to(ctx.device),
+            sp_rank=layout.sp_rank(ctx.rank),
+            sp_size=layout.sp_size,
+        )
         for m in range(cfg.train.grad_accum)
     ]
-    valid = torch.stack([(b["shift_labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
+    valid = torch.tensor(sum(b.valid_labels for b in batches), device=ctx.device)
     dist.all_reduce(valid)
     num_items = valid.clamp(min=1)
-    scale = ctx.world_size * cfg.train.grad_accum
+    scale = loss_scale(ctx.world_size, cfg.train.grad_accum)
     step_loss = torch.zeros((), device=ctx.device)
     for batch in batches:
-        loss = engine(**batch, num_items_in_batch=num_items).loss
+        loss = engine(**batch.model_kwargs(num_items)).loss
         engine.backward(loss * scale)
         engine.step()
         step_loss += loss.detach()
     dist.all_reduce(step_loss)
     return step_loss.item()
-
-
-def _model_inputs(tokens: torch.Tensor, device: torch.device) -> Dict[str, torch.Tensor]:
-    tokens = tokens.to(device)
-    labels = shift_labels(tokens)
-    return {"input_ids": tokens, "labels": labels, "shift_labels": labels}

@@ -52,7 +52,7 @@ def test_bad_choice_lists_the_accepted_values():
 
 
 def test_sp_size_that_does_not_divide_heads_lists_the_sizes_that_would():
-    with pytest.raises(ConfigError, match=r"parallel\.sp_size=3 does not divide model\.num_attention_heads=4; choose one of 1, 2, 4"):
+    with pytest.raises(ConfigError, match=r"parallel\.sp_size=3 cannot split model\.num_attention_heads=4 / model\.num_key_value_heads=2 over SP ranks; choose one of 1, 2, 4"):
         load_config(["parallel.sp_size=3", "cluster.tasks_per_node=3", "compile.enabled=true"])
 
 

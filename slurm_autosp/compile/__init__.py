@@ -7,12 +7,12 @@ from slurm_autosp.compile.backend import (
     AutoSPCompileError,
     compile_with_inductor,
     rewrite_sdpa_for_sp,
-    valid_sp_sizes,
 )
 from slurm_autosp.compile.compile_model import compile_model, decoder_layers
 from slurm_autosp.compile.hf_attention import SP_ATTENTION, use_sp_attention
 from slurm_autosp.compile.inputs import IGNORE_INDEX, SPBatch, prepare_sp_inputs
 from slurm_autosp.compile.loss import loss_scale
+from slurm_autosp.heads import valid_sp_sizes
 
 __all__ = [
     "IGNORE_INDEX",

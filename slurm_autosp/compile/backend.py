@@ -13,6 +13,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 
+from slurm_autosp.heads import valid_sp_sizes
+
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -61,15 +63,6 @@ class HeadLayout:
     def local_grouped(self) -> bool:
         """Whether each rank still has fewer KV heads than query heads (SDPA's enable_gqa)."""
         return self.query_heads // self.sp_size != self.kv_heads * self.kv_repeat // self.sp_size
-
-
-def valid_sp_sizes(query_heads: int, kv_heads: int) -> list[int]:
-    """SP sizes an attention with these head counts can be split over."""
-    return [
-        p
-        for p in range(1, query_heads + 1)
-        if query_heads % p == 0 and (kv_heads % p == 0 or p % kv_heads == 0)
-    ]
 
 
 def _where(node: fx.Node) -> str:

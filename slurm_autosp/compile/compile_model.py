@@ -14,9 +14,13 @@ from slurm_autosp.compile.hf_attention import use_sp_attention
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of an HF model: the modules its `_no_split_modules` names."""
+    """The repeated blocks of an HF model: the modules its `_no_split_modules` names.
+
+    A class is matched along its MRO, so layers FSDP2's `fully_shard` has already wrapped
+    (it swaps in a subclass named FSDP<Layer>) are still found.
+    """
     names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise AutoSPCompileError(
             f"cannot find the decoder layers of {type(model).__name__} for per-layer compilation "

@@ -28,7 +28,6 @@ class TrainingJob:
         from slurm_autosp.checkpoint.signals import StopRequest
         from slurm_autosp.launch.distributed import init_distributed
         from slurm_autosp.launch.placement import build_parallel, verify_topology
-        from slurm_autosp.train import train
 
         stop = StopRequest.install()
         cfg = self.cfg
@@ -42,6 +41,8 @@ class TrainingJob:
         rank = job_env.global_rank
         _configure_process(cfg, rank)
         applied = _apply_collective_env(cfg)
+        from slurm_autosp.train import train  # after the environment: inductor reads its cache dir on import
+
         ctx = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)
         try:
             verify_topology(cfg, ctx.local_rank)
