@@ -11,6 +11,7 @@ import os
 import sys
 from typing import List, Optional
 
+from slurm_autosp.checkpoint.lock import write_lock
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.job import TrainingJob
 from slurm_autosp.launch.placement import plan_layout
@@ -26,8 +27,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = load_config(argv)
         plan_layout(cfg)
-        if os.environ.get("SLURM_PROCID", "0") == "0":
+        if os.environ.get("SLURM_PROCID", "0") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
             prepare_run_dir(cfg)
+            write_lock(cfg.run.dir, os.environ.get("SLURM_JOB_ID", str(os.getpid())), "slurm")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

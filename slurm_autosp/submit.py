@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import submitit
 
+from slurm_autosp.checkpoint.lock import live_holder, write_lock
 from slurm_autosp.config import ConfigError, JobConfig, load_config, to_yaml
 from slurm_autosp.launch.comm_env import collective_env
 from slurm_autosp.launch.executor import build_executor, sbatch_script, submitit_dir
@@ -30,8 +31,15 @@ from slurm_autosp.launch.watch import JobFailed, wait_for_job
 
 
 def prepare_run_dir(cfg: JobConfig) -> None:
-    """Create the run directory and record the resolved config a resumed job will read."""
+    """Create the run directory and record the resolved config a resumed job will read;
+    refuse a run that another live job is training."""
     run_dir = cfg.run.dir
+    holder = live_holder(run_dir)
+    if holder is not None:
+        raise ConfigError(
+            f"run.name={cfg.run.name}: {run_dir} is being trained by {holder.describe()}; wait for it, "
+            f"cancel it (scancel {holder.job_id} on SLURM), or choose another run.name"
+        )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -89,6 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     job = executor.submit(TrainingJob(cfg))
+    write_lock(cfg.run.dir, job.job_id, executor.cluster)
     print(
         f"submitted job {job.job_id} ({executor.cluster}, {cfg.cluster.world_size} ranks, {layout!r}); "
         f"run directory {cfg.run.dir}; per-rank logs in {submitit_dir(cfg.run.dir)}",

@@ -69,6 +69,11 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(tmp_path, unin
     assert resumed.first_step == stopped
     assert resumed.losses == reference.losses[stopped:]  # bitwise: same floats after the resume
 
+    status = subprocess.run([sys.executable, "-m", "slurm_autosp.status", str(tmp_path / "resumed")],
+                            capture_output=True, text=True, check=True).stdout
+    assert f"steps done: {STEPS} of {STEPS}" in status and "requeues: 1" in status and "not running" in status
+    assert f"last good checkpoint: {tmp_path / 'resumed' / 'checkpoints' / f'step_{STEPS:08d}'}" in status
+
     curve = tensorboard_losses(tmp_path / "resumed")
     assert [s for s, _ in curve] == list(range(1, STEPS + 1))  # no duplicated or missing steps
     assert curve == tensorboard_losses(uninterrupted)

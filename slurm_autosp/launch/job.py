@@ -25,6 +25,7 @@ class TrainingJob:
         self.cfg = cfg
 
     def __call__(self):
+        from slurm_autosp.checkpoint.lock import release_lock
         from slurm_autosp.checkpoint.signals import StopRequest
         from slurm_autosp.launch.distributed import init_distributed
         from slurm_autosp.launch.placement import build_parallel, verify_topology
@@ -50,7 +51,10 @@ class TrainingJob:
             if ctx.rank == 0:
                 log.info("%s", parallel.layout)
                 log.info("collective environment: %s", " ".join(f"{k}={v}" for k, v in sorted(applied.items())))
-            return train(cfg, ctx, parallel, stop)
+            result = train(cfg, ctx, parallel, stop)
+            if ctx.rank == 0:
+                release_lock(cfg.run.dir, job_env.job_id)
+            return result
         finally:
             torch.distributed.destroy_process_group()
 

@@ -1,0 +1,82 @@
+"""python -m slurm_autosp.status RUN_DIR
+
+Where a run stands, from its directory alone: steps done, the last good checkpoint, the jobs
+that trained it, how often it was requeued, and whether a job holds it now.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from slurm_autosp.checkpoint.lock import live_holder, read_lock
+from slurm_autosp.checkpoint.manifest import MANIFEST, list_files, read_manifest
+from slurm_autosp.checkpoint.schedule import checkpoint_dir
+from slurm_autosp.checkpoint.store import TRAINER_STATE, CheckpointStore
+from slurm_autosp.launch.executor import submitit_dir
+
+
+def last_good_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The newest checkpoint whose manifest lists every file at its recorded size (checksums
+    are verified when a job resumes)."""
+    store = CheckpointStore(checkpoint_dir(run_dir), rank=0, world_size=1, keep=0)
+    for candidate in store.checkpoints():
+        try:
+            files = read_manifest(candidate)["files"]
+        except ValueError:
+            continue
+        present = set(list_files(candidate))
+        if all(name in present and (candidate / name).stat().st_size == rec["size"] for name, rec in files.items()):
+            return candidate
+    return None
+
+
+def describe(run_dir: Path) -> List[str]:
+    lines = [f"run {run_dir}"]
+    config = run_dir / "config.yaml"
+    steps = re.search(r"^\s+steps: (\d+)", config.read_text(), re.M) if config.exists() else None
+    good = last_good_checkpoint(run_dir)
+    if good is None:
+        lines.append(f"steps done: 0{f' of {steps.group(1)}' if steps else ''} (no complete checkpoint)")
+    else:
+        state = json.loads((good / TRAINER_STATE).read_text())
+        lines.append(f"steps done: {state['step']}{f' of {steps.group(1)}' if steps else ''}")
+        lines.append(f"last good checkpoint: {good} ({len(read_manifest(good)['files'])} files in {MANIFEST})")
+    jobs = sorted({p.name.split("_")[0] for p in submitit_dir(run_dir).glob("*_submitted.pkl")}, key=_job_order)
+    lines.append(f"jobs: {', '.join(jobs) if jobs else 'none'}")
+    requeues = sum(p.read_text(errors="replace").count("requeueing (restart") for p in submitit_dir(run_dir).glob("*_0_log.out"))
+    lines.append(f"requeues: {requeues}")
+    lock, holder = read_lock(run_dir), live_holder(run_dir)
+    if holder is not None:
+        lines.append(f"running: {holder.describe()}")
+    elif lock is not None:
+        lines.append(f"not running (stale lock of {lock.describe()})")
+    else:
+        lines.append("not running")
+    if (run_dir / "hf").is_dir():
+        lines.append(f"Hugging Face export: {run_dir / 'hf'}")
+    return lines
+
+
+def _job_order(job_id: str):
+    return (0, int(job_id)) if job_id.isdigit() else (1, job_id)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    run_dir = Path(argv[0])
+    if not run_dir.is_dir():
+        print(f"error: {run_dir}: no such run directory (it is <run.output_root>/<run.name>)", file=sys.stderr)
+        return 2
+    print("\n".join(describe(run_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
