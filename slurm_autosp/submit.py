@@ -22,11 +22,10 @@ import submitit
 
 from slurm_autosp.checkpoint.lock import live_holder, write_lock
 from slurm_autosp.config import ConfigError, JobConfig, load_config, to_yaml
-from slurm_autosp.launch.comm_env import collective_env
 from slurm_autosp.launch.executor import build_executor, sbatch_script, submitit_dir
 from slurm_autosp.launch.layout import ParallelLayout
 from slurm_autosp.launch.placement import plan_layout
-from slurm_autosp.launch.job import TrainingJob
+from slurm_autosp.launch.job import TrainingJob, collective_env_for
 from slurm_autosp.launch.watch import JobFailed, wait_for_job
 
 
@@ -53,15 +52,7 @@ def prepare_run_dir(cfg: JobConfig) -> None:
 def describe_dry_run(cfg: JobConfig, executor: submitit.AutoExecutor, layout: ParallelLayout) -> str:
     """What would run, where and how: the script, the config, the layout and the environment."""
     c = cfg.cluster
-    env = collective_env(
-        c.vendor.value if c.uses_gpus else "none",
-        c.fabric.value,
-        user_env=c.env,
-        run_dir=str(cfg.run.dir),
-        debug=c.debug_collectives,
-        node_local_cache_dir=cfg.compile.cache_dir,
-    )
-    env.update(c.env)
+    env = collective_env_for(cfg, inherited={})
     if executor.cluster == "slurm":
         launch = "# sbatch script (submitit would submit exactly this)\n" + sbatch_script(executor)
     else:

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import sys
+from typing import Dict, Mapping
 
 import submitit
 import torch
@@ -59,22 +60,27 @@ class TrainingJob:
             torch.distributed.destroy_process_group()
 
 
-def _apply_collective_env(cfg: JobConfig) -> dict:
-    """Export the NCCL/RCCL settings for this fabric before the process group starts; the
-    user's `cluster.env` and anything already exported win."""
+def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> Dict[str, str]:
+    """The NCCL/RCCL settings for this job's vendor and fabric; `cluster.env` and anything in
+    `inherited` (the job's own environment) win over ours."""
     from slurm_autosp.launch.comm_env import collective_env
 
     c = cfg.cluster
-    user_env = {**os.environ, **c.env}
     env = collective_env(
         c.vendor.value if c.uses_gpus else "none",
         c.fabric.value,
-        user_env=user_env,
+        user_env={**inherited, **c.env},
         run_dir=str(cfg.run.dir),
         debug=c.debug_collectives,
         node_local_cache_dir=cfg.compile.cache_dir,
     )
     env.update(c.env)
+    return env
+
+
+def _apply_collective_env(cfg: JobConfig) -> Dict[str, str]:
+    """Export the settings before the process group starts (NCCL reads them at init)."""
+    env = collective_env_for(cfg, os.environ)
     os.environ.update(env)
     if "TORCH_FR_DUMP_TEMP_FILE" in env:
         os.makedirs(os.path.dirname(env["TORCH_FR_DUMP_TEMP_FILE"]), exist_ok=True)
