@@ -1,0 +1,244 @@
+"""What every rank runs in the training-equivalence tests: whole optimizer steps (gradient
+accumulation, a real DeepSpeed ZeRO-1 engine, bf16) against a single-device reference.
+
+The reference runs on rank 0 only (the other ranks would compute the same numbers); each
+function returns rank 0's figures, None on the other ranks. Backends and SP groups come from
+sp_cases, so these cases share the pools' compiled graphs and caches with the SP tests.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from slurm_autosp.compile import IGNORE_INDEX, compile_model, loss_scale, prepare_sp_inputs, set_sp_group
+from slurm_autosp.verify import make_batch
+from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
+
+SEQ = 127  # not divisible by 2 or 4: exercises the SP padding
+
+
+def _shift(labels: torch.Tensor) -> torch.Tensor:
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+
+
+def _micro_batches(batch: dict, dp_size: int, dp_rank: int, grad_accum: int) -> list[dict]:
+    """Global batch row m * dp_size + dp_rank is this rank's micro-batch m (one row each)."""
+    return [
+        {key: value[m * dp_size + dp_rank : m * dp_size + dp_rank + 1] for key, value in batch.items()}
+        for m in range(grad_accum)
+    ]
+
+
+def _sp_shards(batch: dict, sp_size: int, grad_accum: int) -> tuple[list, torch.Tensor]:
+    """This rank's SP shards of its micro-batches, and the step's global valid-label count."""
+    rank = dist.get_rank()
+    dp_size = dist.get_world_size() // sp_size
+    shards = [
+        prepare_sp_inputs(**micro, sp_rank=rank % sp_size, sp_size=sp_size)
+        for micro in _micro_batches(batch, dp_size, rank // sp_size, grad_accum)
+    ]
+    count = torch.tensor(sum(shard.valid_labels for shard in shards))
+    dist.all_reduce(count)
+    return shards, count
+
+
+def _kwargs(shard, count: torch.Tensor) -> dict:
+    kwargs = shard.model_kwargs(count)
+    for name in ("input_ids", "position_ids", "shift_labels"):
+        torch._dynamo.mark_dynamic(kwargs[name], 1)
+    return kwargs
+
+
+def _grad_error(grad: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((grad - reference).abs().max() / reference.abs().max())
+
+
+def grad_accum_step(sp_size: int, grad_accum: int) -> dict | None:
+    """One optimizer step of grad_accum micro-batches on SP x DP ranks, reduced as DeepSpeed
+    does (each backward divided by grad_accum, summed over micro-steps, averaged over the
+    world), against one single-device batch holding every sequence of the step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = world // sp_size * grad_accum
+    batch = make_batch(rows, SEQ, VOCAB, seed=11)
+    shards, count = _sp_shards(batch, sp_size, grad_accum)
+
+    model = tiny_model("llama", 2)
+    compile_model(model, backend_for(sp_size, True), per_layer=True)  # the graph zero1_steps reuses
+    set_sp_group(contiguous_sp_group(sp_size))
+    step_loss = torch.zeros(())
+    for shard in shards:
+        loss = model(**_kwargs(shard, count)).loss
+        (loss * loss_scale(world, grad_accum) / grad_accum).backward()
+        step_loss += loss.detach()
+    dist.all_reduce(step_loss)
+    grads = {}
+    for name, param in model.named_parameters():
+        dist.all_reduce(param.grad)
+        grads[name] = param.grad / world
+    if rank != 0:
+        return None
+
+    reference = tiny_model("llama", 2)
+    ref_loss = reference(**batch, use_cache=False).loss
+    ref_loss.backward()
+    errors = {name: _grad_error(grads[name], p.grad) for name, p in reference.named_parameters()}
+    return {
+        "loss": float(step_loss),
+        "loss_rel_error": float((step_loss - ref_loss.detach()).abs() / ref_loss.detach().abs()),
+        "grad_rel_error": max(errors.values()),
+        "worst_param": max(errors, key=errors.get),
+        "valid_labels": int(count),
+        "tokens": rows * SEQ,
+    }
+
+
+# ------------------------------------------------------------------ a real DeepSpeed ZeRO-1 engine
+
+
+def _job_config(world: int, grad_accum: int, steps: int):
+    from slurm_autosp.config import JobConfig, LrSchedule
+
+    cfg = JobConfig()
+    cfg.cluster.tasks_per_node = world  # DeepSpeed's train_batch_size counts the whole world
+    cfg.parallel.sp_size = 1  # DeepSpeed sees data parallelism only: loss_scale relies on that
+    t = cfg.train
+    t.steps, t.micro_batch, t.grad_accum = steps, 1, grad_accum
+    t.lr, t.lr_schedule, t.warmup_steps, t.min_lr_ratio = 2e-3, LrSchedule.cosine, 1, 0.1
+    t.betas, t.weight_decay, t.grad_clip = [0.9, 0.95], 0.1, 0.5  # grad norms here are ~0.75: clipping engages
+    return cfg
+
+
+def zero1_steps(sp_size: int, grad_accum: int, steps: int) -> dict | None:
+    """`steps` optimizer steps through slurm_autosp.engine.build_engine (DeepSpeed ZeRO-1,
+    torch AdamW client optimizer and our LR schedule) on SP x DP ranks, against torch AdamW on
+    one device with DeepSpeed's settings: the same lr schedule, betas, eps, weight decay and
+    gradient clipping (DeepSpeed scales by clip / (norm + 1e-6) when the norm is above clip,
+    which is torch's clip_grad_norm_)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
+    from slurm_autosp.engine import build_engine
+    from slurm_autosp.optim import build_lr_scheduler, build_optimizer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg = _job_config(world, grad_accum, steps)
+    rows = world // sp_size * grad_accum
+    batches = [make_batch(rows, SEQ, VOCAB, seed=100 + step) for step in range(steps)]
+
+    model = tiny_model("llama", 2)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine = build_engine(model, cfg)
+    compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
+    set_sp_group(contiguous_sp_group(sp_size))
+    losses, grad_norms = [], []
+    for batch in batches:
+        shards, count = _sp_shards(batch, sp_size, grad_accum)
+        step_loss = torch.zeros(())
+        for shard in shards:
+            loss = engine(**_kwargs(shard, count)).loss
+            engine.backward(loss * loss_scale(world, grad_accum))
+            engine.step()
+            step_loss += loss.detach()
+        dist.all_reduce(step_loss)
+        losses.append(float(step_loss))
+        grad_norms.append(float(engine.get_global_grad_norm()))
+    params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    engine.destroy()
+    if rank != 0:
+        return None
+
+    reference = tiny_model("llama", 2)
+    optimizer = build_optimizer(reference, cfg.train)
+    scheduler = build_lr_scheduler(optimizer, cfg.train)
+    ref_losses, ref_norms = [], []
+    for batch in batches:
+        loss = reference(**batch, use_cache=False).loss
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.train.grad_clip)))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    param_errors = {}
+    for name, p_ref in reference.named_parameters():
+        moved = (p_ref.detach() - initial[name]).abs().max()
+        param_errors[name] = float((params[name] - p_ref.detach()).abs().max() / moved)
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "loss_rel_errors": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
+        "grad_norms": grad_norms,
+        "ref_grad_norms": ref_norms,
+        "grad_clip": cfg.train.grad_clip,
+        "param_rel_error": max(param_errors.values()),
+        "worst_param": max(param_errors, key=param_errors.get),
+    }
+
+
+# ------------------------------------------------------------------ bf16
+
+
+def _loss_per_token_grads(model, batch: dict) -> tuple[float, torch.Tensor, dict]:
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    logits = out.logits.detach().float().transpose(1, 2)
+    per_token = F.cross_entropy(logits, _shift(batch["labels"]), reduction="none")
+    grads = {name: p.grad.float() for name, p in model.named_parameters()}
+    return float(out.loss.detach()), per_token, grads
+
+
+def bf16_errors(sp_size: int) -> dict | None:
+    """Errors against the fp32 single-device reference, of single-device bf16 and of SP bf16
+    (model cast to bf16; SP gradients averaged over the world in fp32).
+
+    loss error: |L - L_fp32| / |L_fp32|. token error: root mean square over valid labels of the
+    per-token loss difference. gradient error: ||g - g_fp32|| / ||g_fp32|| over all parameters
+    as one vector; also the worst parameter's max|g - g_fp32| / max|g_fp32|.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batch = make_batch(2 * world // sp_size, SEQ, VOCAB, seed=23)
+    rows_per_rank = 2
+    dp_rank, sp_rank = rank // sp_size, rank % sp_size
+    local = {key: value[dp_rank * rows_per_rank : (dp_rank + 1) * rows_per_rank] for key, value in batch.items()}
+    shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size)
+    count = torch.tensor(shard.valid_labels)
+    dist.all_reduce(count)
+
+    model = tiny_model("llama", 2).to(torch.bfloat16)
+    compile_model(model, backend_for(sp_size, True), per_layer=True)
+    set_sp_group(contiguous_sp_group(sp_size))
+    out = model(**_kwargs(shard, count))
+    (out.loss * loss_scale(world, grad_accum=1)).backward()
+    loss = out.loss.detach().float()
+    dist.all_reduce(loss)
+    per_token = F.cross_entropy(out.logits.detach().float().transpose(1, 2), shard.shift_labels, reduction="none")
+    gathered = [torch.empty_like(per_token) for _ in range(world)]
+    dist.all_gather(gathered, per_token.contiguous())
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.float()
+        dist.all_reduce(grad)
+        grads[name] = grad / world
+    if rank != 0:
+        return None
+
+    sp_tokens = torch.cat(
+        [torch.cat(gathered[d * sp_size : (d + 1) * sp_size], dim=1) for d in range(world // sp_size)], dim=0
+    )[:, :SEQ]
+    ref = _loss_per_token_grads(tiny_model("llama", 2), batch)
+    single = _loss_per_token_grads(tiny_model("llama", 2).to(torch.bfloat16), batch)
+    valid = _shift(batch["labels"]) != IGNORE_INDEX
+
+    def errors(loss: float, tokens: torch.Tensor, grads: dict) -> dict:
+        ref_loss, ref_tokens, ref_grads = ref
+        diff = torch.cat([(grads[n] - g).flatten() for n, g in ref_grads.items()])
+        norm = torch.cat([g.flatten() for g in ref_grads.values()])
+        return {
+            "loss": abs(loss - ref_loss) / abs(ref_loss),
+            "token_rms": float((tokens - ref_tokens)[valid].pow(2).mean().sqrt()),
+            "grad_norm": float(diff.norm() / norm.norm()),
+            "grad_max": max(_grad_error(grads[n], g) for n, g in ref_grads.items()),
+        }
+
+    return {"single_bf16": errors(*single), "sp_bf16": errors(float(loss), sp_tokens, grads)}
