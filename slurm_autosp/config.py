@@ -171,11 +171,31 @@ class ParallelConfig:
     allow_cross_domain: bool = False  # let SP groups span NVLink domains (slow; logged)
 
 
+class ActivationCheckpointing(str, enum.Enum):
+    sac = "sac"  # sequence-aware: attention kept, the rest by recompute FLOPs per byte within the budget
+    none = "none"  # save everything backward needs
+    full = "full"  # recompute everything but the layer inputs, attention included
+    torch_default = "torch_default"  # torch's min-cut heuristics, untagged
+
+
 @dataclass
 class CompileConfig:
     enabled: bool = False
     per_layer: bool = True  # one graph per decoder layer: compile time flat in depth
     cache_dir: Optional[str] = None  # default: node-local, under the system temp dir
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.sac
+    # sac: fraction in [0, 1] of the non-attention tensors' bytes kept (dearest to recompute
+    # first); null: the largest the memory plan fits (1.0 on CPU ranks)
+    activation_memory_budget: Optional[float] = None
+    recompute_all_to_all: bool = False  # run the Ulysses all-to-alls again in backward (saves memory)
+    loss_chunk_tokens: int = 1024  # tokens per cross-entropy chunk: logits never exist whole; 0: unchunked
+
+    def __post_init__(self) -> None:
+        budget = self.activation_memory_budget
+        if budget is not None and not 0.0 <= budget <= 1.0:
+            raise ConfigError(f"compile.activation_memory_budget={budget} must be in [0, 1] (or null: from the memory plan)")
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError(f"compile.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0: unchunked)")
 
 
 @dataclass
@@ -204,7 +224,18 @@ class CheckpointConfig:
 
 @dataclass
 class TraceConfig:
-    tensorboard: bool = True
+    """What rank 0 writes under `<run_dir>/tensorboard/`: scalars every step, memory traces
+    at `memory_steps` (1-based step numbers as logged) of `memory_ranks` and the step's
+    highest-peak rank."""
+
+    tensorboard: bool = True  # false: no events and no memory traces
+    memory_steps: List[int] = field(default_factory=lambda: [2])  # step 1 is mostly compilation
+    memory_ranks: List[int] = field(default_factory=lambda: [0])
+    memory_worst_rank: bool = True  # also trace the rank whose peak memory is highest
+    memory_sample_ms: float = 1.0  # sampling interval of the timeline inside a traced step
+    memory_snapshot: bool = True  # GPU: PyTorch memory snapshot (memory_viz) of the traced ranks
+    oom_snapshot: bool = True  # GPU: a rank that runs out of memory dumps a snapshot first
+    peak_tflops_per_gpu: Optional[float] = None  # MFU denominator; default by GPU name, none on CPU
 
 
 @dataclass

@@ -25,6 +25,7 @@ from slurm_autosp.config import ConfigError, JobConfig, load_config, to_yaml
 from slurm_autosp.launch.executor import build_executor, sbatch_script, submitit_dir
 from slurm_autosp.launch.layout import ParallelLayout
 from slurm_autosp.launch.placement import plan_layout
+from slurm_autosp.plan import plan_verdict
 from slurm_autosp.launch.job import TrainingJob, collective_env_for
 from slurm_autosp.launch.watch import JobFailed, wait_for_job
 
@@ -80,9 +81,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = load_config(argv)
         layout = plan_layout(cfg)
         executor = build_executor(cfg)
+        plan_text, fits, reason = plan_verdict(cfg)
         if cfg.dry_run:
             print(describe_dry_run(cfg, executor, layout))
+            print(plan_text)
             return 0
+        if not fits:
+            raise ConfigError(f"the job does not fit its GPUs: {reason}\n{plan_text}")
         prepare_run_dir(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -14,6 +13,7 @@ from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.checkpoint.schedule import SaveSchedule, checkpoint_dir
 from slurm_autosp.checkpoint.signals import StopRequest
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
+from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs, set_sp_group
 from slurm_autosp.config import JobConfig, config_hash
 from slurm_autosp.data import build_source, micro_batch
@@ -21,8 +21,8 @@ from slurm_autosp.engine import build_engine
 from slurm_autosp.launch.distributed import DistContext
 from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.launch.requeue import requeue_and_exit
-from slurm_autosp.metrics import MetricsLogger, peak_memory_bytes, reset_peak_memory
 from slurm_autosp.model import build_model
+from slurm_autosp.trace import UNTIMED, PhaseClock, StepTracer
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,10 @@ def compile_for_sp(model: torch.nn.Module, cfg: JobConfig, parallel: Parallel) -
     """Compile the model with the AutoSP backend over this rank's SP group (if enabled)."""
     if not cfg.compile.enabled:
         return None
-    backend = AutoSPBackend(cfg.parallel.sp_size)
+    from slurm_autosp.plan import checkpoint_spec_for
+
+    backend = AutoSPBackend(cfg.parallel.sp_size, checkpoint_spec_for(cfg))
+    log.info("AutoSP: %r", backend)
     set_sp_group(parallel.sp_group)
     compile_model(model, backend, per_layer=cfg.compile.per_layer)
     return backend
@@ -54,41 +57,28 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     resumed = store.load_latest(engine)
     first_step = resumed.step if resumed else 0
     schedule = SaveSchedule(cfg.checkpoint)
-    metrics = MetricsLogger(cfg, is_writer=ctx.rank == 0, first_step=first_step)
-    tokens_per_step = cfg.global_batch * cfg.data.seq_len
+    tracer = StepTracer(cfg, ctx.rank, ctx.world_size, ctx.device, engine.module, first_step, parallel.layout)
     losses = []
     try:
         for step in range(first_step, cfg.train.steps):
-            reset_peak_memory(ctx.device)
             lr = engine.get_lr()[0]
-            start = time.perf_counter()
-            loss = _optimizer_step(engine, cfg, ctx, parallel, source, step)
-            step_time = time.perf_counter() - start
+            with tracer.step(step + 1) as phases:
+                loss = _optimizer_step(engine, cfg, ctx, parallel, source, step, phases)
             if backend is not None and step == first_step:
                 backend.require_sdpa_found()
             losses.append(loss)
             done = step + 1
-            metrics.log_step(
-                done,
-                {
-                    "train/loss": loss,
-                    "train/lr": lr,
-                    "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                    "throughput/tokens_per_s": tokens_per_step / step_time,
-                    "time/step_s": step_time,
-                    "memory/peak_mib": peak_memory_bytes(ctx.device) / 2**20,
-                },
-            )
+            tracer.log_step(done, loss, lr, float(engine.get_global_grad_norm() or 0.0))
             save_due, stop_now = _agree(ctx, schedule.due(done), stop.requested)
             if save_due or stop_now or done == cfg.train.steps:
                 store.save(engine, _trainer_state(cfg, ctx, parallel, done))
                 schedule.saved()
             if stop_now:
                 log.info("stopping at step %d on %s", done, stop.signal_name or "another rank's signal")
-                metrics.close()
+                tracer.close()
                 requeue_and_exit(ctx.rank, cfg.cluster.max_requeues)
     finally:
-        metrics.close()
+        tracer.close()
     if ctx.rank == 0:
         export_hf(engine.module, cfg.run.dir)
     return TrainResult(first_step=first_step, losses=losses)
@@ -112,33 +102,39 @@ def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> Tuple[bool
 
 
 def _optimizer_step(
-    engine: Any, cfg: JobConfig, ctx: DistContext, parallel: Parallel, source: Any, step: int
+    engine: Any, cfg: JobConfig, ctx: DistContext, parallel: Parallel, source: Any, step: int,
+    phases: PhaseClock = UNTIMED,
 ) -> float:
     """One optimizer step over `grad_accum` micro-batches; returns the step's global loss.
 
     Every rank of an SP group reads the same sequences and keeps its shard. The objective is
     the mean over every valid label of the step (all micro-batches, all ranks): each rank's
     loss is its label sum over that global count, scaled for DeepSpeed's gradient averaging
-    (`loss_scale`).
+    (`loss_scale`). `phases` times data / forward / backward / optimizer (and, on traced
+    steps, marks them on the memory timeline).
     """
     layout = parallel.layout
-    batches = [
-        prepare_sp_inputs(
-            micro_batch(source, cfg, step, m, layout.dp_rank(ctx.rank)).to(ctx.device),
-            sp_rank=layout.sp_rank(ctx.rank),
-            sp_size=layout.sp_size,
-        )
-        for m in range(cfg.train.grad_accum)
-    ]
-    valid = torch.tensor(sum(b.valid_labels for b in batches), device=ctx.device)
-    dist.all_reduce(valid)
+    with phases("data"):
+        batches = [
+            prepare_sp_inputs(
+                micro_batch(source, cfg, step, m, layout.dp_rank(ctx.rank)).to(ctx.device),
+                sp_rank=layout.sp_rank(ctx.rank),
+                sp_size=layout.sp_size,
+            )
+            for m in range(cfg.train.grad_accum)
+        ]
+        valid = torch.tensor(sum(b.valid_labels for b in batches), device=ctx.device)
+        dist.all_reduce(valid)
     num_items = valid.clamp(min=1)
     scale = loss_scale(ctx.world_size, cfg.train.grad_accum)
     step_loss = torch.zeros((), device=ctx.device)
     for batch in batches:
-        loss = engine(**batch.model_kwargs(num_items)).loss
-        engine.backward(loss * scale)
-        engine.step()
+        with phases("forward"):
+            loss = causal_lm_loss(engine, batch.model_kwargs(num_items), chunk_tokens=cfg.compile.loss_chunk_tokens)
+        with phases("backward"):
+            engine.backward(loss * scale)
+        with phases("optimizer"):
+            engine.step()
         step_loss += loss.detach()
     dist.all_reduce(step_loss)
     return step_loss.item()

@@ -2,8 +2,9 @@
 
 Two steps, kept apart so each can change alone: `rewrite_sdpa_for_sp` edits the Dynamo FX
 graph (q, k, v go from [B, H, S/P, D] to [B, H/P, S, D] before attention, the output comes
-back after), and `compile_with_inductor` turns the rewritten graph into code (the place a
-checkpointing partitioner policy will plug in).
+back after), and `compile_with_inductor` turns the rewritten graph into code, with the
+activation checkpointing policy (`checkpointing.CheckpointSpec`) as recompute tags that the
+min-cut partitioner honours.
 """
 
 from collections.abc import Callable, Sequence
@@ -13,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 
+from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy, inductor_config_patches
 from slurm_autosp.heads import valid_sp_sizes
 
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
@@ -143,9 +145,13 @@ def rewrite_sdpa_for_sp(gm: fx.GraphModule, sp_size: int) -> int:
     return len(calls)
 
 
-def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
-    """Compile a rewritten graph to code with inductor."""
-    return compile_fx(gm, list(example_inputs))
+def compile_with_inductor(
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], checkpointing: CheckpointSpec | None = None
+) -> Callable:
+    """Compile a rewritten graph to code with inductor, partitioning forward and backward under
+    `checkpointing` (None: torch's default partitioner heuristics)."""
+    spec = checkpointing or CheckpointSpec(Policy.torch_default)
+    return compile_fx(gm, list(example_inputs), config_patches=inductor_config_patches(spec))
 
 
 class AutoSPBackend:
@@ -157,18 +163,19 @@ class AutoSPBackend:
     every graph this backend compiled.
     """
 
-    def __init__(self, sp_size: int) -> None:
+    def __init__(self, sp_size: int, checkpointing: CheckpointSpec | None = None) -> None:
         if sp_size < 1:
             raise ValueError(f"sp_size must be >= 1, got {sp_size}")
         self.sp_size = sp_size
+        self.checkpointing = checkpointing or CheckpointSpec(Policy.torch_default)
         self.sdpa_calls_rewritten = 0
 
     def __repr__(self) -> str:
-        return f"AutoSPBackend(sp_size={self.sp_size})"
+        return f"AutoSPBackend(sp_size={self.sp_size}, checkpointing={self.checkpointing.key()})"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
         rewritten = rewrite_sdpa_for_sp(gm, self.sp_size)
-        compiled = compile_with_inductor(gm, example_inputs)
+        compiled = compile_with_inductor(gm, example_inputs, self.checkpointing)
         self.sdpa_calls_rewritten += rewritten  # only now: inductor may make Dynamo retrace and call again
         return compiled
 

@@ -1,0 +1,324 @@
+"""Activation checkpointing policies side by side, per rank, on our AutoSP graphs (SP=2):
+ours (`none`, `torch_default`, `full`, `sac`, `sac` replaying the all-to-alls) and DeepSpeed's
+long-context policy (its `register_long_context_checkpointing`, which splices its own
+`should_ban_recomputation` into torch's min-cut; applied to the same graphs here, and undone
+after), plus the memory plan's prediction against measured memory.
+
+    python bench/checkpointing_bench.py                         # seq 1024, 4096, 8192
+    python bench/checkpointing_bench.py --seqs 2048 --steps 3
+
+Same tiny Llama for every policy (hidden 64, intermediate 128, 4 heads, 2 KV heads, 4 layers,
+vocab 256, fp32, sdpa), compiled per decoder layer by our backend with static shapes, one
+sequence of S tokens over 2 CPU ranks (gloo), a fresh compile per (policy, S) with inductor's
+caches off (DeepSpeed's splice is not in any cache key). Columns, per rank (the larger of the
+two ranks where they differ):
+- saved B/tok/layer: bytes of distinct storages saved for backward between the embedding and
+  the final norm, i.e. by the compiled decoder layers (saved_tensors_hooks; hooks on the eager
+  embedding and norm delimit them), parameters and the rotary cos/sin all layers share
+  excluded, divided by layers and local tokens;
+- O(S^2) saved: saved tensors with one dim >= S and another >= S/P;
+- a2a in bw: all_to_all_single calls during backward (all layers);
+- recompute: FLOPs the backward recomputes over the layer's forward+backward FLOPs (from the
+  partitioned graphs of one layer at this shape: slurm_autosp.plan.trace);
+- attn recomputed: SDPA forward kernels in the layer's backward graph;
+- step: median wall time of forward+backward over the timed steps (the slower rank);
+- loss / grad err: relative to `none` in the same run (loss; worst max|g - g_none| / max|g_none|).
+`deepspeed_attn_kept` is DeepSpeed's policy with the CPU SDPA kernel tagged must-save: its list
+names only the CUDA kernels, so on CPU plain `deepspeed` recomputes attention; with the tag it
+decides as it would on a GPU.
+Plan vs measured (policies none and sac): predicted = the plan's activations held after the
+forward (layers x the traced layer's saved bytes, shared cos/sin, final norm and loss inputs);
+measured = VmRSS after the forward minus before it, with glibc's mmap threshold at 64 KiB so
+freed tensors leave the resident set at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SP = 2
+LAYERS = 4
+POLICIES = ["none", "torch_default", "full", "sac", "sac_replay_a2a", "deepspeed", "deepspeed_attn_kept"]
+CHUNK = 256
+
+
+def tiny_llama_config():
+    from slurm_autosp.config import ModelConfig
+
+    return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+def _spec(policy: str):
+    from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+
+    return {
+        "none": CheckpointSpec(Policy.none),
+        "torch_default": CheckpointSpec(Policy.torch_default),
+        "full": CheckpointSpec(Policy.full),
+        "sac": CheckpointSpec(Policy.sac, budget=0.0),
+        "sac_replay_a2a": CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True),
+        "deepspeed": CheckpointSpec(Policy.torch_default),  # untagged: DeepSpeed's splice decides
+        "deepspeed_attn_kept": CheckpointSpec(Policy.torch_default),
+    }[policy]
+
+
+class _KeepAttentionOnly:
+    """Tags only the SDPA kernels MUST_SAVE (DeepSpeed's splice honours the tag). DeepSpeed's own
+    must-save list names the CUDA SDPA kernels, not the CPU one these graphs contain; with this
+    tag its policy behaves on CPU as it does on a GPU."""
+
+    def __new__(cls):
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        from slurm_autosp.compile.checkpointing import ATTENTION_OPS
+
+        class KeepAttention(CustomGraphPass):
+            def __call__(self, graph):
+                for node in graph.nodes:
+                    if node.op == "call_function" and node.target in ATTENTION_OPS:
+                        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                        for user in node.users:
+                            user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+            def uuid(self):
+                return "bench-keep-attention"
+
+        return KeepAttention()
+
+
+def _scope(policy: str):
+    import contextlib
+
+    import torch
+
+    if policy == "deepspeed":
+        return deepspeed_policy()
+    if policy == "deepspeed_attn_kept":
+        stack = contextlib.ExitStack()
+        stack.enter_context(deepspeed_policy())
+        stack.enter_context(torch._inductor.config.patch(joint_custom_post_pass=_KeepAttentionOnly()))
+        return stack
+    return contextlib.nullcontext()
+
+
+class deepspeed_policy:
+    """DeepSpeed's long-context checkpointing for the duration of a block, then torch's own."""
+
+    def __enter__(self):
+        import torch._functorch.partitioners as partitioners
+        from deepspeed.compile.passes.long_context_checkpointing import register_long_context_checkpointing
+
+        self.partitioners, self.original = partitioners, partitioners.solve_min_cut
+        register_long_context_checkpointing()
+
+    def __exit__(self, *exc):
+        self.partitioners.solve_min_cut = self.original
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_policy(policy: str, seq: int, steps: int, rank: int):
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs
+    from slurm_autosp.compile.checkpointing import is_quadratic
+    from slurm_autosp.compile.chunked_loss import causal_lm_loss
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = tiny_llama_config()
+    model = LlamaForCausalLM(LlamaConfig(**m.hf_fields(), attn_implementation="sdpa", use_cache=False))
+    scope = _scope(policy)
+    compile_model(model, AutoSPBackend(SP, _spec(policy)), per_layer=True, dynamic=False)
+    input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
+    shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP)
+    count = torch.tensor(shard.valid_labels)
+    dist.all_reduce(count)
+    kwargs = shard.model_kwargs(count)
+    local = shard.input_ids.shape[1]
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    record = {"inside": False, "storages": {}, "shapes": [], "shared": set()}
+
+    # The decoder layers run between the embedding and the final norm (both eager, not
+    # compiled: hooks on them fire in order); the rotary cos/sin every layer receives are shared.
+    inner = model.model
+    inner.embed_tokens.register_forward_hook(lambda *_: record.__setitem__("inside", True))
+    inner.norm.register_forward_pre_hook(lambda *_: record.__setitem__("inside", False))
+    inner.rotary_emb.register_forward_hook(
+        lambda _m, _a, out: record["shared"].update(t.untyped_storage().data_ptr() for t in out)
+    )
+
+    def pack(t):
+        if record["inside"]:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and ptr not in record["shared"]:
+                record["storages"][ptr] = t.untyped_storage().nbytes()
+                record["shapes"].append(tuple(t.shape))
+        return t
+
+    a2a = {"count": 0, "backward": False}
+    original_a2a = dist.all_to_all_single
+
+    def counting_a2a(*args, **kw):
+        a2a["count"] += a2a["backward"]
+        return original_a2a(*args, **kw)
+
+    dist.all_to_all_single = counting_a2a
+    times, rss = [], {}
+    try:
+        with scope:
+            for step in range(steps + 1):
+                model.zero_grad(set_to_none=True)
+                record["storages"].clear()
+                record["shapes"].clear()
+                a2a["count"] = 0
+                dist.barrier()
+                start = time.perf_counter()
+                before = _rss()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = causal_lm_loss(model, kwargs, chunk_tokens=CHUNK)
+                after = _rss()
+                a2a["backward"] = True
+                (loss * loss_scale(dist.get_world_size(), 1)).backward()
+                a2a["backward"] = False
+                if step:
+                    times.append(time.perf_counter() - start)
+                    rss = {"forward_delta": after - before}
+    finally:
+        dist.all_to_all_single = original_a2a
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        grads[name] = p.grad / dist.get_world_size()
+    return {
+        "saved_per_token_layer": sum(record["storages"].values()) / LAYERS / local,
+        "quadratic": sum(is_quadratic(s, local, SP) for s in record["shapes"]),
+        "a2a_backward": a2a["count"],
+        "step_s": statistics.median(times),
+        "loss": total,
+        "grads": grads,
+        "rss_forward_delta": rss["forward_delta"],
+        "local": local,
+    }
+
+
+def layer_trace(policy: str, seq: int):
+    import torch
+
+    from slurm_autosp.plan.trace import trace_decoder_layer
+
+    with _scope(policy):
+        (trace,) = trace_decoder_layer(tiny_llama_config(), local_seq=seq // SP, sp_size=SP,
+                                       specs=[_spec(policy)], dtype=torch.float32)
+    return trace
+
+
+def predicted_forward_bytes(trace, local: int) -> float:
+    """The plan's activations held after the forward, for this tiny fp32 model at batch 1."""
+    h = tiny_llama_config().hidden_size
+    final_norm_and_loss = h * 4 + 4 + h * 4 + 8 + 8  # norm input, rsqrt, lm_head input, labels, ids
+    return LAYERS * trace.activation_bytes + trace.shared_bytes + final_norm_and_loss * local
+
+
+def rank_main(rank: int, init_file: str, seqs: list[int], steps: int, out: str) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
+    from slurm_autosp.compile import set_sp_group
+
+    set_sp_group(dist.group.WORLD)
+    rows = []
+    for seq in seqs:
+        reference = None
+        for policy in POLICIES:
+            result = run_policy(policy, seq, steps, rank)
+            if reference is None:
+                reference = result
+            grad_err = max(float((result["grads"][k] - g).abs().max() / g.abs().max()) for k, g in reference["grads"].items())
+            loss_err = float((result["loss"] - reference["loss"]).abs() / reference["loss"].abs())
+            row = {k: v for k, v in result.items() if k not in ("grads", "loss")}
+            row.update(policy=policy, seq=seq, loss_err=loss_err, grad_err=grad_err, loss=float(result["loss"]))
+            if rank == 0:
+                trace = layer_trace(policy, seq)
+                row["recompute_share"] = trace.recompute_flops / max(trace.forward_flops + trace.backward_flops, 1)
+                row["attention_recomputed"] = trace.recomputed_attention
+                row["plan_saved_per_token_layer"] = trace.activation_bytes / trace.tokens
+                row["predicted_forward_bytes"] = predicted_forward_bytes(trace, result["local"])
+            rows.append(row)
+            print(f"[rank {rank}] seq {seq} {policy}: {json.dumps({k: row[k] for k in row if k != 'grads'}, default=str)}", flush=True)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def render(rows0: list[dict], rows1: list[dict]) -> str:
+    lines = [
+        "| S (P=2) | policy | saved B/tok/layer | O(S²) saved | a2a in bw | recompute | attn recomputed | step (s) | loss err | grad err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a, b in zip(rows0, rows1):
+        lines.append(
+            f"| {a['seq']} | {a['policy']} | {max(a['saved_per_token_layer'], b['saved_per_token_layer']):,.0f} | "
+            f"{max(a['quadratic'], b['quadratic'])} | {max(a['a2a_backward'], b['a2a_backward'])} | "
+            f"{a['recompute_share']:.1%} | {a['attention_recomputed']} | {max(a['step_s'], b['step_s']):.3f} | "
+            f"{max(a['loss_err'], b['loss_err']):.1e} | {max(a['grad_err'], b['grad_err']):.1e} |"
+        )
+    lines += ["", "| S (P=2) | policy | plan: held after forward | measured (VmRSS delta, rank 0) | error |", "|---|---|---|---|---|"]
+    for a in rows0:
+        if a["policy"] in ("none", "sac", "sac_replay_a2a"):
+            predicted, measured = a["predicted_forward_bytes"], a["rss_forward_delta"]
+            lines.append(f"| {a['seq']} | {a['policy']} | {predicted / 2**20:.2f} MiB | {measured / 2**20:.2f} MiB | "
+                         f"{(predicted - measured) / measured:+.1%} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", default="1024,4096,8192")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=str(REPO / "bench" / "checkpointing_results.json"))
+    args = parser.parse_args()
+    seqs = [int(s) for s in args.seqs.split(",")]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the resident set at once
+    sys.path.insert(0, str(REPO))
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        mp.spawn(rank_main, args=(os.path.join(tmp, "store"), seqs, args.steps, os.path.join(tmp, "rows")), nprocs=SP)
+        rows = [json.load(open(os.path.join(tmp, f"rows.{r}"))) for r in range(SP)]
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(render(rows[0], rows[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Sequence-aware activation checkpointing (SAC): recompute tags on the joint graph.
+
+torch's min-cut partitioner splits the joint forward+backward graph into a forward that
+saves some tensors and a backward that recomputes the rest. It honours
+`node.meta["recompute"]`: MUST_SAVE bans a node from recomputation, PREFER_RECOMPUTE forces
+it to be recomputed. `CheckpointPass` writes those tags as an inductor joint-graph pass
+(`torch._inductor.config.joint_custom_post_pass`), so nothing of torch is patched, and its
+`uuid()` names the policy, so inductor's own compile caches key on it.
+
+Policies (`compile.activation_checkpointing`):
+- `sac`: attention (the SDPA kernels, whose outputs cost O(S^2) FLOPs to recompute) is always
+  kept, never recomputed. The other forward tensors the backward depends on are kept greedily,
+  dearest first, by the FLOPs it takes to recompute them (from the layer's inputs and what is
+  already kept) per byte they occupy: a matmul output costs ~2*K FLOPs per element, an
+  elementwise op ~1. Keeping stops when `budget` (a fraction of their total bytes) is spent;
+  the rest is recomputed. Attention's kernels save only O(S) tensors (output, logsumexp), and
+  nothing in the graph builds an S x S tensor, so no O(S^2) tensor can be saved.
+- `none`: nothing is recomputed; every tensor the backward needs is saved.
+- `full`: everything but the layer's inputs is recomputed, attention included.
+- `torch_default`: no tags; the partitioner's own heuristics.
+Under every policy but `torch_default`, `recompute_all_to_all` decides whether the Ulysses
+all-to-alls are run again in backward (less memory, more communication) or their outputs
+are saved.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.flop_counter import flop_registry
+
+import slurm_autosp.compile.all_to_all  # noqa: F401 - registers the op
+
+aten = torch.ops.aten
+ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
+
+# SDPA forward kernels (what F.scaled_dot_product_attention decomposes to in the joint graph).
+ATTENTION_OPS = frozenset(
+    op
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+    if hasattr(aten, name)
+    for op in [getattr(aten, name).default]
+)
+
+
+# Their backward kernels: QK^T is recomputed, then dP, dS, dQ, dK, dV: ~2.5x the forward.
+ATTENTION_BACKWARD_OPS = frozenset(
+    getattr(aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention_backward",
+    )
+    if hasattr(aten, name)
+)
+
+
+class Policy(str, enum.Enum):
+    sac = "sac"
+    none = "none"
+    full = "full"
+    torch_default = "torch_default"
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """What the partitioner is told to save; `budget` applies to `sac` only."""
+
+    policy: Policy = Policy.sac
+    budget: float = 0.0  # sac: fraction of the bytes of the tensors backward depends on kept (1: none recomputed)
+    recompute_all_to_all: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Policy(self.policy))
+        if not 0.0 <= self.budget <= 1.0:
+            raise ValueError(f"activation memory budget must be in [0, 1], got {self.budget}")
+
+    def key(self) -> str:
+        """Identifies the policy in compile caches."""
+        return f"{self.policy.value}:budget={self.budget:.6g}:recompute_a2a={self.recompute_all_to_all}"
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def _val(node: fx.Node) -> Any:
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def _hint(value: Any) -> int:
+    """A concrete int for a possibly symbolic size (its hint)."""
+    if isinstance(value, torch.SymInt):
+        return int(value.node.shape_env.size_hint(value.node.expr))
+    return int(value)
+
+
+def tensor_bytes(node: fx.Node) -> int:
+    """Bytes of a node's tensor output(s); 0 for non-tensors."""
+    return sum(
+        _hint(v.numel()) * v.element_size()
+        for v in torch.utils._pytree.tree_leaves(_val(node))
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def _shapes(arg: Any) -> Any:
+    if isinstance(arg, fx.Node):
+        value = _val(arg)
+        if isinstance(value, torch.Tensor):
+            return torch.Size(_hint(s) for s in value.shape)
+        if isinstance(value, (tuple, list)):
+            return type(value)(torch.Size(_hint(s) for s in v.shape) if isinstance(v, torch.Tensor) else v for v in value)
+        return value
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_shapes(a) for a in arg)
+    return arg
+
+
+def wrapped_op(node: fx.Node) -> tuple[Any, tuple, dict]:
+    """(op, args, kwargs) of a node, looking through the RNG-replay wrappers the partitioner
+    puts around random ops it recomputes (SDPA kernels are random: they can do dropout)."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    if node.target is run_with_rng_state:
+        return node.args[1], tuple(node.args[2:]), dict(node.kwargs)
+    if node.target is run_and_save_rng_state:
+        return node.args[0], tuple(node.args[1:]), dict(node.kwargs)
+    return node.target, tuple(node.args), dict(node.kwargs)
+
+
+def is_attention(node: fx.Node) -> bool:
+    """An SDPA forward kernel, bare or wrapped for RNG replay."""
+    return node.op == "call_function" and wrapped_op(node)[0] in ATTENTION_OPS
+
+
+def _attention_flops(node: fx.Node) -> int:
+    """FLOPs of an SDPA kernel: 4*B*H*Sq*Skv*D forward (QK^T and PV), 2.5x that backward,
+    halved when causal."""
+    op, args, kwargs = wrapped_op(node)
+    backward = op in ATTENTION_BACKWARD_OPS
+    names = [a.name for a in op._schema.arguments]
+
+    def argument(name: str, default: Any) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        index = names.index(name)
+        return args[index] if index < len(args) else default
+
+    query, key = argument("query", None), argument("key", None)
+    batch, heads, s_q, d = _shapes(query)
+    s_kv = _shapes(key)[-2]
+    flops = 4 * batch * heads * s_q * s_kv * d * (5 if backward else 2) // 2
+    return flops // 2 if argument("is_causal", False) else flops
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one node: matmuls and attention by formula, anything else one per output element."""
+    if node.op != "call_function" or node.target is operator.getitem or is_view(node):
+        return 0
+    if is_attention(node) or node.target in ATTENTION_BACKWARD_OPS:
+        return _attention_flops(node)
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet in flop_registry:
+        formula = flop_registry[packet]
+        try:  # registry formulas are wrapped to turn tensors into shapes; we pass shapes already
+            return int(formula.__wrapped__(*_shapes(list(node.args)), out_shape=_shapes(node),
+                                           **{k: _shapes(v) for k, v in node.kwargs.items()}))
+        except Exception:  # noqa: BLE001 - an unusual signature: count it as elementwise
+            pass
+    return sum(_hint(v.numel()) for v in torch.utils._pytree.tree_leaves(_val(node)) if isinstance(v, torch.Tensor))
+
+
+# ----------------------------------------------------------------------------- tagging
+
+
+def split_joint_graph(graph: fx.Graph) -> tuple[list[fx.Node], set[fx.Node]]:
+    """(forward call_function nodes in order, the backward nodes) of a joint graph: backward
+    is everything downstream of a tangent."""
+    backward: set[fx.Node] = set()
+    forward = []
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                backward.add(node)
+        elif node.op == "call_function":
+            if any(a in backward for a in node.all_input_nodes):
+                backward.add(node)
+            else:
+                forward.append(node)
+    return forward, backward
+
+
+def is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                and not schema.returns[0].alias_info.is_write)
+
+
+def _is_random(node: fx.Node) -> bool:
+    return hasattr(node.target, "tags") and torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+def _reaches(node: fx.Node, backward: set[fx.Node], saved: set[fx.Node], memo: dict[fx.Node, bool]) -> bool:
+    """Whether the backward depends on `node` other than through the `saved` tensors (then it
+    must be saved or recomputed)."""
+    if node not in memo:
+        memo[node] = any(
+            u in backward or (u not in saved and _reaches(u, backward, saved, memo)) for u in node.users
+        )
+    return memo[node]
+
+
+def recompute_flops(node: fx.Node, kept: set[fx.Node]) -> int:
+    """FLOPs to recompute `node` from the layer's inputs and the `kept` tensors."""
+    chain: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in chain:
+            continue
+        chain.add(current)
+        stack.extend(i for i in current.all_input_nodes if i.op == "call_function" and i not in kept)
+    return sum(node_flops(n) for n in chain)
+
+
+def _choose_kept(candidates: list[fx.Node], kept: set[fx.Node], budget_bytes: float) -> set[fx.Node]:
+    """Greedy: keep the candidate dearest to recompute per byte (given what is kept so far)
+    while it fits the budget; a candidate that does not fit is recomputed."""
+    chosen: set[fx.Node] = set()
+    undecided = list(candidates)
+    spent = 0
+    while undecided:
+        best = max(undecided, key=lambda n: recompute_flops(n, kept | chosen) / tensor_bytes(n))
+        undecided.remove(best)
+        if spent + tensor_bytes(best) <= budget_bytes:
+            chosen.add(best)
+            spent += tensor_bytes(best)
+    return chosen
+
+
+def tag_joint_graph(graph: fx.Graph, spec: CheckpointSpec) -> dict[str, int]:
+    """Write `node.meta["recompute"]` on the forward nodes of `graph`; returns counts by decision.
+
+    SAC's candidates are the forward tensors the backward depends on, directly or through a
+    recomputation (not through a kept tensor); `budget` is the fraction of their bytes that may
+    be kept: 1 recomputes nothing, 0 only what attention (and the all-to-alls, unless they are
+    replayed) keep. Views are always recomputed (they are free).
+    """
+    counts = {"attention_kept": 0, "all_to_all_kept": 0, "kept": 0, "recomputed": 0}
+    if spec.policy is Policy.torch_default:
+        return counts
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    nodes, backward = split_joint_graph(graph)
+    reach: dict[fx.Node, bool] = {}
+    decisions: dict[fx.Node, CheckpointPolicy] = {}
+    candidates: list[fx.Node] = []
+    for node in nodes:
+        if node.target is operator.getitem:
+            continue  # follows its producer, below
+        if node.target in ATTENTION_OPS:
+            decisions[node] = recompute if spec.policy is Policy.full else save
+            counts["attention_kept"] += spec.policy is not Policy.full
+        elif node.target is ALL_TO_ALL:
+            decisions[node] = recompute if spec.recompute_all_to_all else save
+            counts["all_to_all_kept"] += not spec.recompute_all_to_all
+        elif _is_random(node):
+            decisions[node] = save  # never replay randomness
+        elif spec.policy is Policy.none:
+            decisions[node] = save
+        elif spec.policy is Policy.full or is_view(node) or tensor_bytes(node) == 0:
+            decisions[node] = recompute
+        else:
+            decisions[node] = recompute
+            candidates.append(node)
+    always = {n for n, d in decisions.items() if d is save}
+    candidates = [n for n in candidates if _reaches(n, backward, always, reach)]
+    if candidates:
+        budget_bytes = spec.budget * sum(tensor_bytes(n) for n in candidates)
+        for node in _choose_kept(candidates, always, budget_bytes):
+            decisions[node] = save
+    for node, decision in decisions.items():
+        node.meta["recompute"] = decision
+        for user in node.users:  # getitems of a multi-output node share its decision
+            if user.target is operator.getitem:
+                user.meta["recompute"] = decision
+        if node.target not in ATTENTION_OPS and node.target is not ALL_TO_ALL and not _is_random(node):
+            counts["kept" if decision is save else "recomputed"] += 1
+    return counts
+
+
+class CheckpointPass(CustomGraphPass):
+    """The policy as an inductor joint-graph pass; `uuid()` keys inductor's caches on it."""
+
+    def __init__(self, spec: CheckpointSpec) -> None:
+        self.spec = spec
+        self.last_counts: dict[str, int] = {}
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.last_counts = tag_joint_graph(graph, self.spec)
+
+    def uuid(self) -> str:
+        with open(__file__, "rb") as source:
+            code = hashlib.sha256(source.read()).hexdigest()[:16]
+        return f"slurm_autosp.checkpointing:{self.spec.key()}:{code}"
+
+    def __repr__(self) -> str:
+        return f"CheckpointPass({self.spec.key()})"
+
+
+def inductor_config_patches(spec: CheckpointSpec) -> dict[str, Any]:
+    """Inductor config under which `compile_fx` applies `spec` (empty for torch_default)."""
+    if spec.policy is Policy.torch_default:
+        return {}
+    return {"joint_custom_post_pass": CheckpointPass(spec)}
+
+
+def is_quadratic(shape: tuple[int, ...], local_seq: int, sp_size: int) -> bool:
+    """Whether a tensor of `shape` grows with S^2 (an S x S mask or score matrix, whole or
+    sharded): it spans the whole sequence in one dim and at least this rank's shard in another."""
+    dims = sorted((int(d) for d in shape), reverse=True)
+    return len(dims) >= 2 and dims[0] >= local_seq * sp_size and dims[1] >= local_seq

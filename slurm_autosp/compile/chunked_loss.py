@@ -1,0 +1,96 @@
+"""Cross-entropy over the vocabulary in chunks of tokens, so the [tokens, vocab] logits never
+exist whole (at 16k tokens per rank and a 128k vocabulary, fp32 logits alone are 8 GB).
+
+Each chunk's logits are computed, reduced to a summed loss and dropped; backward recomputes
+one chunk at a time (activation checkpointing per chunk), so at most one chunk's logits and
+their gradient are alive. The arithmetic is Hugging Face's causal-LM loss: logits in the
+model's dtype, cast to fp32, summed cross-entropy over valid labels, divided by the step's
+global label count; only the order of the fp32 summation differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from slurm_autosp.compile.inputs import IGNORE_INDEX
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: torch.Tensor | int,
+    *,
+    chunk_tokens: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum over tokens of CE(hidden @ weight.T + bias, labels) / num_items_in_batch.
+
+    `hidden` is [..., H] (the final norm's output), `labels` [...] already shifted, with
+    IGNORE_INDEX for tokens outside the loss. `chunk_tokens` <= 0 computes all at once.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    tokens = hidden.shape[0]
+    chunk = tokens if chunk_tokens <= 0 else min(chunk_tokens, tokens)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, tokens, chunk):
+        end = min(start + chunk, tokens)
+        if chunk >= tokens:
+            total = total + _chunk_loss_sum(hidden, weight, bias, labels)
+        else:
+            total = total + checkpoint(
+                _chunk_loss_sum, hidden[start:end], weight, bias, labels[start:end], use_reentrant=False
+            )
+    return total / torch.as_tensor(num_items_in_batch, device=total.device)
+
+
+@contextmanager
+def _output_embedding_as_identity(module: torch.nn.Module) -> Iterator[torch.nn.Linear | None]:
+    """Swap the model's output embedding for an identity for the duration of a forward, so its
+    `logits` are the final hidden states; yields the real output embedding (None if the model
+    has no plain Linear one)."""
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    name = next((n for n, child in module.named_children() if child is head), None)
+    if not isinstance(head, torch.nn.Linear) or name is None:
+        yield None
+        return
+    setattr(module, name, torch.nn.Identity())
+    try:
+        yield head
+    finally:
+        setattr(module, name, head)
+
+
+def causal_lm_loss(model: Any, batch_kwargs: dict[str, Any], *, chunk_tokens: int) -> torch.Tensor:
+    """The loss of an HF causal LM on `SPBatch.model_kwargs()`, computed in chunks.
+
+    `model` is what runs the forward (the DeepSpeed engine, so its backward hooks are set on the
+    outputs). The output embedding is swapped for an identity during the forward, so the model
+    returns its final hidden states as `logits` (without labels it computes no loss of its own);
+    the loss is then `chunked_cross_entropy` with the real output embedding. A model without a
+    Linear output embedding, or chunk_tokens <= 0, takes the model's own loss.
+    """
+    module = getattr(model, "module", model)
+    if chunk_tokens <= 0:
+        return model(**batch_kwargs).loss
+    kwargs = {k: v for k, v in batch_kwargs.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
+    with _output_embedding_as_identity(module) as head:
+        if head is None:
+            return model(**batch_kwargs).loss
+        hidden = model(**kwargs).logits
+    return chunked_cross_entropy(
+        hidden, head.weight, batch_kwargs["shift_labels"], batch_kwargs["num_items_in_batch"],
+        chunk_tokens=chunk_tokens, bias=head.bias,
+    )

@@ -1,0 +1,45 @@
+"""python -m slurm_autosp.plan cfg=CONFIG.yaml [key=value ...]
+
+Print the per-GPU memory plan of a job (parameters, gradients, optimizer shard, activations,
+logits/loss buffers, communication and recompute working buffers, fragmentation margin)
+against its GPU, the longest sequence each checkpointing policy fits on this cluster shape,
+and the verdict. Exits 0 when the job fits, 1 when it does not, 2 on a config error.
+
+  python -m slurm_autosp.plan cfg=configs/llama8b_32k.yaml
+  python -m slurm_autosp.plan cfg=configs/llama70b_128k.yaml parallel.sp_size=8
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from typing import List, Optional
+
+from slurm_autosp.config import ConfigError, load_config
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        cfg = load_config(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    from slurm_autosp.plan.memory import build_plan, render, verdict
+
+    if not cfg.cluster.uses_gpus:
+        cfg.cluster.gpus_per_node = cfg.cluster.ranks_per_node  # plan as if each rank had a GPU
+        print(f"(CPU config: planned as {cfg.cluster.gpus_per_node} GPUs per node of {cfg.cluster.gpu_memory_gb:g} GB)")
+    plan = build_plan(cfg)
+    print(render(plan))
+    return 0 if verdict(plan)[1] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""What one decoder layer saves for backward, read off its partitioned joint graph.
+
+The layer is built at the configured width under FakeTensorMode (no memory is allocated),
+compiled by Dynamo with the same SDPA rewrite as training (`rewrite_sdpa_for_sp`), traced to
+a joint graph by AOTAutograd with inductor's decompositions, and partitioned by inductor's own
+`partition_fn` (its joint-graph passes, our checkpointing pass, torch's min-cut) under the
+policy. The forward graph's extra outputs are then exactly what training saves for backward,
+and the backward graph shows what it recomputes.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from slurm_autosp.compile.backend import rewrite_sdpa_for_sp
+from slurm_autosp.compile.checkpointing import (
+    ALL_TO_ALL,
+    CheckpointSpec,
+    is_attention,
+    is_view,
+    inductor_config_patches,
+    is_quadratic,
+    node_flops,
+    tensor_bytes,
+)
+from slurm_autosp.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    kind: str  # activation | parameter | shared (the rotary cos/sin every layer receives)
+
+
+@dataclass
+class LayerTrace:
+    """One decoder layer under one checkpointing policy at one local sequence length."""
+
+    spec: CheckpointSpec
+    local_seq: int
+    micro_batch: int
+    sp_size: int = 1
+    saved: list[SavedTensor] = field(default_factory=list)
+    forward_flops: int = 0
+    backward_flops: int = 0
+    recompute_flops: int = 0
+    recomputed_attention: int = 0
+    all_to_all_forward: int = 0
+    all_to_all_backward: int = 0
+    recomputed_bytes: int = 0  # tensors the backward recomputes, all together
+    largest_forward_bytes: int = 0
+    largest_all_to_all_bytes: int = 0
+    forward_peak_bytes: int = 0  # peak of the tensors each graph allocates itself (liveness in
+    backward_peak_bytes: int = 0  # graph order), beyond its inputs
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(t.nbytes for t in self.saved if t.kind == "activation")
+
+    @property
+    def shared_bytes(self) -> int:
+        return sum(t.nbytes for t in self.saved if t.kind == "shared")
+
+    @property
+    def tokens(self) -> int:
+        return self.local_seq * self.micro_batch
+
+    @property
+    def quadratic_saved(self) -> list[SavedTensor]:
+        return [t for t in self.saved if t.kind == "activation" and is_quadratic(t.shape, self.local_seq, self.sp_size)]
+
+    @property
+    def working_bytes(self) -> int:
+        """Working buffers beyond the saved tensors: the larger of the forward's and the
+        backward's (recomputation included) peak of live intermediate tensors."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+
+def peak_live_bytes(graph: fx.Graph) -> int:
+    """Peak bytes of the intermediate tensors a graph allocates, each freed after its last use
+    (views keep their base alive), in the graph's order. Inputs and outputs are not counted:
+    they are the saved activations, parameters and gradients, counted elsewhere."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    returned = set(output.all_input_nodes)
+    base: dict[fx.Node, fx.Node] = {}
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and (is_view(node) or node.target is operator.getitem) and node.args:
+            parent = node.args[0]
+            if isinstance(parent, fx.Node):
+                base[node] = base.get(parent, parent)
+        for arg in node.all_input_nodes:
+            last_use[base.get(arg, arg)] = node
+    live = peak = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node not in base and node not in returned:
+            live += tensor_bytes(node)
+            peak = max(peak, live)
+        for arg in {base.get(a, a) for a in node.all_input_nodes}:
+            if last_use.get(arg) is node and arg.op == "call_function" and arg not in returned:
+                live -= tensor_bytes(arg)
+    return peak
+
+
+def hf_layer_classes(model: ModelConfig) -> tuple[type, type]:
+    """The decoder-layer and rotary-embedding classes of an HF causal LM family."""
+    from transformers import AutoModelForCausalLM
+
+    config_class = type(hf_config(model))
+    model_class = AutoModelForCausalLM._model_mapping[config_class]
+    module = sys.modules[model_class.__module__]
+    layer_class = getattr(module, model_class._no_split_modules[0])
+    rotary = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_")]
+    return layer_class, rotary[0]
+
+
+def hf_config(model: ModelConfig) -> Any:
+    from transformers import AutoConfig
+
+    from slurm_autosp.compile.hf_attention import SP_ATTENTION
+
+    if model.pretrained_path:
+        config = AutoConfig.from_pretrained(model.pretrained_path)
+    else:
+        config = AutoConfig.for_model(model.model_type, **model.hf_fields())
+    config.use_cache = False
+    config._attn_implementation = SP_ATTENTION
+    return config
+
+
+def _partitioned_graphs(
+    model: ModelConfig, local_seq: int, sp_size: int, micro_batch: int, dtype: torch.dtype,
+    specs: list[CheckpointSpec],
+) -> tuple[list[tuple[fx.GraphModule, fx.GraphModule]], list[bool]]:
+    """Trace the joint graph once; partition a copy of it under each spec."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer_class, rotary_class = hf_layer_classes(model)
+    config = hf_config(model)
+    partitions: list[tuple[fx.GraphModule, fx.GraphModule]] = []
+    is_parameter: list[bool] = []
+
+    def partition_each(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        for spec in specs:
+            with torch._inductor.config.patch(inductor_config_patches(spec)):
+                partitions.append(compile_fx.partition_fn(copy.deepcopy(joint), joint_inputs, **kwargs))
+        return partitions[0]
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> Any:
+        rewrite_sdpa_for_sp(gm, sp_size)
+        is_parameter.extend(isinstance(i, torch.nn.Parameter) for i in example_inputs)
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
+            partition_fn=partition_each, decompositions=select_decomp_table(),
+        )
+
+    torch._dynamo.reset()
+    previous_dtype = torch.get_default_dtype()
+    try:
+        with FakeTensorMode():
+            torch.set_default_dtype(dtype)
+            layer = layer_class(config, 0)
+            rotary = rotary_class(config)
+            torch.set_default_dtype(previous_dtype)
+            hidden = torch.empty(micro_batch, local_seq, config.hidden_size, dtype=dtype, requires_grad=True)
+            position_ids = torch.arange(local_seq).expand(micro_batch, local_seq)
+            cos, sin = rotary(hidden, position_ids)
+            torch.compile(layer, backend=backend)(
+                hidden, position_embeddings=(cos, sin), position_ids=position_ids, use_cache=False
+            )
+    finally:
+        torch.set_default_dtype(previous_dtype)
+        torch._dynamo.reset()
+    return partitions, is_parameter
+
+
+def trace_decoder_layer(
+    model: ModelConfig,
+    *,
+    local_seq: int,
+    sp_size: int,
+    specs: list[CheckpointSpec],
+    micro_batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[LayerTrace]:
+    """Trace one decoder layer once and partition it under each spec; nothing is allocated."""
+    partitions, is_parameter = _partitioned_graphs(model, local_seq, sp_size, micro_batch, dtype, specs)
+    return [
+        _read_partition(spec, forward, backward, is_parameter, local_seq, micro_batch, sp_size)
+        for spec, (forward, backward) in zip(specs, partitions)
+    ]
+
+
+def _read_partition(
+    spec: CheckpointSpec, forward: fx.GraphModule, backward: fx.GraphModule, is_parameter: list[bool],
+    local_seq: int, micro_batch: int, sp_size: int,
+) -> LayerTrace:
+    trace = LayerTrace(spec=spec, local_seq=local_seq, micro_batch=micro_batch, sp_size=sp_size)
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    parameters = {p for p, is_param in zip(placeholders, is_parameter) if is_param}
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    hidden_placeholder = placeholders[0] if placeholders else None
+    seen: set[str] = set()
+    for node in output.args[0][1:]:
+        if not isinstance(node, fx.Node) or node.name in seen:
+            continue
+        seen.add(node.name)
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        if node in parameters:
+            kind = "parameter"
+        elif node.op == "placeholder" and node is not hidden_placeholder:
+            kind = "shared"
+        else:
+            kind = "activation"
+        shape = tuple(int(s) for s in value.shape)
+        trace.saved.append(SavedTensor(node.name, shape, str(value.dtype).removeprefix("torch."), tensor_bytes(node), kind))
+
+    forward_names = set()
+    for node in forward.graph.nodes:
+        if node.op != "call_function":
+            continue
+        forward_names.add(node.name)
+        trace.forward_flops += node_flops(node)
+        if not is_view(node):
+            trace.largest_forward_bytes = max(trace.largest_forward_bytes, tensor_bytes(node))
+        if node.target is ALL_TO_ALL:
+            trace.all_to_all_forward += 1
+            trace.largest_all_to_all_bytes = max(trace.largest_all_to_all_bytes, tensor_bytes(node))
+    for node in backward.graph.nodes:
+        if node.op != "call_function":
+            continue
+        flops = node_flops(node)
+        trace.backward_flops += flops
+        if node.target is ALL_TO_ALL:
+            trace.all_to_all_backward += 1
+        if node.name in forward_names or is_attention(node):
+            trace.recompute_flops += flops
+            trace.recomputed_bytes += 0 if is_view(node) else tensor_bytes(node)
+            trace.recomputed_attention += is_attention(node)
+    trace.forward_peak_bytes = peak_live_bytes(forward.graph)
+    trace.backward_peak_bytes = peak_live_bytes(backward.graph)
+    return trace

@@ -1,0 +1,8 @@
+"""What a run shows in TensorBoard: per-step scalars (loss, throughput, MFU, step-time split,
+memory over ranks), run text (config, layout, environment) and memory traces of chosen steps
+and ranks. `StepTracer` is what the training loop uses; `python -m slurm_autosp.traces RUN_DIR`
+summarises a run in the terminal."""
+
+from slurm_autosp.trace.tracer import UNTIMED, PhaseClock, StepTracer, memory_dir, tensorboard_dir
+
+__all__ = ["UNTIMED", "PhaseClock", "StepTracer", "memory_dir", "tensorboard_dir"]

@@ -1,0 +1,178 @@
+"""The trace components in one process: PNG encoding, FLOP accounting, CPU memory timelines,
+and a StepTracer driving a small model through traced and untraced steps (1-rank gloo group)."""
+
+import json
+import struct
+import threading
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from slurm_autosp.config import load_config
+from slurm_autosp.trace import StepTracer, memory_dir, tensorboard_dir
+from slurm_autosp.trace.flops import count_flops, peak_tflops
+from slurm_autosp.trace.memory import MemoryReader, MemoryTimeline
+from slurm_autosp.trace.plot import PEAK_MARK, PHASE_COLORS, render_memory_trace
+from slurm_autosp.trace.png import encode_png
+
+MIB = 2**20
+
+
+def tiny_llama(layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def decode_png(data):
+    """Our own reading of the bytes, chunk by chunk, as a PNG decoder would."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert crc == zlib.crc32(kind + body), kind
+        chunks[kind] = chunks.get(kind, b"") + body
+        pos += 12 + length
+    width, height, depth, color, *_ = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
+    assert (depth, color) == (8, 2) and b"IEND" in chunks
+    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(height, 1 + 3 * width)
+    assert (rows[:, 0] == 0).all()  # filter type 0 on every row
+    return rows[:, 1:].reshape(height, width, 3)
+
+
+def test_png_encoder_round_trips_pixels():
+    pixels = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    assert np.array_equal(decode_png(encode_png(pixels)), pixels)
+
+
+def test_flop_count_is_six_n_per_token_plus_causal_attention():
+    model = tiny_llama()
+    flops = count_flops(model, seq_len=256, sequences_per_step=4)
+    per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64  # q, o; k, v; mlp; two norms
+    dense = 2 * per_layer + 64 + 256 * 64  # final norm, lm_head (the input embedding is not a matmul)
+    assert flops.dense_params == dense
+    assert flops.per_sequence == 6 * dense * 256 + 6 * 2 * 64 * 256**2  # causal: half of 12*L*d*S^2
+    assert flops.per_step == 4 * flops.per_sequence
+
+
+def test_cpu_has_no_peak_flops_unless_configured():
+    assert peak_tflops(None, torch.device("cpu"), bf16=False)[0] is None
+    assert peak_tflops(400.0, torch.device("cpu"), bf16=False) == (400.0, "trace.peak_tflops_per_gpu")
+
+
+def test_cpu_timeline_keeps_a_peak_that_falls_between_samples():
+    timeline = MemoryTimeline(MemoryReader(torch.device("cpu")), rank=0, step=1, interval_s=0, model=None)
+    timeline.start()
+    timeline.phase_start("forward")
+    block = torch.ones(32 * MIB // 4)  # 32 MiB, written, so resident; freed before the next sample
+    del block
+    timeline.phase_end("forward")
+    trace = timeline.stop()
+    forward_end = trace.times.index(trace.marks[2][0])
+    assert trace.peak[forward_end] - trace.current[0] >= 30 * MIB
+    assert trace.current[forward_end] - trace.current[0] < 16 * MIB
+    assert trace.where_peak().startswith("in forward")
+
+
+def test_memory_trace_image_shades_phases_and_marks_the_peak():
+    timeline = MemoryTimeline(MemoryReader(torch.device("cpu")), rank=3, step=7, interval_s=0, model=None)
+    timeline.start()
+    for phase in ("data", "forward", "backward", "optimizer"):
+        timeline.phase_start(phase)
+        block = torch.ones(8 * MIB // 4) if phase == "backward" else None
+        del block
+        timeline.phase_end(phase)
+    pixels = render_memory_trace(timeline.stop())
+    colors = {tuple(c) for c in pixels.reshape(-1, 3)}
+    assert {tuple(c) for c in PHASE_COLORS.values()} <= colors and PEAK_MARK in colors
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def run_steps(tracer, model, optimizer, steps, during_step=lambda: None):
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    for step in steps:
+        with tracer.step(step) as phases:
+            with phases("data"):
+                batch = ids.clone()
+            with phases("forward"):
+                loss = model(input_ids=batch, labels=batch).loss
+            during_step()
+            with phases("backward"):
+                loss.backward()
+            with phases("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
+        tracer.log_step(step, loss.item(), 1e-3, 1.0)
+
+
+def test_step_tracer_writes_scalars_and_traces_only_traced_steps(tmp_path, one_rank_group):
+    cfg = load_config([f"run.output_root={tmp_path}", "run.name=unit", "trace.memory_steps=[2]", "train.steps=3"])
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracer = StepTracer(cfg, 0, 1, torch.device("cpu"), model, first_step=0, layout="layout: 1 rank")
+    seen = {}
+
+    def record_hooks_and_threads():
+        step = len(seen) + 1
+        seen[step] = (
+            sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()),
+            {t.name for t in threading.enumerate()},
+        )
+
+    run_steps(tracer, model, optimizer, [1, 2, 3], record_hooks_and_threads)
+    tracer.close()
+    assert seen[1][0] == seen[3][0] == 0 and "memory-trace" not in seen[1][1] | seen[3][1]
+    assert seen[2][0] > 0 and "memory-trace" in seen[2][1]  # the traced step, and only it
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+    events = EventAccumulator(str(tensorboard_dir(cfg.run.dir)))
+    events.Reload()
+    tags = events.Tags()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert {"memory/peak_rss_mib/max", "memory/worst_rank", "time/forward_backward_s", "throughput/tflops_per_device"} <= set(tags["scalars"])
+    assert "throughput/mfu_pct" not in tags["scalars"]  # CPU: no peak FLOP/s
+    assert {"memory_trace/rank_0", "memory_trace/worst_rank"} <= set(tags["images"])
+    assert [e.step for e in events.Images("memory_trace/rank_0")] == [2]
+    assert decode_png(events.Images("memory_trace/rank_0")[0].encoded_image_string).shape[2] == 3
+    assert sorted(p.name for p in memory_dir(cfg.run.dir).iterdir()) == ["step_00000002.json", "step_00000002_rank0.png"]
+
+
+def test_traced_step_leaves_compiled_layers_alone(tmp_path, one_rank_group):
+    """Hooks on a compiled module would make torch.compile recompile: the timeline hooks only
+    the modules around the compiled decoder layers, and no step compiles anything new."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    cfg = load_config([f"run.output_root={tmp_path}", "run.name=compiled", "trace.memory_steps=[2]", "train.steps=3"])
+    model = tiny_llama()
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracer = StepTracer(cfg, 0, 1, torch.device("cpu"), model, first_step=0, layout="layout: 1 rank")
+    run_steps(tracer, model, optimizer, [1])
+    compiled_after_first_step = dict(counters["frames"])
+    run_steps(tracer, model, optimizer, [2, 3])
+    tracer.close()
+    assert dict(counters["frames"]) == compiled_after_first_step
+    trace = json.loads((memory_dir(cfg.run.dir) / "step_00000002.json").read_text())["traces"][0]
+    labels = {label for _, label in trace["marks"]}
+    assert {"model.embed_tokens forward", "lm_head forward", "lm_head backward", "model.embed_tokens backward"} <= labels
+    assert not any(label.startswith("model.layers") for label in labels)
