@@ -220,6 +220,7 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: no periodic saves
     every_minutes: float = 0.0
     keep: int = 2
+    write_gb_per_s: float = 1.0  # per-rank write bandwidth to shared storage, to size the signal delay
 
 
 @dataclass

@@ -29,6 +29,8 @@ def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
     assert "ParallelLayout(world_size 64 = sp 8 x dp 8" in out
     assert "hidden_size: 8192" in out
     assert "nothing submitted" in out
+    assert "verdict: does not fit" in out and "282 GB" in out
+    assert "warning: cluster.signal_delay_s=120 may not cover one step plus one save" in out
     assert not (tmp_path / "llama70b_128k").exists()
 
 

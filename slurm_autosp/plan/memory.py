@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slurm_autosp.checkpoint.estimate import signal_delay_warning
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.heads import valid_sp_sizes
@@ -294,6 +295,9 @@ def plan_verdict(cfg: JobConfig) -> tuple[str, bool, str]:
     plan = build_plan(cfg)
     text = render(plan)
     _, fits, reason = verdict(plan)
+    warning = signal_delay_warning(cfg, count_parameters(cfg))
+    if warning:
+        text += f"\nwarning: {warning}"
     return text, fits, reason
 
 
