@@ -190,13 +190,6 @@ class CompileConfig:
     recompute_all_to_all: bool = False  # run the Ulysses all-to-alls again in backward (saves memory)
     loss_chunk_tokens: int = 1024  # tokens per cross-entropy chunk: logits never exist whole; 0: unchunked
 
-    def __post_init__(self) -> None:
-        budget = self.activation_memory_budget
-        if budget is not None and not 0.0 <= budget <= 1.0:
-            raise ConfigError(f"compile.activation_memory_budget={budget} must be in [0, 1] (or null: from the memory plan)")
-        if self.loss_chunk_tokens < 0:
-            raise ConfigError(f"compile.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0: unchunked)")
-
 
 @dataclass
 class TrainConfig:
@@ -399,6 +392,11 @@ def validate(cfg: JobConfig) -> None:
         problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
     if t.grad_clip < 0:
         problems.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    budget = cfg.compile.activation_memory_budget
+    if budget is not None and not 0.0 <= budget <= 1.0:
+        problems.append(f"compile.activation_memory_budget={budget} must be in [0, 1] (or null: from the memory plan)")
+    if cfg.compile.loss_chunk_tokens < 0:
+        problems.append(f"compile.loss_chunk_tokens={cfg.compile.loss_chunk_tokens} must be >= 0 (0: unchunked)")
     if c.nvlink_domain_size is not None and c.nvlink_domain_size < 1:
         problems.append(f"cluster.nvlink_domain_size={c.nvlink_domain_size} must be >= 1")
     if c.backend is Backend.local and c.nodes != 1:
