@@ -22,6 +22,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from slurm_autosp.heads import valid_sp_sizes
 
 
+ZERO_STAGES = (None, 1, 3)  # null: the memory plan chooses
+
+
 class ConfigError(ValueError):
     """A configuration the job cannot run with; the message names the key and the fix."""
 
@@ -167,11 +170,14 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     sp_size: int = 1
-    zero_stage: int = 1
+    # 1: DeepSpeed ZeRO-1 (optimizer state sharded); 3: FSDP2 (parameters, gradients and
+    # optimizer state sharded); null: the memory plan chooses (1 when the job fits under it)
+    zero_stage: Optional[int] = None
     allow_cross_domain: bool = False  # let SP groups span NVLink domains (slow; logged)
 
 
 class ActivationCheckpointing(str, enum.Enum):
+    auto = "auto"  # the memory plan picks the least recomputation that fits (sac budgets, then full)
     sac = "sac"  # sequence-aware: attention kept, the rest by recompute FLOPs per byte within the budget
     none = "none"  # save everything backward needs
     full = "full"  # recompute everything but the layer inputs, attention included
@@ -183,11 +189,12 @@ class CompileConfig:
     enabled: bool = False
     per_layer: bool = True  # one graph per decoder layer: compile time flat in depth
     cache_dir: Optional[str] = None  # default: node-local, under the system temp dir
-    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.sac
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.auto
     # sac: fraction in [0, 1] of the non-attention tensors' bytes kept (dearest to recompute
     # first); null: the largest the memory plan fits (1.0 on CPU ranks)
     activation_memory_budget: Optional[float] = None
-    recompute_all_to_all: bool = False  # run the Ulysses all-to-alls again in backward (saves memory)
+    # run the Ulysses all-to-alls again in backward (saves memory); under auto the plan decides
+    recompute_all_to_all: bool = False
     loss_chunk_tokens: int = 1024  # tokens per cross-entropy chunk: logits never exist whole; 0: unchunked
 
 
@@ -371,12 +378,16 @@ def validate(cfg: JobConfig) -> None:
             f"{c.world_size} (cluster.nodes={c.nodes} x {c.ranks_per_node} ranks per node); "
             f"choose one of {_divisors(c.world_size)}"
         )
-    if p.zero_stage != 1:
-        problems.append(f"parallel.zero_stage={p.zero_stage} is not supported yet; use 1 (ZeRO-1)")
+    if p.zero_stage not in ZERO_STAGES:
+        problems.append(
+            f"parallel.zero_stage={p.zero_stage} is not supported; use 1 (DeepSpeed ZeRO-1), "
+            "3 (FSDP2 parameter sharding) or null (the memory plan chooses)"
+        )
     if p.sp_size > 1 and not cfg.compile.enabled:
         problems.append(
             f"parallel.sp_size={p.sp_size} needs the AutoSP compiler: set compile.enabled=true"
         )
+    problems.extend(_compile_problems(cfg))
     heads, kv_heads = m.num_attention_heads, m.num_key_value_heads or m.num_attention_heads
     if heads and kv_heads and p.sp_size > 0 and p.sp_size not in valid_sp_sizes(heads, kv_heads):
         problems.append(
@@ -392,11 +403,6 @@ def validate(cfg: JobConfig) -> None:
         problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
     if t.grad_clip < 0:
         problems.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
-    budget = cfg.compile.activation_memory_budget
-    if budget is not None and not 0.0 <= budget <= 1.0:
-        problems.append(f"compile.activation_memory_budget={budget} must be in [0, 1] (or null: from the memory plan)")
-    if cfg.compile.loss_chunk_tokens < 0:
-        problems.append(f"compile.loss_chunk_tokens={cfg.compile.loss_chunk_tokens} must be >= 0 (0: unchunked)")
     if c.nvlink_domain_size is not None and c.nvlink_domain_size < 1:
         problems.append(f"cluster.nvlink_domain_size={c.nvlink_domain_size} must be >= 1")
     if c.backend is Backend.local and c.nodes != 1:
@@ -420,6 +426,29 @@ def validate(cfg: JobConfig) -> None:
                 problems.append(f"model.{key} is required to build a model from its config")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _compile_problems(cfg: JobConfig) -> List[str]:
+    """Checkpointing and compile settings that contradict each other or the ZeRO stage."""
+    problems = []
+    c = cfg.compile
+    if c.activation_memory_budget is not None and not 0.0 <= c.activation_memory_budget <= 1.0:
+        problems.append(f"compile.activation_memory_budget={c.activation_memory_budget} must be in [0, 1] "
+                        "(or null: from the memory plan)")
+    if c.activation_checkpointing is ActivationCheckpointing.auto:
+        if c.activation_memory_budget is not None:
+            problems.append(f"compile.activation_memory_budget={c.activation_memory_budget} applies to sac only; "
+                            "compile.activation_checkpointing=auto chooses the budget itself: set "
+                            "compile.activation_checkpointing=sac or leave the budget null")
+        if c.recompute_all_to_all:
+            problems.append("compile.recompute_all_to_all=true: compile.activation_checkpointing=auto decides "
+                            "that itself; to force it set compile.activation_checkpointing=sac or full")
+    if c.loss_chunk_tokens < 0:
+        problems.append(f"compile.loss_chunk_tokens={c.loss_chunk_tokens} must be >= 0 (0: unchunked)")
+    if cfg.parallel.zero_stage == 3 and c.enabled and not c.per_layer:
+        problems.append("parallel.zero_stage=3 with compile.per_layer=false: parameter sharding compiles one graph "
+                        "per decoder layer; set compile.per_layer=true")
+    return problems
 
 
 def _divisors(n: int) -> str:

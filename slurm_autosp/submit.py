@@ -81,13 +81,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = load_config(argv)
         layout = plan_layout(cfg)
         executor = build_executor(cfg)
-        plan_text, fits, reason = plan_verdict(cfg)
+        plan = plan_verdict(cfg)
+        cfg.parallel.zero_stage = plan.zero_stage  # fixed for the run: the engines' checkpoints differ
         if cfg.dry_run:
             print(describe_dry_run(cfg, executor, layout))
-            print(plan_text)
+            print(plan.text)
             return 0
-        if not fits:
-            raise ConfigError(f"the job does not fit its GPUs: {reason}\n{plan_text}")
+        if not plan.fits:
+            raise ConfigError(f"the job does not fit its GPUs: {plan.reason}\n{plan.text}")
         prepare_run_dir(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -14,14 +14,13 @@ from slurm_autosp.checkpoint.schedule import SaveSchedule, checkpoint_dir
 from slurm_autosp.checkpoint.signals import StopRequest
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
-from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs, set_sp_group
+from slurm_autosp.compile import AutoSPBackend, compile_model, prepare_sp_inputs, set_sp_group
 from slurm_autosp.config import JobConfig, config_hash
 from slurm_autosp.data import build_source, micro_batch
-from slurm_autosp.engine import build_engine
+from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.launch.distributed import DistContext
 from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.launch.requeue import requeue_and_exit
-from slurm_autosp.model import build_model
 from slurm_autosp.trace import UNTIMED, PhaseClock, StepTracer
 
 log = logging.getLogger(__name__)
@@ -47,10 +46,11 @@ def compile_for_sp(model: torch.nn.Module, cfg: JobConfig, parallel: Parallel) -
 
 
 def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> TrainResult:
+    from slurm_autosp.plan import zero_stage_for
+
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
-    backend = compile_for_sp(model, cfg, parallel)
-    engine = build_engine(model, cfg)
+    engine = build_engine(cfg, ctx.device, zero_stage_for(cfg))
+    backend = compile_for_sp(engine.module, cfg, parallel)
     source = build_source(cfg)
     store = CheckpointStore(checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep)
     store.check_writable()
@@ -61,17 +61,17 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     losses = []
     try:
         for step in range(first_step, cfg.train.steps):
-            lr = engine.get_lr()[0]
+            lr = engine.lr()
             with tracer.step(step + 1) as phases:
                 loss = _optimizer_step(engine, cfg, ctx, parallel, source, step, phases)
             if backend is not None and step == first_step:
                 backend.require_sdpa_found()
             losses.append(loss)
             done = step + 1
-            tracer.log_step(done, loss, lr, float(engine.get_global_grad_norm() or 0.0))
+            tracer.log_step(done, loss, lr, engine.grad_norm())
             save_due, stop_now = _agree(ctx, schedule.due(done), stop.requested)
             if save_due or stop_now or done == cfg.train.steps:
-                store.save(engine, _trainer_state(cfg, ctx, parallel, done))
+                store.save(engine, _trainer_state(cfg, ctx, parallel, engine, done))
                 schedule.saved()
             if stop_now:
                 log.info("stopping at step %d on %s", done, stop.signal_name or "another rank's signal")
@@ -79,18 +79,20 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
                 requeue_and_exit(ctx.rank, cfg.cluster.max_requeues)
     finally:
         tracer.close()
+    weights = engine.full_state_dict()
     if ctx.rank == 0:
-        export_hf(engine.module, cfg.run.dir)
+        export_hf(engine.module, cfg.run.dir, weights)
     return TrainResult(first_step=first_step, losses=losses)
 
 
-def _trainer_state(cfg: JobConfig, ctx: DistContext, parallel: Parallel, done: int) -> TrainerState:
+def _trainer_state(cfg: JobConfig, ctx: DistContext, parallel: Parallel, engine: TrainEngine, done: int) -> TrainerState:
     return TrainerState(
         step=done,
         samples_consumed=done * cfg.global_batch,
         world_size=ctx.world_size,
         config_hash=config_hash(cfg),
         layout=repr(parallel.layout),
+        engine=engine.name,
     )
 
 
@@ -102,15 +104,15 @@ def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> Tuple[bool
 
 
 def _optimizer_step(
-    engine: Any, cfg: JobConfig, ctx: DistContext, parallel: Parallel, source: Any, step: int,
+    engine: TrainEngine, cfg: JobConfig, ctx: DistContext, parallel: Parallel, source: Any, step: int,
     phases: PhaseClock = UNTIMED,
 ) -> float:
     """One optimizer step over `grad_accum` micro-batches; returns the step's global loss.
 
     Every rank of an SP group reads the same sequences and keeps its shard. The objective is
     the mean over every valid label of the step (all micro-batches, all ranks): each rank's
-    loss is its label sum over that global count, scaled for DeepSpeed's gradient averaging
-    (`loss_scale`). `phases` times data / forward / backward / optimizer (and, on traced
+    loss is its label sum over that global count, times the factor that undoes the engine's
+    gradient reduction (`engine.loss_scale`). `phases` times data / forward / backward / optimizer (and, on traced
     steps, marks them on the memory timeline).
     """
     layout = parallel.layout
@@ -126,13 +128,12 @@ def _optimizer_step(
         valid = torch.tensor(sum(b.valid_labels for b in batches), device=ctx.device)
         dist.all_reduce(valid)
     num_items = valid.clamp(min=1)
-    scale = loss_scale(ctx.world_size, cfg.train.grad_accum)
     step_loss = torch.zeros((), device=ctx.device)
     for batch in batches:
         with phases("forward"):
             loss = causal_lm_loss(engine, batch.model_kwargs(num_items), chunk_tokens=cfg.compile.loss_chunk_tokens)
         with phases("backward"):
-            engine.backward(loss * scale)
+            engine.backward(loss * engine.loss_scale)
         with phases("optimizer"):
             engine.step()
         step_loss += loss.detach()

@@ -1,4 +1,5 @@
-"""Checkpoints are atomic: a broken or half-written one is skipped and the last good one used."""
+"""Checkpoints are atomic: a broken or half-written one is skipped and the last good one used;
+under both engines (DeepSpeed ZeRO-1 and FSDP2 parameter sharding, one rank each)."""
 
 import json
 import os
@@ -13,7 +14,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from slurm_autosp.checkpoint.store import CheckpointError, CheckpointStore, TrainerState  # noqa: E402
 from slurm_autosp.config import load_config  # noqa: E402
 from slurm_autosp.engine import build_engine  # noqa: E402
-from slurm_autosp.model import build_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +32,21 @@ def single_rank_group():
         os.environ["LOCAL_RANK"] = saved
 
 
-@pytest.fixture
-def engine(single_rank_group):
-    cfg = load_config(["cluster.tasks_per_node=1"])
+@pytest.fixture(params=[1, 3], ids=["zero1", "fsdp2"])
+def engine(request, single_rank_group):
+    cfg = load_config(["cluster.tasks_per_node=1", f"parallel.zero_stage={request.param}"])
     torch.manual_seed(0)
-    return build_engine(build_model(cfg.model), cfg)
+    return build_engine(cfg, torch.device("cpu"), request.param)
 
 
-def state(step):
-    return TrainerState(step=step, samples_consumed=step * 2, world_size=1, config_hash="x", layout="world=1")
+def state(step, engine_name, world_size=1):
+    return TrainerState(
+        step=step, samples_consumed=step * 2, world_size=world_size, config_hash="x", layout="", engine=engine_name
+    )
 
 
 def params(engine):
-    return [p.detach().clone() for p in engine.module.parameters()]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in engine.module.parameters()]
 
 
 def perturb(engine):
@@ -56,10 +58,10 @@ def perturb(engine):
 def test_saved_checkpoint_restores_weights_and_trainer_state(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     before = params(engine)
-    store.save(engine, state(3))
+    store.save(engine, state(3, engine.name))
     perturb(engine)
     resumed = store.load_latest(engine)
-    assert resumed == state(3)
+    assert resumed == state(3, engine.name)
     assert all(torch.equal(a, b) for a, b in zip(before, params(engine)))
     assert (tmp_path / "latest").read_text() == "step_00000003"
 
@@ -67,54 +69,61 @@ def test_saved_checkpoint_restores_weights_and_trainer_state(tmp_path, engine):
 def test_retention_keeps_the_newest_k(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     for step in (1, 2, 3):
-        store.save(engine, state(step))
+        store.save(engine, state(step, engine.name))
     assert [p.name for p in store.checkpoints()] == ["step_00000003", "step_00000002"]
 
 
 def test_save_that_dies_half_way_leaves_the_previous_checkpoint_in_use(tmp_path, engine, monkeypatch):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
-    store.save(engine, state(1))
+    store.save(engine, state(1, engine.name))
     good = params(engine)
     perturb(engine)
 
     def die(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(engine, "save_checkpoint", die)
+    monkeypatch.setattr(engine, "save", die)
     with pytest.raises(OSError, match="No space left"):
-        store.save(engine, state(2))
+        store.save(engine, state(2, engine.name))
     monkeypatch.undo()
     assert (tmp_path / ".step_00000002.partial").is_dir()
-    assert store.load_latest(engine) == state(1)
+    assert store.load_latest(engine) == state(1, engine.name)
     assert all(torch.equal(a, b) for a, b in zip(good, params(engine)))
 
 
 def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, engine, caplog):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=3)
-    store.save(engine, state(1))
+    store.save(engine, state(1, engine.name))
     perturb(engine)
-    store.save(engine, state(2))
+    store.save(engine, state(2, engine.name))
     newest = tmp_path / "step_00000002"
     manifest = json.loads((newest / "manifest.json").read_text())
     victim = newest / sorted(manifest["files"])[0]
     victim.write_bytes(victim.read_bytes()[:-10])
     with caplog.at_level("WARNING"):
-        assert store.load_latest(engine) == state(1)
+        assert store.load_latest(engine) == state(1, engine.name)
     assert "skipping checkpoint" in caplog.text and "step_00000002" in caplog.text
 
 
 def test_checkpoint_without_manifest_is_never_used(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=3)
-    store.save(engine, state(1))
-    store.save(engine, state(2))
+    store.save(engine, state(1, engine.name))
+    store.save(engine, state(2, engine.name))
     (tmp_path / "step_00000002" / "manifest.json").unlink()
-    assert store.load_latest(engine) == state(1)
+    assert store.load_latest(engine) == state(1, engine.name)
 
 
 def test_checkpoint_from_another_world_size_is_refused(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
-    store.save(engine, TrainerState(step=1, samples_consumed=2, world_size=4, config_hash="x", layout=""))
+    store.save(engine, state(1, engine.name, world_size=4))
     with pytest.raises(CheckpointError, match="written by 4 ranks but this job has 1"):
+        store.load_latest(engine)
+
+
+def test_checkpoint_from_another_engine_is_refused(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(1, "another_engine"))
+    with pytest.raises(CheckpointError, match=f"written by the another_engine engine but this job uses {engine.name}"):
         store.load_latest(engine)
 
 

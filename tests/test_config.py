@@ -56,6 +56,26 @@ def test_sp_size_that_does_not_divide_heads_lists_the_sizes_that_would():
         load_config(["parallel.sp_size=3", "cluster.tasks_per_node=3", "compile.enabled=true"])
 
 
+def test_zero_stage_2_is_refused_naming_the_stages_that_exist():
+    with pytest.raises(ConfigError) as err:
+        load_config(["parallel.zero_stage=2"])
+    assert "parallel.zero_stage=2 is not supported; use 1 (DeepSpeed ZeRO-1), 3 (FSDP2 parameter sharding) or null" in str(err.value)
+
+
+def test_parameter_sharding_with_a_whole_model_graph_is_refused():
+    with pytest.raises(ConfigError, match=r"parallel\.zero_stage=3 with compile\.per_layer=false: .*set compile\.per_layer=true"):
+        load_config(["parallel.zero_stage=3", "compile.enabled=true", "compile.per_layer=false"])
+
+
+def test_auto_checkpointing_refuses_settings_it_chooses_itself():
+    with pytest.raises(ConfigError) as err:
+        load_config(["compile.activation_memory_budget=0.5", "compile.recompute_all_to_all=true"])
+    assert "compile.activation_memory_budget=0.5 applies to sac only" in str(err.value)
+    assert "compile.recompute_all_to_all=true: compile.activation_checkpointing=auto decides" in str(err.value)
+    load_config(["compile.activation_checkpointing=sac", "compile.activation_memory_budget=0.5",
+                 "compile.recompute_all_to_all=true"])
+
+
 def test_sp_size_must_divide_the_world():
     with pytest.raises(ConfigError, match=r"parallel\.sp_size=4 does not divide the world size 2"):
         load_config(["parallel.sp_size=4", "compile.enabled=true"])

@@ -29,9 +29,18 @@ def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
     assert "ParallelLayout(world_size 64 = sp 8 x dp 8" in out
     assert "hidden_size: 8192" in out
     assert "nothing submitted" in out
-    assert "verdict: does not fit" in out and "282 GB" in out
-    assert "warning: cluster.signal_delay_s=120 may not cover one step plus one save" in out
+    assert "zero_stage: 3" in out  # the stage the plan chose, fixed in the config the job runs with
+    assert "ZeRO-3 (FSDP2; chosen: does not fit under ZeRO-1)" in out and "verdict: fits" in out
+    assert "warning: cluster.signal_delay_s" not in out  # each rank writes 1/64 of the sharded state: 13.2 GB
     assert not (tmp_path / "llama70b_128k").exists()
+
+
+def test_signal_delay_too_short_for_a_save_is_warned_about(tmp_path):
+    proc = submit("cfg=configs/llama70b_128k.yaml", "dry_run=true", "checkpoint.write_gb_per_s=0.1",
+                  f"run.output_root={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    assert ("warning: cluster.signal_delay_s=120 may not cover one step plus one save: rank 0 writes 13.2 GB, "
+            "about 132 s at checkpoint.write_gb_per_s=0.1") in proc.stdout
 
 
 def test_sp_larger_than_an_nvlink_domain_is_refused_with_the_valid_sizes():

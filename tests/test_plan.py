@@ -3,13 +3,17 @@ activation memory against what a CPU run actually holds."""
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.config import load_config
-from slurm_autosp.plan import build_plan, plan_verdict
-from slurm_autosp.plan.memory import render, verdict
+from slurm_autosp.plan import build_plan, checkpoint_spec_for, plan_verdict, zero_stage_for
+from slurm_autosp.plan.memory import AUTO_CANDIDATES, render, verdict
+from slurm_helpers import REPO
 
 TERMS = ("parameters", "gradients", "optimizer_shard", "activations", "logits_and_loss", "communication",
          "recompute_working", "fragmentation_margin", "total")
@@ -20,30 +24,100 @@ def llama70b_plan():
     return build_plan(load_config(["cfg=configs/llama70b_128k.yaml"]))
 
 
-def test_llama70b_under_zero1_does_not_fit_because_of_full_weights_and_gradients(llama70b_plan):
-    text, fits, reason = verdict(llama70b_plan)
-    assert not fits
+@pytest.fixture(scope="module")
+def llama70b_zero1_plan():
+    return build_plan(load_config(["cfg=configs/llama70b_128k.yaml", "parallel.zero_stage=1"]))
+
+
+@pytest.fixture(scope="module")
+def llama8b_plan():
+    return build_plan(load_config(["cfg=configs/llama8b_32k.yaml"]))
+
+
+def test_llama70b_under_zero1_does_not_fit_because_of_full_weights_and_gradients(llama70b_zero1_plan):
+    text, fits, reason = verdict(llama70b_zero1_plan)
+    assert not fits and llama70b_zero1_plan.zero_stage == 1
     assert "parameters" in reason and "282 GB" in reason, reason
-    assert "zero_stage=3" in text, text  # what would fit names parameter sharding
+    assert "parameter sharding (parallel.zero_stage=3)" in text, text
+    assert llama70b_zero1_plan.configured.trace.quadratic_saved == []
+
+
+def test_llama70b_128k_fits_under_zero3_chosen_by_the_plan(llama70b_plan):
+    assert llama70b_plan.zero_stage == 3 and llama70b_plan.fits
+    assert llama70b_plan.configured.spec in AUTO_CANDIDATES
     assert llama70b_plan.configured.trace.quadratic_saved == []
+    text = render(llama70b_plan)
+    assert "ZeRO-3 (FSDP2; chosen: does not fit under ZeRO-1)" in text, text
+    assert f"checkpointing {llama70b_plan.configured.label}, chosen by auto" in text, text
+
+
+def test_plan_command_exits_0_for_llama70b_128k():
+    proc = subprocess.run([sys.executable, "-m", "slurm_autosp.plan", "cfg=configs/llama70b_128k.yaml"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: fits" in proc.stdout and "under ZeRO-3" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("plan_fixture", ["llama70b_plan", "llama8b_plan"])
+def test_auto_picks_the_first_fitting_candidate_least_recomputation_first(request, plan_fixture):
+    plan = request.getfixturevalue(plan_fixture)
+    memories = plan.memories[plan.zero_stage]
+    chosen = AUTO_CANDIDATES.index(plan.configured.spec)
+    assert memories[AUTO_CANDIDATES[chosen]].total <= plan.gpu_bytes
+    assert all(memories[spec].total > plan.gpu_bytes for spec in AUTO_CANDIDATES[:chosen])
+    flops = [memories[spec].trace.recompute_flops for spec in AUTO_CANDIDATES]
+    assert flops == sorted(flops), flops
+
+
+def test_zero3_terms_are_fsdp2_fp32_shards_plus_gathered_bf16_layers(llama70b_plan):
+    """Sharded fp32 parameters, fp32 gradients and Adam m, v: 16 bytes per parameter over the
+    world. Gathered: bf16 root group (embedding, lm_head, final norm) and two layers, the
+    lm_head's bf16 gradient, one layer's bf16 gradient and its fp32 copy."""
+    m = load_config(["cfg=configs/llama70b_128k.yaml"]).model
+    world = 64
+    head_dim = m.hidden_size // m.num_attention_heads
+    layer = (2 * m.hidden_size * m.num_attention_heads * head_dim + 2 * m.hidden_size * m.num_key_value_heads * head_dim
+             + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size)
+    head = m.vocab_size * m.hidden_size
+    root = 2 * head + m.hidden_size
+    params = layer * m.num_hidden_layers + root
+    assert llama70b_plan.parameters == params
+    zero3, zero1 = llama70b_plan.configured.terms, llama70b_plan.memories[1][llama70b_plan.configured.spec].terms
+    assert zero3["parameters"] == zero3["gradients"] == 4 * params / world
+    assert zero3["optimizer_shard"] == 8 * params / world
+    assert zero3["parameters"] + zero3["gradients"] + zero3["optimizer_shard"] == pytest.approx(16 * params / world)
+    assert zero3["gathered_weights"] == 2 * (root + 2 * layer + head) + (2 + 4) * layer
+    assert zero1["communication"] - zero3["communication"] == 2 * 5e8 * 2  # no DeepSpeed buckets under ZeRO-3
+    assert "gathered_weights" not in zero1
 
 
 def test_plan_prints_every_term_and_the_longest_sequence_per_policy(llama70b_plan):
     text = render(llama70b_plan)
-    for term in TERMS:
+    for term in (*TERMS, "gathered_weights"):
         assert term in text, term
-    for policy in ("none", "torch_default", "full", "sac (budget 0)"):
+    for policy in ("none", "torch_default", "full", "full (all-to-all recomputed)", "sac (budget 0)"):
         assert f"  {policy} " in text, policy
 
 
-def test_llama8b_32k_fits_with_sac():
-    text, fits, reason = plan_verdict(load_config(["cfg=configs/llama8b_32k.yaml"]))
+def test_llama8b_32k_fits_with_sac_under_zero1(llama8b_plan):
+    text, fits, reason = verdict(llama8b_plan)
     assert fits and "verdict: fits" in text and reason == "", text
+    assert llama8b_plan.zero_stage == 1 and llama8b_plan.configured.spec.policy is Policy.sac
 
 
 def test_cpu_jobs_always_fit_without_tracing():
-    text, fits, _ = plan_verdict(load_config(["cfg=configs/tiny_cpu.yaml"]))
-    assert fits and "CPU" in text
+    planned = plan_verdict(load_config(["cfg=configs/tiny_cpu.yaml"]))
+    assert planned.fits and "CPU" in planned.text and planned.zero_stage == 1
+
+
+def test_without_a_plan_auto_and_the_stage_resolve_without_tracing():
+    cpu = load_config(["cfg=configs/tiny_cpu.yaml", "parallel.zero_stage=null"])
+    assert checkpoint_spec_for(cpu) == CheckpointSpec(Policy.sac, budget=1.0)
+    assert zero_stage_for(cpu) == 1
+    builder = load_config(["cluster.gpus_per_node=8", "model.builder=pkg.mod:fn"])
+    assert checkpoint_spec_for(builder) == CheckpointSpec(Policy.sac, budget=0.0)
+    assert zero_stage_for(builder) == 1
+    assert zero_stage_for(load_config(["cluster.gpus_per_node=8", "parallel.zero_stage=3"])) == 3
 
 
 # ----------------------------------------------------------------------------- measured on CPU

@@ -1,4 +1,5 @@
-"""A run stopped by SLURM's signal saves, requeues itself and resumes exactly where it stopped."""
+"""A run stopped by SLURM's signal saves, requeues itself and resumes exactly where it stopped,
+under both engines (ZeRO-1, and FSDP2 parameter sharding: parallel.zero_stage=3)."""
 
 import re
 import signal
@@ -8,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from submitit.core.utils import pickle_load
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -16,8 +19,9 @@ STEPS = 160
 ARGS = ["cfg=configs/tiny_cpu.yaml", "cluster.backend=local", f"train.steps={STEPS}", "train.log_every=1"]
 
 
-def submit_cmd(root, name):
-    return [sys.executable, "-m", "slurm_autosp.submit", *ARGS, f"run.output_root={root}", f"run.name={name}"]
+def submit_cmd(root, name, zero_stage=1):
+    return [sys.executable, "-m", "slurm_autosp.submit", *ARGS, f"parallel.zero_stage={zero_stage}",
+            f"run.output_root={root}", f"run.name={name}"]
 
 
 def final_result(run_dir):
@@ -33,17 +37,31 @@ def tensorboard_losses(run_dir):
     return [(e.step, e.value) for e in events.Scalars("train/loss")]
 
 
+def hf_weights(run_dir):
+    return load_file(run_dir / "hf" / "model.safetensors")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ref")
-    proc = subprocess.run(submit_cmd(root, "ref"), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return root / "ref"
+    """The uninterrupted run's directory under a zero stage, run once per stage."""
+    runs = {}
+
+    def run(zero_stage):
+        if zero_stage not in runs:
+            root = tmp_path_factory.mktemp(f"ref_stage{zero_stage}")
+            proc = subprocess.run(submit_cmd(root, "ref", zero_stage), cwd=REPO, capture_output=True, text=True,
+                                  timeout=600)
+            assert proc.returncode == 0, proc.stderr
+            runs[zero_stage] = root / "ref"
+        return runs[zero_stage]
+
+    return run
 
 
-def interrupt_after_step(root, name, step, send):
+def interrupt_after_step(root, name, step, send, zero_stage):
     """Run a job and call `send()` once rank 0 has logged `step`; returns submit's stdout."""
-    proc = subprocess.Popen(submit_cmd(root, name), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(submit_cmd(root, name, zero_stage), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -55,12 +73,15 @@ def interrupt_after_step(root, name, step, send):
     return "".join(lines) + out
 
 
-def test_signalled_run_requeues_and_resumes_with_identical_losses(tmp_path, uninterrupted):
+@pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
+def test_signalled_run_requeues_and_resumes_with_identical_losses(tmp_path, uninterrupted, zero_stage):
     folder = tmp_path / "resumed" / "submitit"
     stdout = interrupt_after_step(
         tmp_path, "resumed", 7,
         lambda: subprocess.run(["pkill", f"-{signal.SIGUSR2.name}", "-f", f"submitit.core._submit {folder}"], check=True),
+        zero_stage,
     )
+    uninterrupted = uninterrupted(zero_stage)
     stopped = int(re.search(r"stopping at step (\d+) on SIGUSR2", stdout).group(1))
     assert 7 <= stopped < STEPS
     assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in stdout
@@ -77,6 +98,10 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(tmp_path, unin
     curve = tensorboard_losses(tmp_path / "resumed")
     assert [s for s, _ in curve] == list(range(1, STEPS + 1))  # no duplicated or missing steps
     assert curve == tensorboard_losses(uninterrupted)
+
+    exported, reference_weights = hf_weights(tmp_path / "resumed"), hf_weights(uninterrupted)
+    assert exported.keys() == reference_weights.keys()
+    assert all(torch.equal(exported[name], reference_weights[name]) for name in exported)
 
 
 def test_unwritable_checkpoint_directory_fails_before_training(tmp_path):

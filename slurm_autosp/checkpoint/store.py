@@ -1,7 +1,8 @@
 """Atomic checkpoints on shared storage, and finding the newest good one to resume from.
 
-A save writes everything under a temporary name (DeepSpeed's model and per-rank ZeRO shards,
-each rank's RNG state, the trainer state), checksums it in parallel across ranks, writes the
+A save writes everything under a temporary name (the engine's state in its own format:
+DeepSpeed's model and ZeRO-1 shards, or FSDP2's per-rank shards; each rank's RNG state; the
+trainer state), checksums it in parallel across ranks, writes the
 manifest, and only then renames the directory into place and moves the `latest` pointer. A
 save that dies half-way leaves a `.partial` directory that is never resumed from; the last
 good checkpoint is untouched until a newer one is complete, and retention deletes only
@@ -46,13 +47,14 @@ class CheckpointError(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainerState:
-    """What DeepSpeed does not save but an exact resume needs."""
+    """What the engine does not save but an exact resume needs."""
 
     step: int  # optimizer steps completed
     samples_consumed: int  # the data position: global sample index of the next sample
     world_size: int
     config_hash: str
     layout: str
+    engine: str  # the engine whose format `engine/` is in
 
 
 def step_dir_name(step: int) -> str:
@@ -90,7 +92,7 @@ class CheckpointStore:
             shutil.rmtree(partial, ignore_errors=True)
             (partial / "rng").mkdir(parents=True)
         dist.barrier()
-        engine.save_checkpoint(str(partial), tag=ENGINE_TAG, save_latest=False)
+        engine.save(partial / ENGINE_TAG)
         torch.save(_rng_state(), partial / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             (partial / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
@@ -149,9 +151,13 @@ class CheckpointStore:
                     f"{self.world_size}; resume with the same cluster.nodes and GPUs per node, or "
                     "start a new run (run.name=...)"
                 )
-            _, client_state = engine.load_checkpoint(str(candidate), tag=ENGINE_TAG)
-            if client_state is None:
-                raise CheckpointError(f"DeepSpeed could not load {candidate / ENGINE_TAG}")
+            if state.engine != engine.name:
+                raise CheckpointError(
+                    f"checkpoint {candidate} was written by the {state.engine} engine but this job uses "
+                    f"{engine.name}; resume with the parallel.zero_stage it was written with, or start "
+                    "a new run (run.name=...)"
+                )
+            engine.load(candidate / ENGINE_TAG)
             _set_rng_state(torch.load(candidate / "rng" / f"rank_{self.rank:05d}.pt", weights_only=False))
             if self.rank == 0:
                 log.info("resumed from %s at step %d", candidate, state.step)

@@ -7,7 +7,8 @@ it to be recomputed. `CheckpointPass` writes those tags as an inductor joint-gra
 (`torch._inductor.config.joint_custom_post_pass`), so nothing of torch is patched, and its
 `uuid()` names the policy, so inductor's own compile caches key on it.
 
-Policies (`compile.activation_checkpointing`):
+Policies (`compile.activation_checkpointing`; `auto` is resolved to one of them by the memory
+plan, `slurm_autosp.plan.checkpoint_spec_for`):
 - `sac`: attention (the SDPA kernels, whose outputs cost O(S^2) FLOPs to recompute) is always
   kept, never recomputed. The other forward tensors the backward depends on are kept greedily,
   dearest first, by the FLOPs it takes to recompute them (from the layer's inputs and what is

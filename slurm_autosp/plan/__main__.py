@@ -1,9 +1,11 @@
 """python -m slurm_autosp.plan cfg=CONFIG.yaml [key=value ...]
 
-Print the per-GPU memory plan of a job (parameters, gradients, optimizer shard, activations,
-logits/loss buffers, communication and recompute working buffers, fragmentation margin)
-against its GPU, the longest sequence each checkpointing policy fits on this cluster shape,
-and the verdict. Exits 0 when the job fits, 1 when it does not, 2 on a config error.
+Print the per-GPU memory plan of a job (parameters, gradients, optimizer shard, gathered
+weights under ZeRO-3, activations, logits/loss buffers, communication and recompute working
+buffers, fragmentation margin) against its GPU, the ZeRO stage and checkpointing policy it
+trains with (chosen here when the config leaves them to the plan), the longest sequence each
+policy fits on this cluster shape under ZeRO-1 and ZeRO-3, and the verdict. Exits 0 when the
+job fits, 1 when it does not, 2 on a config error.
 
   python -m slurm_autosp.plan cfg=configs/llama8b_32k.yaml
   python -m slurm_autosp.plan cfg=configs/llama70b_128k.yaml parallel.sp_size=8

@@ -1,9 +1,11 @@
 """Whole optimizer steps with AutoSP equal single-device training: gradient accumulation over
-SP x DP ranks, ZeRO-1 steps through a real DeepSpeed engine, and bf16 within single-device bf16
-error. Rank-side code is in train_cases.py; the pools and compiled graphs are shared with the
+SP x DP ranks, steps through the real engines (DeepSpeed ZeRO-1, FSDP2 parameter sharding), and
+bf16 within single-device bf16 error. Rank-side code is in train_cases.py; the pools and compiled graphs are shared with the
 SP equivalence tests."""
 
-from train_cases import bf16_errors, grad_accum_step, zero1_steps
+import pytest
+
+from train_cases import bf16_errors, engine_steps, grad_accum_step
 
 TOLERANCE = 1e-5
 
@@ -14,14 +16,28 @@ def test_grad_accum2_dp2_sp2_equals_one_single_device_batch_of_4_sequences(pool4
     assert result["grad_rel_error"] <= TOLERANCE, result
 
 
-def test_three_zero1_steps_with_sp2_match_torch_adamw_on_one_device(pool4):
-    """SP=2 x DP=2 with grad_accum=2: the loss scale world * grad_accum must undo exactly how
-    DeepSpeed ZeRO-1 reduces gradients, or the losses of steps 2 and 3 and the weights drift."""
-    result = pool4.run(zero1_steps, 2, 2, 3)[0]
+def assert_steps_match(result: dict) -> None:
     assert max(result["loss_rel_errors"]) <= TOLERANCE, result
     assert result["param_rel_error"] <= 1e-2, result
     clipped = min(result["ref_grad_norms"]) > result["grad_clip"]
     assert clipped, f"gradient clipping did not engage at every step, so it was not tested: {result}"
+
+
+def test_three_zero1_steps_with_sp2_dp2_match_torch_adamw_on_one_device(pool4):
+    """SP=2 x DP=2 with grad_accum=2: the loss scale world * grad_accum must undo exactly how
+    DeepSpeed ZeRO-1 reduces gradients, or the losses of steps 2 and 3 and the weights drift."""
+    assert_steps_match(pool4.run(engine_steps, 1, 2, 2, 3)[0])
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["sp2", "sp2_dp2"])
+def test_three_fsdp2_steps_match_torch_adamw_on_one_device(world, pool2, pool4):
+    """Parameter sharding (zero_stage=3) over every rank, SP=2 (x DP=2 on four ranks), two
+    micro-batches per step: the loss scale is FSDP2's mesh size, with no accumulation factor.
+    The first step's gradients, gathered from their shards, are the single-device ones."""
+    pool = pool2 if world == 2 else pool4
+    result = pool.run(engine_steps, 3, 2, 2, 3)[0]
+    assert result["grad_rel_error"] <= TOLERANCE, result
+    assert_steps_match(result)
 
 
 def test_sp2_bf16_error_is_at_most_twice_single_device_bf16_error(pool2):

@@ -1,5 +1,5 @@
 """What every rank runs in the training-equivalence tests: whole optimizer steps (gradient
-accumulation, a real DeepSpeed ZeRO-1 engine, bf16) against a single-device reference.
+accumulation, the real engines: DeepSpeed ZeRO-1 and FSDP2 parameter sharding, bf16) against a single-device reference.
 
 The reference runs on rank 0 only (the other ranks would compute the same numbers); each
 function returns rank 0's figures, None on the other ranks. Backends and SP groups come from
@@ -94,15 +94,15 @@ def grad_accum_step(sp_size: int, grad_accum: int) -> dict | None:
     }
 
 
-# ------------------------------------------------------------------ a real DeepSpeed ZeRO-1 engine
+# ------------------------------------------------------------------ the real engines
 
 
-def _job_config(world: int, grad_accum: int, steps: int):
+def _job_config(world: int, zero_stage: int, grad_accum: int, steps: int):
     from slurm_autosp.config import JobConfig, LrSchedule
 
     cfg = JobConfig()
     cfg.cluster.tasks_per_node = world  # DeepSpeed's train_batch_size counts the whole world
-    cfg.parallel.sp_size = 1  # DeepSpeed sees data parallelism only: loss_scale relies on that
+    cfg.parallel.zero_stage = zero_stage
     t = cfg.train
     t.steps, t.micro_batch, t.grad_accum = steps, 1, grad_accum
     t.lr, t.lr_schedule, t.warmup_steps, t.min_lr_ratio = 2e-3, LrSchedule.cosine, 1, 0.1
@@ -110,51 +110,68 @@ def _job_config(world: int, grad_accum: int, steps: int):
     return cfg
 
 
-def zero1_steps(sp_size: int, grad_accum: int, steps: int) -> dict | None:
-    """`steps` optimizer steps through slurm_autosp.engine.build_engine (DeepSpeed ZeRO-1,
-    torch AdamW client optimizer and our LR schedule) on SP x DP ranks, against torch AdamW on
-    one device with DeepSpeed's settings: the same lr schedule, betas, eps, weight decay and
-    gradient clipping (DeepSpeed scales by clip / (norm + 1e-6) when the norm is above clip,
-    which is torch's clip_grad_norm_)."""
+def _engine(zero_stage: int, cfg):
+    """ZeRO-1 over the fixed-seed tiny model; FSDP2 over the same model built on the meta
+    device, so the engine's own sharded initialization is what gets trained."""
+    from slurm_autosp.engine import FSDP2Engine, ZeRO1Engine
+
+    if zero_stage == 1:
+        return ZeRO1Engine(tiny_model("llama", 2), cfg)
+    with torch.device("meta"):
+        model = tiny_model("llama", 2)
+    return FSDP2Engine(model, cfg, torch.device("cpu"))
+
+
+def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> dict | None:
+    """`steps` optimizer steps through the engine for `zero_stage` (DeepSpeed ZeRO-1, or FSDP2
+    parameter sharding; torch AdamW and our LR schedule in both) on SP x DP ranks, with the
+    engine's own loss scale, against torch AdamW on one device from the same initial weights
+    with the same lr schedule, betas, eps, weight decay and gradient clipping (DeepSpeed scales
+    by clip / (norm + 1e-6) when the norm is above clip, which is torch's clip_grad_norm_).
+    Under FSDP2 the first step's reduced gradients are compared too (DeepSpeed's are checked
+    by grad_accum_step, whose reduction emulates it)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
-    from slurm_autosp.engine import build_engine
     from slurm_autosp.optim import build_lr_scheduler, build_optimizer
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = _job_config(world, grad_accum, steps)
+    cfg = _job_config(world, zero_stage, grad_accum, steps)
     rows = world // sp_size * grad_accum
     batches = [make_batch(rows, SEQ, VOCAB, seed=100 + step) for step in range(steps)]
 
-    model = tiny_model("llama", 2)
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    engine = build_engine(model, cfg)
+    engine = _engine(zero_stage, cfg)
+    initial = engine.full_state_dict() or {k: v.clone() for k, v in engine.module.state_dict().items()}
     compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
     set_sp_group(contiguous_sp_group(sp_size))
-    losses, grad_norms = [], []
+    losses, grad_norms, first_grads = [], [], {}
     for batch in batches:
         shards, count = _sp_shards(batch, sp_size, grad_accum)
         step_loss = torch.zeros(())
         for shard in shards:
             loss = engine(**_kwargs(shard, count)).loss
-            engine.backward(loss * loss_scale(world, grad_accum))
+            engine.backward(loss * engine.loss_scale)
+            if zero_stage == 3 and not losses and shard is shards[-1]:
+                first_grads = {name: p.grad.full_tensor() for name, p in engine.module.named_parameters()}
             engine.step()
             step_loss += loss.detach()
         dist.all_reduce(step_loss)
         losses.append(float(step_loss))
-        grad_norms.append(float(engine.get_global_grad_norm()))
-    params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
-    engine.destroy()
+        grad_norms.append(engine.grad_norm())
+    params = engine.full_state_dict() or {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.close()
     if rank != 0:
         return None
 
     reference = tiny_model("llama", 2)
+    reference.load_state_dict(initial)
     optimizer = build_optimizer(reference, cfg.train)
     scheduler = build_lr_scheduler(optimizer, cfg.train)
-    ref_losses, ref_norms = [], []
+    ref_losses, ref_norms, grad_errors = [], [], {}
     for batch in batches:
         loss = reference(**batch, use_cache=False).loss
         loss.backward()
+        if first_grads and not ref_losses:
+            grad_errors = {name: _grad_error(first_grads[name], p.grad) for name, p in reference.named_parameters()}
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.train.grad_clip)))
         optimizer.step()
         scheduler.step()
@@ -168,6 +185,7 @@ def zero1_steps(sp_size: int, grad_accum: int, steps: int) -> dict | None:
         "losses": losses,
         "ref_losses": ref_losses,
         "loss_rel_errors": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
+        "grad_rel_error": max(grad_errors.values()) if grad_errors else None,
         "grad_norms": grad_norms,
         "ref_grad_norms": ref_norms,
         "grad_clip": cfg.train.grad_clip,

@@ -1,0 +1,43 @@
+"""What the training loop asks of an engine, whichever one owns the parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional, Protocol
+
+import torch
+from torch import nn
+
+
+class TrainEngine(Protocol):
+    """Forward, backward, optimizer step, and the engine's own checkpoint format.
+
+    `loss_scale` is the factor on each rank's loss (its summed token loss over the step's
+    global valid-label count) that makes the engine's gradient reduction return the
+    single-device gradient of the whole step: it depends on how the engine reduces.
+    """
+
+    name: str  # recorded in checkpoints: a checkpoint resumes only under the engine that wrote it
+    module: nn.Module  # the model itself, for the loss, traces and export
+    loss_scale: float
+
+    def __call__(self, **kwargs: Any) -> Any: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> None:
+        """Called after every micro-batch; the optimizer steps at the accumulation boundary."""
+
+    def lr(self) -> float: ...
+
+    def grad_norm(self) -> float:
+        """Global gradient norm of the last optimizer step, before clipping."""
+
+    def save(self, path: Path) -> None:
+        """Collective: every rank writes its part of the engine state under `path`."""
+
+    def load(self, path: Path) -> None:
+        """Collective: restore what `save` wrote."""
+
+    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """Collective: the whole model's weights on rank 0 (None where the module holds them)."""

@@ -1,0 +1,82 @@
+"""DeepSpeed ZeRO-1: optimizer state sharded over all ranks, sequence-parallel ones included;
+every rank holds the whole model. The engine for models that fit one GPU whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+from slurm_autosp.checkpoint.store import CheckpointError
+from slurm_autosp.compile.loss import loss_scale
+from slurm_autosp.config import JobConfig, Precision
+from slurm_autosp.optim import build_lr_scheduler, build_optimizer
+
+
+def deepspeed_config(cfg: JobConfig) -> Dict[str, Any]:
+    """DeepSpeed's config for this job.
+
+    `sequence_parallel_size` is deliberately absent: DeepSpeed then treats every rank as
+    data-parallel and averages gradients over the whole world, the reduction `loss_scale`
+    undoes.
+    """
+    t = cfg.train
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch * t.grad_accum * cfg.cluster.world_size,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": cfg.precision is Precision.bf16},
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+
+
+class ZeRO1Engine:
+    name = "deepspeed_zero1"
+
+    def __init__(self, model: nn.Module, cfg: JobConfig):
+        import deepspeed
+
+        optimizer = build_optimizer(model, cfg.train)
+        self._engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=build_lr_scheduler(optimizer, cfg.train),
+            config=deepspeed_config(cfg),
+        )
+        self.module = self._engine.module
+        self.loss_scale = loss_scale(cfg.cluster.world_size, cfg.train.grad_accum)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self._engine(**kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._engine.backward(loss)
+
+    def step(self) -> None:
+        self._engine.step()
+
+    def lr(self) -> float:
+        return self._engine.get_lr()[0]
+
+    def grad_norm(self) -> float:
+        return float(self._engine.get_global_grad_norm() or 0.0)
+
+    def save(self, path: Path) -> None:
+        self._engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
+
+    def load(self, path: Path) -> None:
+        _, client_state = self._engine.load_checkpoint(str(path.parent), tag=path.name)
+        if client_state is None:
+            raise CheckpointError(f"DeepSpeed could not load its checkpoint {path}")
+
+    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        return None
+
+    def close(self) -> None:
+        self._engine.destroy()

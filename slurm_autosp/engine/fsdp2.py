@@ -1,0 +1,156 @@
+"""FSDP2 parameter sharding (`parallel.zero_stage=3`): parameters, gradients and optimizer
+state sharded over every rank, for models no single GPU can hold whole.
+
+One `fully_shard` per decoder layer and one at the root, before AutoSP compiles each layer:
+FSDP2's all-gathers and reduce-scatters run in its hooks, outside the compiled graphs, so one
+graph still serves every layer (docs/sharding_spike.md). The optimizer is plain AdamW over the
+local fp32 shards; bf16 runs compute in bf16 and reduce gradients in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from slurm_autosp.compile import decoder_layers
+from slurm_autosp.config import JobConfig, Precision
+from slurm_autosp.optim import build_lr_scheduler, build_optimizer
+
+SCHEDULE_FILE = "schedule.pt"
+
+
+class FSDP2Engine:
+    name = "fsdp2"
+
+    def __init__(self, model: nn.Module, cfg: JobConfig, device: torch.device):
+        world = dist.get_world_size()
+        mesh = init_device_mesh(device.type, (world,))
+        if cfg.precision is Precision.bf16:
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if any(p.is_meta for p in model.parameters()):
+            materialize(model, device)
+        self.module = model
+        self.optimizer = build_optimizer(model, cfg.train)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
+        # FSDP2 divides the reduce-scattered gradient by its mesh size and sums micro-batches
+        self.loss_scale = float(world)
+        self._grad_accum = cfg.train.grad_accum
+        self._max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
+        self._micro_steps = 0
+        self._grad_norm = 0.0
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.module(**kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self._micro_steps += 1
+        if self._micro_steps % self._grad_accum:
+            return
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        torch.nn.utils.clip_grads_with_norm_(params, self._max_norm, norm)
+        self._grad_norm = float(norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def grad_norm(self) -> float:
+        return self._grad_norm
+
+    def save(self, path: Path) -> None:
+        """Each rank writes its own shards (torch distributed checkpoint), rank 0 the schedule."""
+        model_state, optim_state = get_state_dict(self.module, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+        if dist.get_rank() == 0:
+            schedule = {"scheduler": self.scheduler.state_dict(), "micro_steps": self._micro_steps}
+            torch.save(schedule, path / SCHEDULE_FILE)
+
+    def load(self, path: Path) -> None:
+        model_state, optim_state = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        schedule = torch.load(path / SCHEDULE_FILE, weights_only=True)
+        self.scheduler.load_state_dict(schedule["scheduler"])
+        self._micro_steps = schedule["micro_steps"]
+
+    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.module, options=options)
+
+    def close(self) -> None:
+        """Nothing to release: the process group belongs to the job."""
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate a model built on the meta device and sharded, and initialize it as a whole.
+
+    Random init of a DTensor shard is not the slice of a whole-tensor init on every device
+    (on CPU each rank draws the same values for its shard). So each module's parameters are
+    drawn whole, by the model's own init on every rank from the same seed, and each rank keeps
+    its slice; only one module's weights exist whole at a time. Buffers (rotary frequencies)
+    are recomputed by the same init.
+    """
+    model.to_empty(device=device)
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        raise ValueError(
+            f"{type(model).__name__} has no _init_weights: build it on a real device "
+            "(model.builder) or from model.pretrained_path"
+        )
+    for module in _post_order(model):
+        sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+        for name, p in sharded.items():
+            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))
+        init(module)
+        for name, p in sharded.items():
+            _copy_slice(p, module._parameters[name].data)
+            module._parameters[name] = p
+
+
+def _post_order(module: nn.Module):
+    """Children before parents: the order Hugging Face's `initialize_weights` uses."""
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _copy_slice(param: DTensor, whole: torch.Tensor) -> None:
+    local = param.to_local()
+    (placement,) = param.placements
+    if not isinstance(placement, Shard):
+        local.copy_(whole)
+        return
+    coordinate = param.device_mesh.get_local_rank()
+    piece = torch.chunk(whole, param.device_mesh.size(), dim=placement.dim)
+    local.copy_(piece[coordinate] if coordinate < len(piece) else whole.narrow(placement.dim, 0, 0))
