@@ -50,6 +50,7 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
 
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, ctx.device, zero_stage_for(cfg))
+    log.info("engine: %s (loss factor %g)", engine.name, engine.loss_scale)
     backend = compile_for_sp(engine.module, cfg, parallel)
     source = build_source(cfg)
     store = CheckpointStore(checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep)
@@ -63,7 +64,7 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
         for step in range(first_step, cfg.train.steps):
             lr = engine.lr()
             with tracer.step(step + 1) as phases:
-                loss = _optimizer_step(engine, cfg, ctx, parallel, source, step, phases)
+                loss = optimizer_step(engine, cfg, ctx, parallel, source, step, phases)
             if backend is not None and step == first_step:
                 backend.require_sdpa_found()
             losses.append(loss)
@@ -103,7 +104,7 @@ def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> Tuple[bool
     return bool(flags[0]), bool(flags[1])
 
 
-def _optimizer_step(
+def optimizer_step(
     engine: TrainEngine, cfg: JobConfig, ctx: DistContext, parallel: Parallel, source: Any, step: int,
     phases: PhaseClock = UNTIMED,
 ) -> float:

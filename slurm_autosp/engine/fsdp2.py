@@ -10,6 +10,7 @@ local fp32 shards; bf16 runs compute in bf16 and reduce gradients in fp32.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -49,6 +50,9 @@ class FSDP2Engine:
         fully_shard(model, mesh=mesh, mp_policy=policy)
         if any(p.is_meta for p in model.parameters()):
             materialize(model, device)
+        # HF returns its logits as a slice of the hidden states (a view); the loss only reads
+        # it, never in place, which is what FSDP2 warns about on every forward
+        warnings.filterwarnings("ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning)
         self.module = model
         self.optimizer = build_optimizer(model, cfg.train)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)

@@ -2,8 +2,9 @@
 single-device objective inside the real engines, with the loss scale each engine's gradient
 reduction needs (sharding_cases.engine_loss_scale).
 
-World 2: the SP group is both ranks, and the engine shards parameters (ZeRO-3, FSDP2) or
-optimizer state (ZeRO-1) over the same two ranks. Two micro-batches per step, so the scale is
+World 2: the SP group is both ranks, and the engine shards parameters (ZeRO-3, FSDP2) over the
+same two ranks. (The spike's ZeRO-1 case became the real engines' tests in
+test_training_equivalence.py.) Two micro-batches per step, so the scale is
 checked against gradient accumulation too. See docs/sharding_spike.md for the choice.
 """
 
@@ -30,11 +31,6 @@ def assert_exact(results: list[dict]) -> None:
     assert all(r["finite"] for r in results), f"a rank's loss is not finite: {results}"
     worst = {key: max(r[key] for r in results) for key in ("loss_rel_error", "grad_rel_error")}
     assert all(value <= TOLERANCE for value in worst.values()), f"errors above {TOLERANCE}: {worst}"
-
-
-def test_sp2_under_deepspeed_zero1_per_layer_matches_single_device(own_pool2):
-    # The whole model as one graph is covered by test_sp_equivalence (same reduction, emulated).
-    assert_exact(own_pool2.run(sharded_sp_step, "zero1", CASE, 2))
 
 
 def test_sp2_under_fsdp2_per_layer_matches_single_device(own_pool2):

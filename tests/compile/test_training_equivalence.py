@@ -5,7 +5,7 @@ SP equivalence tests."""
 
 import pytest
 
-from train_cases import bf16_errors, engine_steps, grad_accum_step
+from train_cases import bf16_errors, engine_steps, grad_accum_step, sharded_init
 
 TOLERANCE = 1e-5
 
@@ -38,6 +38,13 @@ def test_three_fsdp2_steps_match_torch_adamw_on_one_device(world, pool2, pool4):
     result = pool.run(engine_steps, 3, 2, 2, 3)[0]
     assert result["grad_rel_error"] <= TOLERANCE, result
     assert_steps_match(result)
+
+
+def test_fsdp2_meta_device_build_is_initialized_like_the_whole_model(pool2):
+    result = pool2.run(sharded_init)[0]
+    assert result["keys_equal"] and result["rotary_equal"] and result["norms_one"], result
+    assert result["shards_differ"], result
+    assert abs(result["linear_std"] - result["config_std"]) < 0.1 * result["config_std"], result
 
 
 def test_sp2_bf16_error_is_at_most_twice_single_device_bf16_error(pool2):

@@ -260,3 +260,31 @@ def bf16_errors(sp_size: int) -> dict | None:
         }
 
     return {"single_bf16": errors(*single), "sp_bf16": errors(float(loss), sp_tokens, grads)}
+
+
+# ------------------------------------------------------------------ sharded initialization
+
+
+def sharded_init() -> dict | None:
+    """What FSDP2Engine's meta-device build initializes, gathered to rank 0, next to a model
+    built whole on CPU: the rotary frequencies and norms must be equal, the Linear weights drawn
+    with the config's std, and the ranks' shards must differ (a per-shard draw from one seed
+    would repeat the same rows on every rank)."""
+    cfg = _job_config(dist.get_world_size(), 3, 1, 1)
+    engine = _engine(3, cfg)
+    weights = engine.full_state_dict()
+    rotary = engine.module.model.rotary_emb.inv_freq.clone()
+    engine.close()
+    if dist.get_rank() != 0:
+        return None
+    whole = tiny_model("llama", 2)
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    half = q.shape[0] // 2
+    return {
+        "rotary_equal": torch.equal(rotary, whole.model.rotary_emb.inv_freq),
+        "norms_one": all(torch.equal(v, torch.ones_like(v)) for k, v in weights.items() if "norm" in k),
+        "linear_std": float(q.std()),
+        "config_std": whole.config.initializer_range,
+        "shards_differ": not torch.equal(q[:half], q[half:]),
+        "keys_equal": weights.keys() == whole.state_dict().keys(),
+    }
