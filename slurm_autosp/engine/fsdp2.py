@@ -41,10 +41,8 @@ class FSDP2Engine:
     def __init__(self, model: nn.Module, cfg: JobConfig, device: torch.device):
         world = dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
-        if cfg.precision is Precision.bf16:
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        else:
-            policy = MixedPrecisionPolicy()
+        self._compute_dtype = torch.bfloat16 if cfg.precision is Precision.bf16 else torch.float32
+        policy = MixedPrecisionPolicy(param_dtype=self._compute_dtype, reduce_dtype=torch.float32)
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -108,8 +106,10 @@ class FSDP2Engine:
         self._micro_steps = schedule["micro_steps"]
 
     def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """In the compute dtype, as DeepSpeed's bf16 module exports (half the size of fp32)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.module, options=options)
+        weights = get_model_state_dict(self.module, options=options)
+        return {name: tensor.to(self._compute_dtype) for name, tensor in weights.items()}
 
     def close(self) -> None:
         """Nothing to release: the process group belongs to the job."""
