@@ -54,7 +54,7 @@ class TrainerState:
     world_size: int
     config_hash: str
     layout: str
-    engine: str  # the engine whose format `engine/` is in
+    engine: str = "deepspeed_zero1"  # the engine whose format `engine/` is in (before FSDP2: ZeRO-1)
 
 
 def step_dir_name(step: int) -> str:

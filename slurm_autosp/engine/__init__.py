@@ -5,25 +5,29 @@ none can."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from slurm_autosp.config import JobConfig
 from slurm_autosp.engine.base import TrainEngine
-from slurm_autosp.engine.deepspeed_zero1 import ZeRO1Engine, deepspeed_config
+from slurm_autosp.engine.deepspeed_zero1 import ZeRO1Engine
 from slurm_autosp.engine.fsdp2 import FSDP2Engine
-from slurm_autosp.model import build_model
+from slurm_autosp.model import build_model, build_skeleton
 
-__all__ = ["FSDP2Engine", "TrainEngine", "ZeRO1Engine", "build_engine", "deepspeed_config"]
+__all__ = ["FSDP2Engine", "TrainEngine", "ZeRO1Engine", "build_engine"]
 
 
 def build_engine(cfg: JobConfig, device: torch.device, zero_stage: int) -> TrainEngine:
     """Build the model and hand it to the engine for `zero_stage`.
 
-    Under parameter sharding a model from a config is built on the meta device and only its
-    shards are ever allocated: no rank holds the whole model.
+    Under parameter sharding an HF model is built on the meta device and only its shards are
+    ever allocated; a pretrained one is read whole by rank 0 alone and scattered into the
+    shards. A `model.builder` model is built whole on every rank's CPU, then sharded.
     """
-    if zero_stage == 3:
-        meta = not (cfg.model.builder or cfg.model.pretrained_path)
-        with torch.device("meta" if meta else "cpu"):
-            model = build_model(cfg.model)
-        return FSDP2Engine(model, cfg, device)
-    return ZeRO1Engine(build_model(cfg.model), cfg)
+    if zero_stage != 3:
+        return ZeRO1Engine(build_model(cfg.model), cfg)
+    if cfg.model.builder:
+        return FSDP2Engine(build_model(cfg.model), cfg, device)
+    engine = FSDP2Engine(build_skeleton(cfg.model), cfg, device)
+    if cfg.model.pretrained_path:
+        engine.load_full_weights(build_model(cfg.model).state_dict() if dist.get_rank() == 0 else {})
+    return engine

@@ -40,4 +40,8 @@ class TrainEngine(Protocol):
         """Collective: restore what `save` wrote."""
 
     def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
-        """Collective: the whole model's weights on rank 0 (None where the module holds them)."""
+        """Collective: the whole model's weights on rank 0 when the module holds only shards;
+        None when every rank's module holds them whole, and on the other ranks."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond the job's process group."""

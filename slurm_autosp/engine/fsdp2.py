@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,16 +20,16 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from slurm_autosp.compile import decoder_layers
-from slurm_autosp.config import JobConfig, Precision
+from slurm_autosp.compile import AutoSPCompileError, decoder_layers
+from slurm_autosp.config import ConfigError, JobConfig, Precision
 from slurm_autosp.optim import build_lr_scheduler, build_optimizer
 
 SCHEDULE_FILE = "schedule.pt"
@@ -43,7 +43,7 @@ class FSDP2Engine:
         mesh = init_device_mesh(device.type, (world,))
         self._compute_dtype = torch.bfloat16 if cfg.precision is Precision.bf16 else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=self._compute_dtype, reduce_dtype=torch.float32)
-        for layer in decoder_layers(model):
+        for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         if any(p.is_meta for p in model.parameters()):
@@ -106,13 +106,41 @@ class FSDP2Engine:
         self._micro_steps = schedule["micro_steps"]
 
     def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
-        """In the compute dtype, as DeepSpeed's bf16 module exports (half the size of fp32)."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(self.module, options=options)
-        return {name: tensor.to(self._compute_dtype) for name, tensor in weights.items()}
+        """Gathered one tensor at a time and cast to the compute dtype as it arrives (bf16 runs
+        export bf16, as DeepSpeed's module does), so rank 0's host holds one copy, not two."""
+        rank0 = dist.get_rank() == 0
+        first_name: Dict[int, str] = {}  # tied parameters are gathered once, on every rank alike
+        weights: Dict[str, torch.Tensor] = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if id(tensor) in first_name:
+                if rank0:
+                    weights[name] = weights[first_name[id(tensor)]]
+                continue
+            first_name[id(tensor)] = name
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if rank0:
+                weights[name] = whole.detach().to(self._compute_dtype).cpu()
+        return weights if rank0 else None
+
+    def load_full_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        """Collective: rank 0's whole-model `weights` (a pretrained checkpoint) into every
+        rank's shards; the other ranks pass an empty dict."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.module, weights, options=options)
 
     def close(self) -> None:
         """Nothing to release: the process group belongs to the job."""
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    try:
+        return decoder_layers(model)
+    except AutoSPCompileError as err:
+        raise ConfigError(
+            f"parameter sharding (parallel.zero_stage=3) shards each decoder layer, and none were found "
+            f"in {type(model).__name__}: give the model a `_no_split_modules` list naming its layer class, "
+            "or train it with parallel.zero_stage=1"
+        ) from err
 
 
 @torch.no_grad()
@@ -142,7 +170,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             module._parameters[name] = p
 
 
-def _post_order(module: nn.Module):
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
     """Children before parents: the order Hugging Face's `initialize_weights` uses."""
     for child in module.children():
         yield from _post_order(child)
@@ -150,11 +178,8 @@ def _post_order(module: nn.Module):
 
 
 def _copy_slice(param: DTensor, whole: torch.Tensor) -> None:
-    local = param.to_local()
-    (placement,) = param.placements
-    if not isinstance(placement, Shard):
-        local.copy_(whole)
-        return
+    """This rank's piece of `whole`, cut as FSDP2 cuts it (torch.chunk on dim 0; trailing
+    ranks of a short dimension get nothing)."""
     coordinate = param.device_mesh.get_local_rank()
-    piece = torch.chunk(whole, param.device_mesh.size(), dim=placement.dim)
-    local.copy_(piece[coordinate] if coordinate < len(piece) else whole.narrow(placement.dim, 0, 0))
+    pieces = torch.chunk(whole, param.device_mesh.size(), dim=0)
+    param.to_local().copy_(pieces[coordinate] if coordinate < len(pieces) else whole[:0])

@@ -5,7 +5,8 @@ SP equivalence tests."""
 
 import pytest
 
-from train_cases import bf16_errors, engine_steps, grad_accum_step, sharded_init
+from sp_cases import tiny_model
+from train_cases import bf16_errors, engine_steps, grad_accum_step, pretrained_under_fsdp2, sharded_init
 
 TOLERANCE = 1e-5
 
@@ -40,11 +41,19 @@ def test_three_fsdp2_steps_match_torch_adamw_on_one_device(world, pool2, pool4):
     assert_steps_match(result)
 
 
-def test_fsdp2_meta_device_build_is_initialized_like_the_whole_model(pool2):
+def test_fsdp2_meta_device_build_draws_whole_tensors_and_restores_buffers(pool2):
+    """Not the CPU build's values (its constructors draw too), but its distributions, norms
+    and rotary frequencies, and shards that are slices of one draw."""
     result = pool2.run(sharded_init)[0]
     assert result["keys_equal"] and result["rotary_equal"] and result["norms_one"], result
     assert result["shards_differ"], result
     assert abs(result["linear_std"] - result["config_std"]) < 0.1 * result["config_std"], result
+
+
+def test_fsdp2_loads_a_pretrained_checkpoint_into_its_shards(pool2, tmp_path):
+    tiny_model("llama", 2).save_pretrained(tmp_path)
+    result = pool2.run(pretrained_under_fsdp2, str(tmp_path))[0]
+    assert all(result.values()), result
 
 
 def test_sp2_bf16_error_is_at_most_twice_single_device_bf16_error(pool2):

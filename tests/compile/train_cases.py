@@ -13,10 +13,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slurm_autosp.compile import IGNORE_INDEX, compile_model, loss_scale, prepare_sp_inputs, set_sp_group
+from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.verify import make_batch
 from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
 
 SEQ = 127  # not divisible by 2 or 4: exercises the SP padding
+LOSS_CHUNK = 24  # tokens per cross-entropy chunk in the engine steps: several chunks per rank
 
 
 def _shift(labels: torch.Tensor) -> torch.Tensor:
@@ -125,11 +127,11 @@ def _engine(zero_stage: int, cfg):
 def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> dict | None:
     """`steps` optimizer steps through the engine for `zero_stage` (DeepSpeed ZeRO-1, or FSDP2
     parameter sharding; torch AdamW and our LR schedule in both) on SP x DP ranks, with the
-    engine's own loss scale, against torch AdamW on one device from the same initial weights
-    with the same lr schedule, betas, eps, weight decay and gradient clipping (DeepSpeed scales
-    by clip / (norm + 1e-6) when the norm is above clip, which is torch's clip_grad_norm_).
-    Under FSDP2 the first step's reduced gradients are compared too (DeepSpeed's are checked
-    by grad_accum_step, whose reduction emulates it)."""
+    engine's own loss scale and the production chunked loss, against torch AdamW on one device
+    from the same initial weights with the same lr schedule, betas, eps, weight decay and
+    gradient clipping (DeepSpeed scales by clip / (norm + 1e-6) when the norm is above clip,
+    which is torch's clip_grad_norm_). Under FSDP2 the first step's reduced gradients are
+    compared too (DeepSpeed's are checked by grad_accum_step, whose reduction emulates it)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
     from slurm_autosp.optim import build_lr_scheduler, build_optimizer
@@ -148,7 +150,7 @@ def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> 
         shards, count = _sp_shards(batch, sp_size, grad_accum)
         step_loss = torch.zeros(())
         for shard in shards:
-            loss = engine(**_kwargs(shard, count)).loss
+            loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
             engine.backward(loss * engine.loss_scale)
             if zero_stage == 3 and not losses and shard is shards[-1]:
                 first_grads = {name: p.grad.full_tensor() for name, p in engine.module.named_parameters()}
@@ -287,4 +289,28 @@ def sharded_init() -> dict | None:
         "config_std": whole.config.initializer_range,
         "shards_differ": not torch.equal(q[:half], q[half:]),
         "keys_equal": weights.keys() == whole.state_dict().keys(),
+    }
+
+
+def pretrained_under_fsdp2(path: str) -> dict | None:
+    """A pretrained checkpoint under parameter sharding: rank 0 reads it, every rank keeps its
+    shards; gathered back, the weights are the checkpoint's, and the rotary buffers are set."""
+    from safetensors.torch import load_file
+
+    from slurm_autosp.config import load_config
+    from slurm_autosp.engine import build_engine
+
+    cfg = load_config([f"cluster.tasks_per_node={dist.get_world_size()}", "parallel.zero_stage=3",
+                       f"model.pretrained_path={path}"])
+    engine = build_engine(cfg, torch.device("cpu"), 3)
+    weights = engine.full_state_dict()
+    rotary = engine.module.model.rotary_emb.inv_freq.clone()
+    engine.close()
+    if dist.get_rank() != 0:
+        return None
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    return {
+        "keys_equal": saved.keys() <= weights.keys(),
+        "weights_equal": all(torch.equal(weights[name], tensor) for name, tensor in saved.items()),
+        "rotary_equal": torch.equal(rotary, tiny_model("llama", 2).model.rotary_emb.inv_freq),
     }
