@@ -7,6 +7,7 @@ sp_cases, so these cases share the pools' compiled graphs and caches with the SP
 """
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -208,9 +209,34 @@ def _loss_per_token_grads(model, batch: dict) -> tuple[float, torch.Tensor, dict
     return float(out.loss.detach()), per_token, grads
 
 
-def bf16_errors(sp_size: int) -> dict | None:
+def _bf16_model(zero_stage: int) -> tuple[torch.nn.Module, float, Callable[[torch.nn.Module], dict]]:
+    """The SP model in bf16, the factor on its loss, and how to read its reduced fp32 gradients:
+    the model cast to bf16 with gradients averaged over the world in fp32 (no engine), or FSDP2
+    computing in bf16 over fp32 shards and reducing in fp32 (zero_stage=3)."""
+    from slurm_autosp.config import Precision
+    from slurm_autosp.engine import FSDP2Engine
+
+    world = dist.get_world_size()
+    if zero_stage == 3:
+        cfg = _job_config(world, 3, 1, 1)
+        cfg.train.precision = Precision.bf16
+        engine = FSDP2Engine(tiny_model("llama", 2), cfg, torch.device("cpu"))
+        return engine.module, engine.loss_scale, lambda m: {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+
+    def averaged(model: torch.nn.Module) -> dict:
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad.float()
+            dist.all_reduce(grad)
+            grads[name] = grad / world
+        return grads
+
+    return tiny_model("llama", 2).to(torch.bfloat16), loss_scale(world, grad_accum=1), averaged
+
+
+def bf16_errors(sp_size: int, zero_stage: int = 1) -> dict | None:
     """Errors against the fp32 single-device reference, of single-device bf16 and of SP bf16
-    (model cast to bf16; SP gradients averaged over the world in fp32).
+    (`_bf16_model`: the model cast to bf16, or FSDP2's bf16 compute with zero_stage=3).
 
     loss error: |L - L_fp32| / |L_fp32|. token error: root mean square over valid labels of the
     per-token loss difference. gradient error: ||g - g_fp32|| / ||g_fp32|| over all parameters
@@ -225,21 +251,17 @@ def bf16_errors(sp_size: int) -> dict | None:
     count = torch.tensor(shard.valid_labels)
     dist.all_reduce(count)
 
-    model = tiny_model("llama", 2).to(torch.bfloat16)
+    model, scale, reduced_grads = _bf16_model(zero_stage)
     compile_model(model, backend_for(sp_size, True), per_layer=True)
     set_sp_group(contiguous_sp_group(sp_size))
     out = model(**_kwargs(shard, count))
-    (out.loss * loss_scale(world, grad_accum=1)).backward()
+    (out.loss * scale).backward()
     loss = out.loss.detach().float()
     dist.all_reduce(loss)
     per_token = F.cross_entropy(out.logits.detach().float().transpose(1, 2), shard.shift_labels, reduction="none")
     gathered = [torch.empty_like(per_token) for _ in range(world)]
     dist.all_gather(gathered, per_token.contiguous())
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad.float()
-        dist.all_reduce(grad)
-        grads[name] = grad / world
+    grads = reduced_grads(model)
     if rank != 0:
         return None
 
