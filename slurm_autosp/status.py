@@ -44,7 +44,8 @@ def describe(run_dir: Path) -> List[str]:
     else:
         state = json.loads((good / TRAINER_STATE).read_text())
         lines.append(f"steps done: {state['step']}{f' of {steps.group(1)}' if steps else ''}")
-        lines.append(f"last good checkpoint: {good} ({len(read_manifest(good)['files'])} files in {MANIFEST})")
+        lines.append(f"last good checkpoint: {good} ({len(read_manifest(good)['files'])} files in {MANIFEST}, "
+                     f"engine {state.get('engine', 'deepspeed_zero1')}, {state['world_size']} ranks)")
     jobs = sorted({p.name.split("_")[0] for p in submitit_dir(run_dir).glob("*_submitted.pkl")}, key=_job_order)
     lines.append(f"jobs: {', '.join(jobs) if jobs else 'none'}")
     requeues = sum(p.read_text(errors="replace").count("requeueing (restart") for p in submitit_dir(run_dir).glob("*_0_log.out"))

@@ -94,6 +94,7 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(tmp_path, unin
                             capture_output=True, text=True, check=True).stdout
     assert f"steps done: {STEPS} of {STEPS}" in status and "requeues: 1" in status and "not running" in status
     assert f"last good checkpoint: {tmp_path / 'resumed' / 'checkpoints' / f'step_{STEPS:08d}'}" in status
+    assert f"engine {'fsdp2' if zero_stage == 3 else 'deepspeed_zero1'}, 2 ranks" in status
 
     curve = tensorboard_losses(tmp_path / "resumed")
     assert [s for s, _ in curve] == list(range(1, STEPS + 1))  # no duplicated or missing steps
