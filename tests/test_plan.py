@@ -11,8 +11,9 @@ import torch
 
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.config import load_config
-from slurm_autosp.plan import build_plan, checkpoint_spec_for, plan_verdict, zero_stage_for
-from slurm_autosp.plan.memory import AUTO_CANDIDATES, render, verdict
+from slurm_autosp.plan import (
+    AUTO_CANDIDATES, build_plan, checkpoint_spec_for, plan_verdict, render, verdict, zero_stage_for,
+)
 from slurm_helpers import REPO
 
 TERMS = ("parameters", "gradients", "optimizer_shard", "activations", "logits_and_loss", "communication",

@@ -33,7 +33,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
-    from slurm_autosp.plan.memory import build_plan, render, verdict
+    from slurm_autosp.plan import build_plan, render, verdict
 
     if not cfg.cluster.uses_gpus:
         cfg.cluster.gpus_per_node = cfg.cluster.ranks_per_node  # plan as if each rank had a GPU

@@ -1,0 +1,85 @@
+"""The plan as printed, by `python -m slurm_autosp.plan` and by submit (`plan_verdict`), which
+also refuses a job on its verdict."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from slurm_autosp.checkpoint.estimate import signal_delay_warning
+from slurm_autosp.config import JobConfig
+from slurm_autosp.plan.choose import build_plan, zero_stage_for
+from slurm_autosp.plan.memory import GB, MemoryPlan
+from slurm_autosp.plan.trace import hf_config
+from slurm_autosp.plan.verdict import verdict
+
+ENGINES = {1: "DeepSpeed", 3: "FSDP2"}
+
+
+def _gb(value: float) -> str:
+    return f"{value / GB:8.2f} GB"
+
+
+def _engine(plan: MemoryPlan) -> str:
+    """e.g. "ZeRO-3 (FSDP2; chosen: does not fit under ZeRO-1)"."""
+    note = f"; {plan.stage_note}" if plan.stage_note else ""
+    return f"ZeRO-{plan.zero_stage} ({ENGINES[plan.zero_stage]}{note})"
+
+
+def render(plan: MemoryPlan) -> str:
+    cfg, memory = plan.cfg, plan.configured
+    c = cfg.cluster
+    hf = hf_config(cfg.model)
+    policy_note = f", {plan.policy_note}" if plan.policy_note else ""
+    lines = [
+        f"memory plan: {hf.model_type} {plan.parameters / 1e9:.2f}B parameters, {hf.num_hidden_layers} layers, "
+        f"seq {cfg.data.seq_len} x micro_batch {cfg.train.micro_batch}, SP={cfg.parallel.sp_size} "
+        f"({memory.trace.local_seq} tokens per rank), world {c.world_size}, {cfg.precision.value}",
+        f"  {_engine(plan)}; checkpointing {memory.label}{policy_note}",
+        f"per GPU ({c.gpu_memory_gb:g} GB):",
+    ]
+    for name, value in memory.terms.items():
+        lines.append(f"  {name:<26}{_gb(value)}")
+    lines.append(f"  {'fragmentation_margin':<26}{_gb(memory.margin)}   (10% + 1 GiB runtime)")
+    lines.append(f"  {'total':<26}{_gb(memory.total)}   of {c.gpu_memory_gb:g} GB")
+    t = memory.trace
+    lines.append(
+        f"  one layer saves {t.activation_bytes / t.tokens:,.0f} bytes per token; O(S^2) tensors saved: "
+        f"{len(t.quadratic_saved)}; attention recomputed: {t.recomputed_attention}; all-to-alls in backward: "
+        f"{t.all_to_all_backward}"
+    )
+    lines.append(f"longest sequence that fits (this cluster shape, per policy; GB per GPU under ZeRO-{plan.zero_stage} "
+                 f"at seq {cfg.data.seq_len}):")
+    for spec, p in plan.memories[plan.zero_stage].items():
+        chosen = "   <- chosen" if spec == memory.spec else ""
+        lines.append(
+            f"  {p.label:<38} ZeRO-1: {plan.longest_seq(plan.memories[1][spec]):>9,}   "
+            f"ZeRO-3: {plan.longest_seq(plan.memories[3][spec]):>9,}   needs {p.total / GB:6.1f} GB{chosen}"
+        )
+    text, _, _ = verdict(plan)
+    lines.append(text)
+    return "\n".join(lines)
+
+
+class PlanVerdict(NamedTuple):
+    text: str  # the plan as printed
+    fits: bool
+    reason: str  # why not; empty when it fits
+    zero_stage: int  # the stage the job will train with
+
+
+def plan_verdict(cfg: JobConfig) -> PlanVerdict:
+    """What submit prints and decides on. CPU jobs have no GPU memory to plan against: they
+    always fit."""
+    if not cfg.cluster.uses_gpus:
+        return PlanVerdict("memory plan: CPU ranks, no GPU memory to plan against", True, "", zero_stage_for(cfg))
+    if cfg.model.builder:
+        return PlanVerdict("memory plan: not available for model.builder models (the plan traces a Hugging Face "
+                           "decoder layer); nothing checked", True, "", zero_stage_for(cfg))
+    plan = build_plan(cfg)
+    text = render(plan)
+    _, fits, reason = verdict(plan)
+    warning = signal_delay_warning(cfg, plan.parameters, plan.zero_stage)
+    if warning:
+        text += f"\nwarning: {warning}"
+    return PlanVerdict(text, fits, reason, plan.zero_stage)
+
