@@ -12,6 +12,7 @@ import sys
 from typing import List, Optional
 
 from slurm_autosp.checkpoint.lock import write_lock
+from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.job import TrainingJob
 from slurm_autosp.launch.placement import plan_layout
@@ -19,9 +20,8 @@ from slurm_autosp.submit import prepare_run_dir
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__)
+    argv = arguments(argv, __doc__)
+    if argv is None:
         return 0
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
     try:
@@ -31,8 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             prepare_run_dir(cfg)
             write_lock(cfg.run.dir, os.environ.get("SLURM_JOB_ID", str(os.getpid())), "slurm")
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return config_error(err)
     TrainingJob(cfg)()
     return 0
 

@@ -21,6 +21,7 @@ from typing import List, Optional
 import submitit
 
 from slurm_autosp.checkpoint.lock import live_holder, write_lock
+from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, JobConfig, load_config, to_yaml
 from slurm_autosp.launch.executor import build_executor, sbatch_script, submitit_dir
 from slurm_autosp.launch.layout import ParallelLayout
@@ -73,9 +74,8 @@ def describe_dry_run(cfg: JobConfig, executor: submitit.AutoExecutor, layout: Pa
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__)
+    argv = arguments(argv, __doc__)
+    if argv is None:
         return 0
     try:
         cfg = load_config(argv)
@@ -91,8 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ConfigError(f"the job does not fit its GPUs: {plan.reason}\n{plan.text}")
         prepare_run_dir(cfg)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return config_error(err)
     job = executor.submit(TrainingJob(cfg))
     write_lock(cfg.run.dir, job.job_id, executor.cluster)
     print(

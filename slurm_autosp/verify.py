@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, JobConfig, ModelConfig, load_config
 
 
@@ -425,17 +426,15 @@ def run_verify(cfg: JobConfig, options: VerifyOptions) -> Report:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__)
+    argv = arguments(argv, __doc__)
+    if argv is None:
         return 0
     try:
         job_args, verify_args = split_arguments(argv)
         options = load_options(verify_args)
         cfg = load_config(job_args)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return config_error(err)
     if cfg.parallel.sp_size == 1:
         print("note: parallel.sp_size=1, so nothing is split; pass parallel.sp_size=N to check N-way SP", flush=True)
     seq_len = verify_seq_len(cfg.parallel.sp_size, options)

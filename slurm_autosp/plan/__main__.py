@@ -18,19 +18,18 @@ import sys
 import warnings
 from typing import List, Optional
 
+from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, load_config
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__)
+    argv = arguments(argv, __doc__)
+    if argv is None:
         return 0
     try:
         cfg = load_config(argv)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return config_error(err)
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
     from slurm_autosp.plan import build_plan, render, verdict

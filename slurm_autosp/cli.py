@@ -1,0 +1,25 @@
+"""What our command lines share: help on request, and a bad configuration reported as one
+error naming the key, with exit status 2, before anything starts."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+from slurm_autosp.config import ConfigError
+
+HELP = ("-h", "--help", "help")
+
+
+def arguments(argv: Optional[List[str]], doc: str) -> Optional[List[str]]:
+    """The command's arguments; None once `doc` is printed because help was asked for."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in HELP for a in argv):
+        print(doc)
+        return None
+    return argv
+
+
+def config_error(err: ConfigError) -> int:
+    print(f"error: {err}", file=sys.stderr)
+    return 2
