@@ -6,7 +6,14 @@ SP equivalence tests."""
 import pytest
 
 from sp_cases import tiny_model
-from train_cases import bf16_errors, engine_steps, grad_accum_step, pretrained_under_fsdp2, sharded_init
+from train_cases import (
+    bf16_errors,
+    engine_steps,
+    fsdp2_held_bytes,
+    grad_accum_step,
+    pretrained_under_fsdp2,
+    sharded_init,
+)
 
 TOLERANCE = 1e-5
 
@@ -48,6 +55,15 @@ def test_fsdp2_meta_device_build_draws_whole_tensors_and_restores_buffers(pool2)
     assert result["keys_equal"] and result["rotary_equal"] and result["norms_one"], result
     assert result["shards_differ"], result
     assert abs(result["linear_std"] - result["config_std"]) < 0.1 * result["config_std"], result
+
+
+def test_fsdp2_rank_holds_16_bytes_per_parameter_over_the_world(pool2):
+    """What the memory plan assumes under zero_stage=3: fp32 weights, fp32 gradients and Adam's
+    two fp32 moments, each 1/world per rank (FSDP2 pads shards to equal rows: allow 1%)."""
+    for held in pool2.run(fsdp2_held_bytes):
+        share = held["parameters"] / 2
+        for name, per_param in (("weights", 4), ("grads", 4), ("adam", 8)):
+            assert per_param * share <= held[name] <= 1.01 * per_param * share, (name, held)
 
 
 def test_fsdp2_loads_a_pretrained_checkpoint_into_its_shards(pool2, tmp_path):

@@ -336,3 +336,18 @@ def pretrained_under_fsdp2(path: str) -> dict | None:
         "weights_equal": all(torch.equal(weights[name], tensor) for name, tensor in saved.items()),
         "rotary_equal": torch.equal(rotary, tiny_model("llama", 2).model.rotary_emb.inv_freq),
     }
+
+
+def fsdp2_held_bytes() -> dict:
+    """Bytes of weights, gradients and Adam state one rank holds under FSDP2 after an optimizer
+    step (local shards only), against the parameter count: the memory plan's 16 B/param/world."""
+    engine = _engine(3, _job_config(dist.get_world_size(), 3, 1, 1))
+    batch = make_batch(1, 32, VOCAB, seed=5)
+    engine.backward(engine(**batch, use_cache=False).loss)
+    grads = sum(p.grad.to_local().nbytes for p in engine.module.parameters())
+    engine.step()
+    weights = sum(p.to_local().nbytes for p in engine.module.parameters())
+    adam = sum(t.to_local().nbytes for s in engine.optimizer.state.values() for t in s.values() if t.dim() > 0)
+    parameters = sum(p.numel() for p in engine.module.parameters())
+    engine.close()
+    return {"weights": weights, "grads": grads, "adam": adam, "parameters": parameters}
