@@ -1,9 +1,9 @@
 """What every rank runs in the sharding spike: one SP=2 step of a per-layer AutoSP-compiled tiny
-Llama inside a real training engine (DeepSpeed ZeRO-1, DeepSpeed ZeRO-3 or FSDP2), compared
+Llama inside a parameter-sharding engine (DeepSpeed ZeRO-3 or FSDP2), compared
 with a single-device fp32 reference computed on the same rank.
 
 The SP group is the whole world, and the engine's data-parallel (sharding) group is the same
-ranks: each rank holds one half of the sequence and (ZeRO-3, FSDP2) one half of every parameter.
+ranks: each rank holds one half of the sequence and one half of every parameter.
 Each rank's loss is its summed token loss over the step's global count of valid labels; the sum
 of those over the ranks is the single-device loss. The engine then reduces gradients its own way,
 and `engine_loss_scale` is the factor that turns that reduction back into the sum.
@@ -53,7 +53,7 @@ def engine_loss_scale(engine: str, world_size: int, grad_accum: int) -> float:
     return float(world_size * grad_accum)
 
 
-def _deepspeed_engine(model: torch.nn.Module, stage: int, grad_accum: int):
+def _zero3_engine(model: torch.nn.Module, grad_accum: int):
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     import deepspeed
@@ -61,7 +61,7 @@ def _deepspeed_engine(model: torch.nn.Module, stage: int, grad_accum: int):
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": grad_accum,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": 3},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**62,
     }
@@ -116,7 +116,7 @@ def sharded_sp_step(engine: str, case: Case, grad_accum: int = 1) -> dict[str, o
             loss += out.loss.detach()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     else:
-        wrapped = _deepspeed_engine(model, stage=1 if engine == "zero1" else 3, grad_accum=grad_accum)
+        wrapped = _zero3_engine(model, grad_accum=grad_accum)
         for micro, shard in enumerate(shards):
             out = wrapped(**shard.model_kwargs(count))
             wrapped.backward(out.loss * scale)  # DeepSpeed divides by grad_accum here
