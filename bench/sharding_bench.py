@@ -127,7 +127,8 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     from slurm_autosp.data import build_source
     from slurm_autosp.launch.distributed import DistContext
     from slurm_autosp.launch.placement import build_parallel
-    from slurm_autosp.train import optimizer_step, build_engine, compile_for_sp
+    from slurm_autosp.plan import checkpoint_spec_for
+    from slurm_autosp.train import build_engine, compile_for_sp, optimizer_step
 
     deepspeed.utils.logger.setLevel("WARNING")
     device = torch.device("cuda", rank) if use_gpus else torch.device("cpu")
@@ -164,7 +165,7 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     engine = build_engine(cfg, device, stage)
     built = time.perf_counter()
     say(f"{type(engine).__name__} built in {built - start:.1f} s; compiling (first step)")
-    backend = compile_for_sp(engine.module, cfg, parallel)
+    backend = compile_for_sp(engine.module, cfg, parallel, checkpoint_spec_for(cfg))
     held: Dict[str, int] = {}
     real_step = engine.step
 

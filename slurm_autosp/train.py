@@ -15,6 +15,7 @@ from slurm_autosp.checkpoint.signals import StopRequest
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile import AutoSPBackend, compile_model, prepare_sp_inputs, set_sp_group
+from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.config import JobConfig, config_hash
 from slurm_autosp.data import build_source, micro_batch
 from slurm_autosp.engine import TrainEngine, build_engine
@@ -32,13 +33,14 @@ class TrainResult:
     losses: List[float]  # one per step this job ran
 
 
-def compile_for_sp(model: torch.nn.Module, cfg: JobConfig, parallel: Parallel) -> Optional[AutoSPBackend]:
-    """Compile the model with the AutoSP backend over this rank's SP group (if enabled)."""
+def compile_for_sp(
+    model: torch.nn.Module, cfg: JobConfig, parallel: Parallel, spec: CheckpointSpec
+) -> Optional[AutoSPBackend]:
+    """Compile the model with the AutoSP backend over this rank's SP group (if enabled),
+    checkpointing activations by `spec`."""
     if not cfg.compile.enabled:
         return None
-    from slurm_autosp.plan import checkpoint_spec_for
-
-    backend = AutoSPBackend(cfg.parallel.sp_size, checkpoint_spec_for(cfg))
+    backend = AutoSPBackend(cfg.parallel.sp_size, spec)
     log.info("AutoSP: %r", backend)
     set_sp_group(parallel.sp_group)
     compile_model(model, backend, per_layer=cfg.compile.per_layer)
@@ -46,12 +48,13 @@ def compile_for_sp(model: torch.nn.Module, cfg: JobConfig, parallel: Parallel) -
 
 
 def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> TrainResult:
-    from slurm_autosp.plan import zero_stage_for
+    from slurm_autosp.plan import training_choices
 
+    zero_stage, checkpointing = training_choices(cfg)
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, ctx.device, zero_stage_for(cfg))
+    engine = build_engine(cfg, ctx.device, zero_stage)
     log.info("engine: %s (loss factor %g)", engine.name, engine.loss_scale)
-    backend = compile_for_sp(engine.module, cfg, parallel)
+    backend = compile_for_sp(engine.module, cfg, parallel, checkpointing)
     source = build_source(cfg)
     store = CheckpointStore(checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep)
     store.check_writable()

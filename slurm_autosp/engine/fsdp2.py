@@ -58,7 +58,7 @@ class FSDP2Engine:
         self.loss_scale = float(world)
         self._grad_accum = cfg.train.grad_accum
         self._max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-        self._micro_steps = 0
+        self._micro_steps = 0  # saves happen at step boundaries, where this is 0 mod grad_accum
         self._grad_norm = 0.0
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -91,8 +91,7 @@ class FSDP2Engine:
         model_state, optim_state = get_state_dict(self.module, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
         if dist.get_rank() == 0:
-            schedule = {"scheduler": self.scheduler.state_dict(), "micro_steps": self._micro_steps}
-            torch.save(schedule, path / SCHEDULE_FILE)
+            torch.save(self.scheduler.state_dict(), path / SCHEDULE_FILE)
 
     def load(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.module, self.optimizer)
@@ -101,9 +100,7 @@ class FSDP2Engine:
         set_state_dict(
             self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
-        schedule = torch.load(path / SCHEDULE_FILE, weights_only=True)
-        self.scheduler.load_state_dict(schedule["scheduler"])
-        self._micro_steps = schedule["micro_steps"]
+        self.scheduler.load_state_dict(torch.load(path / SCHEDULE_FILE, weights_only=True))
 
     def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
         """Gathered one tensor at a time and cast to the compute dtype as it arrives (bf16 runs

@@ -80,6 +80,15 @@ def zero_stage_for(cfg: JobConfig) -> int:
     return build_plan(cfg).zero_stage if _has_plan(cfg) else 1
 
 
+def training_choices(cfg: JobConfig) -> tuple[int, CheckpointSpec]:
+    """The ZeRO stage and checkpointing policy training runs with, from at most one plan:
+    tracing a large layer takes seconds, on every rank."""
+    if _has_plan(cfg) and (cfg.parallel.zero_stage is None or policy_from_plan(cfg)):
+        plan = build_plan(cfg)
+        return plan.zero_stage, plan.configured.spec
+    return zero_stage_for(cfg), checkpoint_spec_for(cfg)
+
+
 def checkpoint_spec_for(cfg: JobConfig) -> CheckpointSpec:
     """The checkpointing policy training compiles with: the configured one, or, for `auto` and
     a null `sac` budget, the plan's choice. Without a plan: CPU ranks have no GPU to fit, so

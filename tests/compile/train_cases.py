@@ -125,6 +125,11 @@ def _engine(zero_stage: int, cfg):
     return FSDP2Engine(model, cfg, torch.device("cpu"))
 
 
+def _whole_weights(engine) -> dict:
+    """The whole model's weights: gathered by a sharding engine, the module's own otherwise."""
+    return engine.full_state_dict() or {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+
 def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> dict | None:
     """`steps` optimizer steps through the engine for `zero_stage` (DeepSpeed ZeRO-1, or FSDP2
     parameter sharding; torch AdamW and our LR schedule in both) on SP x DP ranks, with the
@@ -143,7 +148,7 @@ def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> 
     batches = [make_batch(rows, SEQ, VOCAB, seed=100 + step) for step in range(steps)]
 
     engine = _engine(zero_stage, cfg)
-    initial = engine.full_state_dict() or {k: v.clone() for k, v in engine.module.state_dict().items()}
+    initial = _whole_weights(engine)
     compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
     set_sp_group(contiguous_sp_group(sp_size))
     losses, grad_norms, first_grads = [], [], {}
@@ -160,7 +165,7 @@ def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> 
         dist.all_reduce(step_loss)
         losses.append(float(step_loss))
         grad_norms.append(engine.grad_norm())
-    params = engine.full_state_dict() or {k: v.clone() for k, v in engine.module.state_dict().items()}
+    params = _whole_weights(engine)
     engine.close()
     if rank != 0:
         return None
