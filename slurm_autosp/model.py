@@ -4,11 +4,15 @@ their own constructor."""
 from __future__ import annotations
 
 import importlib
+import sys
+from typing import Any
 
 import torch
 from torch import nn
 
-from slurm_autosp.config import ConfigError, ModelConfig
+from slurm_autosp.compile.attention_pattern import unsupported_attention
+from slurm_autosp.compile.chunked_loss import unsupported_logits
+from slurm_autosp.config import ConfigError, JobConfig, ModelConfig
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
@@ -22,7 +26,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
             cfg.pretrained_path, attn_implementation=cfg.attn_implementation, dtype=torch.float32
         )
     return AutoModelForCausalLM.from_config(
-        _hf_config(cfg), attn_implementation=cfg.attn_implementation, dtype=torch.float32
+        hf_config(cfg), attn_implementation=cfg.attn_implementation, dtype=torch.float32
     )
 
 
@@ -32,22 +36,69 @@ def build_skeleton(cfg: ModelConfig) -> nn.Module:
     checkpoint's config; its weights are loaded separately."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_config = AutoConfig.from_pretrained(cfg.pretrained_path) if cfg.pretrained_path else _hf_config(cfg)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(
-            hf_config, attn_implementation=cfg.attn_implementation, dtype=torch.float32
+            hf_config(cfg), attn_implementation=cfg.attn_implementation, dtype=torch.float32
         )
 
 
-def _hf_config(cfg: ModelConfig):
+def hf_config(cfg: ModelConfig):
+    """The HF config the model is built from: its checkpoint's, or the job config's fields."""
     from transformers import AutoConfig
 
     try:
-        hf_config = AutoConfig.for_model(cfg.model_type, **cfg.hf_fields())
-    except ValueError as err:
-        raise ConfigError(f"model.model_type={cfg.model_type!r}: {err}") from err
-    hf_config.use_cache = False
-    return hf_config
+        if cfg.pretrained_path:
+            config = AutoConfig.from_pretrained(cfg.pretrained_path)
+        else:
+            config = AutoConfig.for_model(cfg.model_type, **cfg.hf_fields())
+    except (OSError, ValueError) as err:
+        where = f"model.pretrained_path={cfg.pretrained_path}" if cfg.pretrained_path else f"model.model_type={cfg.model_type!r}"
+        raise ConfigError(f"{where}: {err}") from err
+    config.use_cache = False
+    return config
+
+
+def hf_decoder_layer_class(config: Any) -> type:
+    """The repeated block of an HF causal LM family (the first module its `_no_split_modules` names)."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    return getattr(sys.modules[model_class.__module__], model_class._no_split_modules[0])
+
+
+def _attention_sinks(config: Any) -> list[str]:
+    """Sinks are learned parameters of the attention module, not a config field: look at one
+    decoder layer built on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        layer = hf_decoder_layer_class(config)(config, 0)
+    names = [n for n, _ in layer.named_parameters() if n.rsplit(".", 1)[-1] == "sinks"]
+    return [f"attention sinks ({names[0]} of {type(layer).__name__})"] if names else []
+
+
+def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> None:
+    """Refuse, before any rank starts, a model whose attention or logits the compiled SP graph
+    or the chunked loss would compute differently from the model itself (never silently).
+
+    `seq_len` defaults to data.seq_len; it is padded to the SP size as training pads it.
+    """
+    if cfg.model.builder:
+        return  # the user's own module: refused where it runs (compile.hf_attention)
+    config = hf_config(cfg.model)
+    sp = cfg.parallel.sp_size
+    seq = seq_len or cfg.data.seq_len
+    padded = -(-seq // sp) * sp
+    problems = unsupported_attention(config, padded) + _attention_sinks(config) if cfg.compile.enabled else []
+    if cfg.compile.loss_chunk_tokens > 0:
+        problems += [f"{p}; set compile.loss_chunk_tokens=0 (the model's own loss)" for p in unsupported_logits(config)]
+    if problems:
+        source = f"model.pretrained_path={cfg.model.pretrained_path}" if cfg.model.pretrained_path else (
+            f"model.model_type={cfg.model.model_type}")
+        raise ConfigError(
+            f"{source} (sequence parallel over parallel.sp_size={sp}, data.seq_len={seq}) is not supported exactly:\n  - "
+            + "\n  - ".join(problems)
+            + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
+            "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
+        )
 
 
 def _call_builder(cfg: ModelConfig) -> nn.Module:

@@ -16,16 +16,14 @@ resolved config, per-rank logs, checkpoints and TensorBoard events:
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
-
-import submitit
 
 from slurm_autosp.checkpoint.lock import live_holder, write_lock
 from slurm_autosp.cli import arguments, config_error
-from slurm_autosp.config import ConfigError, JobConfig, load_config, to_yaml
-from slurm_autosp.launch.executor import build_executor, sbatch_script, submitit_dir
+from slurm_autosp.config import Backend, ConfigError, JobConfig, load_config, to_yaml
+from slurm_autosp.launch.executor import build_executor, resolve_backend, sbatch_script, submitit_dir
 from slurm_autosp.launch.layout import ParallelLayout
 from slurm_autosp.launch.placement import plan_layout
+from slurm_autosp.model import refuse_unsupported_attention
 from slurm_autosp.plan import plan_verdict
 from slurm_autosp.launch.job import TrainingJob, collective_env_for
 from slurm_autosp.launch.watch import JobFailed, wait_for_job
@@ -51,12 +49,13 @@ def prepare_run_dir(cfg: JobConfig) -> None:
         ) from err
 
 
-def describe_dry_run(cfg: JobConfig, executor: submitit.AutoExecutor, layout: ParallelLayout) -> str:
-    """What would run, where and how: the script, the config, the layout and the environment."""
+def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -> str:
+    """What would run, where and how: the script, the config, the layout and the environment;
+    it needs no Slurm, so a cluster job can be planned anywhere."""
     c = cfg.cluster
     env = collective_env_for(cfg, inherited={})
-    if executor.cluster == "slurm":
-        launch = "# sbatch script (submitit would submit exactly this)\n" + sbatch_script(executor)
+    if backend is Backend.slurm:
+        launch = "# sbatch script (submitit would submit exactly this)\n" + sbatch_script(cfg)
     else:
         launch = f"# local: {c.world_size} processes on this machine through submitit's local executor"
     return "\n".join(
@@ -68,25 +67,27 @@ def describe_dry_run(cfg: JobConfig, executor: submitit.AutoExecutor, layout: Pa
             repr(layout),
             "# environment set on every rank before torch.distributed starts",
             *(f"{k}={v}" for k, v in sorted(env.items())),
-            f"# dry run: nothing submitted ({c.world_size} ranks, backend {executor.cluster})",
+            f"# dry run: nothing submitted ({c.world_size} ranks, backend {backend.value})",
         ]
     )
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
         return 0
     try:
         cfg = load_config(argv)
+        refuse_unsupported_attention(cfg)
         layout = plan_layout(cfg)
-        executor = build_executor(cfg)
+        backend = resolve_backend(cfg.cluster.backend)
         plan = plan_verdict(cfg)
         cfg.parallel.zero_stage = plan.zero_stage  # fixed for the run: the engines' checkpoints differ
         if cfg.dry_run:
-            print(describe_dry_run(cfg, executor, layout))
+            print(describe_dry_run(cfg, backend, layout))
             print(plan.text)
             return 0
+        executor = build_executor(cfg, backend)
         if not plan.fits:
             raise ConfigError(f"the job does not fit its GPUs: {plan.reason}\n{plan.text}")
         prepare_run_dir(cfg)

@@ -49,6 +49,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, JobConfig, ModelConfig, load_config
+from slurm_autosp.model import refuse_unsupported_attention
 
 
 class Inject(str, enum.Enum):
@@ -433,6 +434,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         job_args, verify_args = split_arguments(argv)
         options = load_options(verify_args)
         cfg = load_config(job_args)
+        refuse_unsupported_attention(cfg)  # as submit would
+        refuse_unsupported_attention(cfg, verify_seq_len(cfg.parallel.sp_size, options))
     except ConfigError as err:
         return config_error(err)
     if cfg.parallel.sp_size == 1:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from slurm_autosp.config import ClusterConfig, load_config
-from slurm_autosp.launch.executor import build_executor, sbatch_script
+from slurm_autosp.launch.executor import sbatch_script
 from slurm_helpers import REPO, job_state
 
 SCRIPT = (REPO / "sbatch" / "train.sbatch").read_text()
@@ -20,7 +20,7 @@ def directives(text):
 @pytest.fixture(scope="module")
 def generated():
     cfg = load_config(["cfg=configs/llama8b_32k.yaml", "cluster.backend=slurm"])
-    return sbatch_script(build_executor(cfg))
+    return sbatch_script(cfg)
 
 
 def test_signal_requeue_and_log_options_match_submit(generated):

@@ -31,6 +31,11 @@ def current_sp_group() -> dist.ProcessGroup:
     return _sp_group
 
 
+def registered_sp_size() -> int:
+    """Ranks in the registered SP group; 1 when none is registered (a single-device trace)."""
+    return 1 if _sp_group is None else dist.get_world_size(_sp_group)
+
+
 @contextmanager
 def sp_group_context(group: dist.ProcessGroup) -> Iterator[None]:
     """Register `group` for the duration of a block, restoring the previous one after."""

@@ -21,6 +21,20 @@ from torch.utils.checkpoint import checkpoint
 from slurm_autosp.compile.inputs import IGNORE_INDEX
 
 
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # a scale of 1 is no transform
+
+
+def unsupported_logits(config: Any) -> list[str]:
+    """HF config fields that make the model transform its logits after the output embedding: the
+    chunked loss computes plain `hidden @ weight.T` and would silently skip them."""
+    values = {field: getattr(config, field, None) for field in LOGIT_TRANSFORMS}
+    return [
+        f"{field}={value}: the chunked loss does not apply the model's transform of its logits"
+        for field, value in values.items()
+        if value is not None and not (field != "final_logit_softcapping" and value == 1)
+    ]
+
+
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -83,6 +97,9 @@ def causal_lm_loss(model: Any, batch_kwargs: dict[str, Any], *, chunk_tokens: in
     Linear output embedding, or chunk_tokens <= 0, takes the model's own loss.
     """
     module = getattr(model, "module", model)
+    problems = unsupported_logits(getattr(module, "config", None))
+    if chunk_tokens > 0 and problems:
+        raise ValueError("; ".join(problems) + "; compute the loss unchunked (chunk_tokens=0, compile.loss_chunk_tokens=0)")
     if chunk_tokens <= 0:
         return model(**batch_kwargs).loss
     kwargs = {k: v for k, v in batch_kwargs.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}

@@ -7,32 +7,57 @@ would be per shard and wrong for Ulysses (and S x S in memory). Keeping the KV c
 it but makes every decoder layer a different graph (the cache is indexed by `layer_idx`).
 
 So the model is switched to `SP_ATTENTION`: HF's own SDPA attention function under another
-name, with a mask function that returns no mask (and refuses a padding mask, which only
-`prepare_sp_inputs` may drop safely). Packed sequences are refused by `prepare_sp_inputs`.
+name, with a mask function that returns no mask. Both refuse what dropping the mask would get
+wrong (see attention_pattern): a padding mask (only `prepare_sp_inputs` may drop it safely), a
+window shorter than the whole sequence, soft-capping, sinks, non-causal attention. Packed
+sequences are refused by `prepare_sp_inputs`.
 """
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from slurm_autosp.compile.all_to_all import registered_sp_size
+from slurm_autosp.compile.attention_pattern import check_attention_call, check_mask_request
 from slurm_autosp.compile.backend import AutoSPCompileError
 
 SP_ATTENTION = "slurm_autosp_sdpa"
 
 
-def _no_mask(*, attention_mask: torch.Tensor | None = None, **_: object) -> None:
-    """Causal attention needs no mask: SDPA's is_causal covers it over the full sequence."""
+def _no_mask(
+    *,
+    kv_length: int,
+    attention_mask: torch.Tensor | None = None,
+    mask_function: Callable[..., Any] | None = None,
+    local_size: int | None = None,
+    config: Any = None,
+    **_: object,
+) -> None:
+    """Causal attention needs no mask: SDPA's is_causal covers it over the full sequence.
+
+    `kv_length` is this rank's shard; the sequence the mask would cover is all SP ranks' shards.
+    """
     if attention_mask is not None:
         raise AutoSPCompileError(
             "an attention_mask was passed to a model prepared for sequence parallelism; pass the "
             "batch through slurm_autosp.compile.prepare_sp_inputs(...) and call the model with "
             "its .model_kwargs() (right padding becomes ignored labels; left padding is refused)"
         )
+    check_mask_request(mask_function, local_size, kv_length * registered_sp_size(), config)
     return None
 
 
-AttentionInterface.register(SP_ATTENTION, sdpa_attention_forward)
+def _sp_sdpa_attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """HF's SDPA attention, after refusing what it would silently ignore."""
+    check_attention_call(module, kwargs)
+    return sdpa_attention_forward(module, *args, **kwargs)
+
+
+AttentionInterface.register(SP_ATTENTION, _sp_sdpa_attention)
 AttentionMaskInterface.register(SP_ATTENTION, _no_mask)
 
 

@@ -91,13 +91,19 @@ def prepare_sp_inputs(
     """Shard a [B, S] causal-LM batch for SP rank `sp_rank` of `sp_size`.
 
     `labels` default to `input_ids` (they are shifted here, as HF would shift them).
-    `attention_mask` may only mark right padding. S need not divide by `sp_size`: the batch is
+    `attention_mask` may only mark right padding ([B, S]; custom masks are refused). S need not divide by `sp_size`: the batch is
     padded with `pad_token_id` tokens whose labels are ignored.
     """
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} is outside the SP group of size {sp_size}")
     batch, seq = input_ids.shape
     labels = input_ids if labels is None else labels
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, not the [batch, seq] padding mask "
+            f"{tuple(input_ids.shape)} of input_ids: custom attention masks (4-D, per token pair) are not "
+            "supported under sequence parallelism; pass a padding mask (right padding) or none"
+        )
     if attention_mask is not None:
         labels = _drop_trailing_padding(labels, attention_mask)
     if position_ids is None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import submitit
 
-from typing import Any, Dict
+from slurm_autosp.config import Backend, ClusterConfig, ConfigError, JobConfig
 
-from slurm_autosp.config import Backend, ClusterConfig, JobConfig
+SLURM_TOOLS = ("sbatch", "srun")
 
 
 def submitit_dir(run_dir: Path) -> Path:
@@ -34,11 +35,31 @@ def resolve_backend(backend: Backend) -> Backend:
     return backend
 
 
-def build_executor(cfg: JobConfig) -> submitit.AutoExecutor:
+def build_executor(cfg: JobConfig, backend: Backend) -> submitit.AutoExecutor:
+    """The executor that submits the job on the resolved `backend` (never auto)."""
+    if backend is Backend.slurm:
+        _require_slurm_tools()
+    executor = submitit.AutoExecutor(folder=submitit_dir(cfg.run.dir), cluster=backend.value)
+    slurm = {f"slurm_{k}": v for k, v in _slurm_parameters(cfg.cluster).items()}
+    executor.update_parameters(**_shared_parameters(cfg), **slurm)
+    return executor
+
+
+def _require_slurm_tools() -> None:
+    """Name the key to change where this machine cannot submit, instead of submitit's traceback."""
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise ConfigError(
+            f"cluster.backend=slurm: {' and '.join(missing)} not found on PATH, so this machine cannot submit "
+            "to SLURM; run on a login node of the cluster, or use cluster.backend=local (or cluster.backend=auto) "
+            "to train here"
+        )
+
+
+def _shared_parameters(cfg: JobConfig) -> dict[str, Any]:
+    """The resources in submitit's generic names, which every executor translates for itself."""
     c = cfg.cluster
-    cluster = resolve_backend(c.backend).value
-    executor = submitit.AutoExecutor(folder=submitit_dir(cfg.run.dir), cluster=cluster)
-    params = dict(
+    params: dict[str, Any] = dict(
         name=cfg.run.name,
         nodes=c.nodes,
         tasks_per_node=c.ranks_per_node,
@@ -49,34 +70,44 @@ def build_executor(cfg: JobConfig) -> submitit.AutoExecutor:
         params["gpus_per_node"] = c.gpus_per_node
     if c.mem_gb is not None:
         params["mem_gb"] = c.mem_gb
-    executor.update_parameters(**params, **_slurm_parameters(c))
-    return executor
+    return params
 
 
-def _slurm_parameters(c: ClusterConfig) -> Dict[str, Any]:
-    """The SLURM-only options (submitit ignores them on the local executor)."""
+def _slurm_parameters(c: ClusterConfig) -> dict[str, Any]:
+    """The SLURM-only options, in submitit's SlurmExecutor names (the local executor has none)."""
     srun_args = list(c.srun_args)
     if c.container_image:
         srun_args.append(f"--container-image={c.container_image}")
     if c.container_mounts:
         srun_args.append(f"--container-mounts={','.join(c.container_mounts)}")
     optional = {
-        "slurm_partition": c.partition,
-        "slurm_account": c.account,
-        "slurm_qos": c.qos,
-        "slurm_constraint": c.constraint,
-        "slurm_exclusive": c.exclusive or None,
+        "partition": c.partition,
+        "account": c.account,
+        "qos": c.qos,
+        "constraint": c.constraint,
+        "exclusive": c.exclusive or None,
     }
     return {
         **{k: v for k, v in optional.items() if v is not None},
-        "slurm_signal_delay_s": c.signal_delay_s,
-        "slurm_setup": list(c.setup),
-        "slurm_srun_args": srun_args,
-        "slurm_additional_parameters": {"requeue": True, **c.sbatch_extra},
+        "signal_delay_s": c.signal_delay_s,
+        "setup": list(c.setup),
+        "srun_args": srun_args,
+        "additional_parameters": {"requeue": True, **c.sbatch_extra},
     }
 
 
-def sbatch_script(executor: submitit.AutoExecutor) -> str:
-    """The exact script submitit would hand to sbatch (a dry run prints it)."""
-    slurm = executor._executor  # submitit renders the script only on its SLURM executor
+class _ScriptOnlySlurmExecutor(submitit.SlurmExecutor):
+    """submitit's SLURM executor without its srun check: it only renders the script, so a dry run
+    can plan a cluster job on a machine without Slurm."""
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 2
+
+
+def sbatch_script(cfg: JobConfig) -> str:
+    """The exact script submitit would hand to sbatch (a dry run prints it), rendered by submitit
+    from the parameters build_executor gives it, the way AutoExecutor translates them."""
+    slurm = _ScriptOnlySlurmExecutor(submitit_dir(cfg.run.dir))
+    slurm.update_parameters(**slurm._convert_parameters(_shared_parameters(cfg)), **_slurm_parameters(cfg.cluster))
     return slurm._make_submission_file_text(slurm._submitit_command_str, uid="dry-run")

@@ -20,6 +20,7 @@ from typing import List, Optional
 
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.model import refuse_unsupported_attention
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -28,6 +29,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     try:
         cfg = load_config(argv)
+        refuse_unsupported_attention(cfg)
     except ConfigError as err:
         return config_error(err)
     warnings.filterwarnings("ignore")

@@ -9,7 +9,7 @@ from slurm_autosp.checkpoint.estimate import signal_delay_warning
 from slurm_autosp.config import JobConfig
 from slurm_autosp.plan.choose import build_plan, zero_stage_for
 from slurm_autosp.plan.memory import GB, MemoryPlan
-from slurm_autosp.plan.trace import hf_config
+from slurm_autosp.model import hf_config
 from slurm_autosp.plan.verdict import verdict
 
 ENGINES = {1: "DeepSpeed", 3: "FSDP2"}

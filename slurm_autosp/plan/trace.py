@@ -30,7 +30,9 @@ from slurm_autosp.compile.checkpointing import (
     node_flops,
     tensor_bytes,
 )
+from slurm_autosp.compile.hf_attention import SP_ATTENTION
 from slurm_autosp.config import ModelConfig
+from slurm_autosp.model import hf_config, hf_decoder_layer_class
 
 
 @dataclass(frozen=True)
@@ -114,28 +116,10 @@ def peak_live_bytes(graph: fx.Graph) -> int:
 
 def hf_layer_classes(model: ModelConfig) -> tuple[type, type]:
     """The decoder-layer and rotary-embedding classes of an HF causal LM family."""
-    from transformers import AutoModelForCausalLM
-
-    config_class = type(hf_config(model))
-    model_class = AutoModelForCausalLM._model_mapping[config_class]
-    module = sys.modules[model_class.__module__]
-    layer_class = getattr(module, model_class._no_split_modules[0])
+    layer_class = hf_decoder_layer_class(hf_config(model))
+    module = sys.modules[layer_class.__module__]
     rotary = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_")]
     return layer_class, rotary[0]
-
-
-def hf_config(model: ModelConfig) -> Any:
-    from transformers import AutoConfig
-
-    from slurm_autosp.compile.hf_attention import SP_ATTENTION
-
-    if model.pretrained_path:
-        config = AutoConfig.from_pretrained(model.pretrained_path)
-    else:
-        config = AutoConfig.for_model(model.model_type, **model.hf_fields())
-    config.use_cache = False
-    config._attn_implementation = SP_ATTENTION
-    return config
 
 
 def _partitioned_graphs(
@@ -150,6 +134,7 @@ def _partitioned_graphs(
 
     layer_class, rotary_class = hf_layer_classes(model)
     config = hf_config(model)
+    config._attn_implementation = SP_ATTENTION
     partitions: list[tuple[fx.GraphModule, fx.GraphModule]] = []
     is_parameter: list[bool] = []
 

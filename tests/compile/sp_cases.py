@@ -6,7 +6,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from slurm_autosp.compile import (
     IGNORE_INDEX,
@@ -34,9 +42,12 @@ class Case:
     right_padding: bool = False
     pass_position_ids: bool = True
     per_layer: bool = False
+    window: int | None = None  # mistral: its sliding_window
 
 
-def tiny_model(family: str, kv_heads: int, attn_implementation: str = "sdpa", layers: int = 2) -> PreTrainedModel:
+def tiny_model(
+    family: str, kv_heads: int, attn_implementation: str = "sdpa", layers: int = 2, window: int | None = None
+) -> PreTrainedModel:
     """The same weights on every rank and for the reference (fixed seed), in fp32."""
     torch.manual_seed(0)
     common = dict(
@@ -45,6 +56,8 @@ def tiny_model(family: str, kv_heads: int, attn_implementation: str = "sdpa", la
     )
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=window))
     return Qwen2ForCausalLM(Qwen2Config(**common))
 
 
@@ -91,7 +104,7 @@ def _ignore_first_shard(labels: torch.Tensor, shard: int) -> torch.Tensor:
 
 def reference_step(case: Case, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Single-device loss, per-token losses [B, S] and gradients of the plain HF model."""
-    model = tiny_model(case.family, case.kv_heads)
+    model = tiny_model(case.family, case.kv_heads, window=case.window)
     labels = batch["labels"]
     if "attention_mask" in batch:
         labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
@@ -122,7 +135,7 @@ def sp_step(case: Case, sp_size: int) -> dict[str, float]:
     count = torch.tensor(shard.valid_labels)
     dist.all_reduce(count)
 
-    model = tiny_model(case.family, case.kv_heads)
+    model = tiny_model(case.family, case.kv_heads, window=case.window)
     backend = backend_for(sp_size, case.per_layer)
     compile_model(model, backend, per_layer=case.per_layer)
     kwargs = shard.model_kwargs(count)

@@ -1,0 +1,124 @@
+"""Which attention a Hugging Face model asks for, against what the AutoSP graph computes.
+
+The compiled graph computes causal self-attention over the whole sequence, with no mask.
+Anything else a model's layers ask for — a sliding window or chunk shorter than the sequence,
+logit soft-capping, attention sinks, bidirectional attention, a mixing layer that is not
+attention — would be computed wrongly without a word, so each is named and refused: from the
+config before a job starts (`unsupported_attention`), and again where the model runs
+(`check_attention_call`, `check_mask_request`), for models that reach AutoSP another way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from transformers import PretrainedConfig
+from transformers.masking_utils import bidirectional_mask_function
+
+FULL = "full_attention"
+# layer type -> (what it is called, the HF config field holding its span)
+WINDOWED = {
+    "sliding_attention": ("sliding-window attention", "sliding_window"),
+    "chunked_attention": ("chunked attention", "attention_chunk_size"),
+}
+
+
+class UnsupportedAttention(RuntimeError):
+    """A model whose attention the AutoSP graph would not compute exactly."""
+
+
+def window_matters(window: int | None, seq_len: int) -> bool:
+    """A window (or chunk) of `window` tokens changes causal attention only when the sequence is
+    longer: the farthest pair of a `seq_len` sequence is `seq_len - 1` tokens apart."""
+    return bool(window) and seq_len > int(window)  # type: ignore[arg-type]
+
+
+def _layers(indices: list[int], total: int) -> str:
+    shown = ", ".join(map(str, indices[:6])) + (", ..." if len(indices) > 6 else "")
+    return f"layer{'s' if len(indices) > 1 else ''} {shown} of {total}"
+
+
+def _layer_types(config: PretrainedConfig) -> list[str]:
+    """Each layer's attention type; configs without `layer_types` (Mistral) window every layer."""
+    declared = getattr(config, "layer_types", None)
+    if declared:
+        return list(declared)
+    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+    if getattr(config, "attention_chunk_size", None):
+        return ["chunked_attention"] * layers
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
+        return ["sliding_attention"] * layers
+    return [FULL] * layers
+
+
+def unsupported_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
+    """Every attention feature of `config` that AutoSP at `seq_len` tokens (padded to the SP
+    size) would not compute exactly, each naming the config field; empty when it is exact."""
+    problems = []
+    types = _layer_types(config)
+    for layer_type in dict.fromkeys(types):
+        where = _layers([i for i, t in enumerate(types) if t == layer_type], len(types))
+        if layer_type in WINDOWED:
+            what, field = WINDOWED[layer_type]
+            window = getattr(config, field, None)
+            if window_matters(window, seq_len):
+                problems.append(
+                    f"{what} ({field}={window} on {where}) over {seq_len} tokens: "
+                    f"tokens farther apart than {window} would attend to each other (data.seq_len <= {window} is exact)"
+                )
+        elif layer_type != FULL:
+            problems.append(f"{layer_type} ({where}) mixes tokens along the sequence outside attention")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        problems.append(f"attention logit soft-capping (attn_logit_softcapping={softcap})")
+    if getattr(config, "use_bidirectional_attention", None):
+        problems.append("bidirectional attention (use_bidirectional_attention=true): AutoSP is causal only")
+    return problems
+
+
+def check_attention_call(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse what an HF attention layer asks of its attention function that the graph ignores:
+    soft-capping, sinks, a position bias, non-causal attention. (Windows come through the mask: `check_mask_request`.)"""
+    name = type(module).__name__
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedAttention(
+            f"{name} asks for attention logit soft-capping (softcap={kwargs['softcap']}), which AutoSP's "
+            "attention does not apply; sequence parallelism does not support this model yet"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedAttention(
+            f"{name} has attention sinks, which AutoSP's attention does not apply; sequence parallelism "
+            "does not support this model yet"
+        )
+    if kwargs.get("position_bias") is not None:
+        raise UnsupportedAttention(f"{name} adds a position bias to the attention scores, which AutoSP's attention does not apply")
+    is_causal = kwargs.get("is_causal")
+    if (getattr(module, "is_causal", True) if is_causal is None else is_causal) is False:
+        raise UnsupportedAttention(f"{name} is not causal; AutoSP supports causal self-attention only")
+
+
+def check_mask_request(
+    mask_function: Callable[..., Any] | None, local_size: int | None, seq_len: int | torch.SymInt, config: PretrainedConfig | None
+) -> None:
+    """Refuse a mask the model asks for that is more than causal over `seq_len` tokens (the whole,
+    padded sequence, not this rank's shard): a window or chunk shorter than it, or no causality."""
+    model = getattr(config, "model_type", "the model")
+    if isinstance(seq_len, torch.SymInt) and local_size is not None:
+        if statically_known_true(seq_len <= local_size):  # decides without specialising the length
+            return
+        raise UnsupportedAttention(
+            f"{model} asks for sliding-window or chunked attention of {local_size} tokens over a sequence whose "
+            "length is symbolic while the whole model is traced, so AutoSP cannot tell whether the window "
+            "matters; compile per decoder layer (per_layer=True), where the mask is requested eagerly"
+        )
+    if window_matters(local_size, seq_len):
+        raise UnsupportedAttention(
+            f"{model} asks for sliding-window or chunked attention of {local_size} tokens over a sequence of "
+            f"{seq_len}; AutoSP attends causally over the whole sequence, so this would be silently wrong. "
+            f"Train with sequences of at most {local_size} tokens, or without sequence parallelism"
+        )
+    if mask_function is bidirectional_mask_function:
+        raise UnsupportedAttention(f"{model} asks for bidirectional attention; AutoSP supports causal self-attention only")
