@@ -87,6 +87,8 @@ class ClusterConfig:
     cpus_per_task: int = 1
     vendor: Vendor = Vendor.nvidia
     gpu_memory_gb: float = 80.0
+    host_memory_gb: float = 512.0  # per node: what activation offload may fill (80% of it)
+    host_link_gb_per_s: float = 25.0  # per GPU, each way (PCIe 4 x16 ~25; PCIe 5 or C2C more)
     nvlink_domain_size: Optional[int] = None  # default: all GPUs of one node
     fabric: Fabric = Fabric.infiniband
     partition: Optional[str] = None
@@ -196,6 +198,12 @@ class CompileConfig:
     # run the Ulysses all-to-alls again in backward (saves memory); under auto the plan decides
     recompute_all_to_all: bool = False
     loss_chunk_tokens: int = 1024  # tokens per cross-entropy chunk: logits never exist whole; 0: unchunked
+    # sequence tiling: tokens per tile of each decoder layer's MLP, run tile by tile and recomputed
+    # tile by tile in backward (no full-sequence tensor of the MLP's width); 0: untiled; null: the plan chooses
+    tile_tokens: Optional[int] = None
+    # what backward keeps goes to host memory during forward and comes back a layer ahead in
+    # backward; null: the plan decides (off where nothing needs it)
+    offload_activations: Optional[bool] = None
 
 
 @dataclass
@@ -354,6 +362,8 @@ def validate(cfg: JobConfig) -> None:
         ("cluster.nodes", c.nodes),
         ("cluster.cpus_per_task", c.cpus_per_task),
         ("cluster.time_min", c.time_min),
+        ("cluster.host_memory_gb", c.host_memory_gb),
+        ("cluster.host_link_gb_per_s", c.host_link_gb_per_s),
         ("data.seq_len", cfg.data.seq_len),
         ("parallel.sp_size", p.sp_size),
         ("train.steps", t.steps),
@@ -443,6 +453,8 @@ def _compile_problems(cfg: JobConfig) -> List[str]:
         if c.recompute_all_to_all:
             problems.append("compile.recompute_all_to_all=true: compile.activation_checkpointing=auto decides "
                             "that itself; to force it set compile.activation_checkpointing=sac or full")
+    if c.tile_tokens is not None and c.tile_tokens < 0:
+        problems.append(f"compile.tile_tokens={c.tile_tokens} must be >= 0 (0: untiled; null: the plan chooses)")
     if c.loss_chunk_tokens < 0:
         problems.append(f"compile.loss_chunk_tokens={c.loss_chunk_tokens} must be >= 0 (0: unchunked)")
     if cfg.parallel.zero_stage == 3 and c.enabled and not c.per_layer:

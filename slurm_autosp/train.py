@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -14,8 +15,9 @@ from slurm_autosp.checkpoint.schedule import SaveSchedule, checkpoint_dir
 from slurm_autosp.checkpoint.signals import StopRequest
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
-from slurm_autosp.compile import AutoSPBackend, compile_model, prepare_sp_inputs, set_sp_group
+from slurm_autosp.compile import AutoSPBackend, compile_model, decoder_layers, prepare_sp_inputs, set_sp_group, tile_mlps
 from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.compile.offload import ActivationOffload
 from slurm_autosp.config import JobConfig, config_hash
 from slurm_autosp.data import build_source, micro_batch
 from slurm_autosp.engine import TrainEngine, build_engine
@@ -34,27 +36,33 @@ class TrainResult:
 
 
 def compile_for_sp(
-    model: torch.nn.Module, cfg: JobConfig, parallel: Parallel, spec: CheckpointSpec
+    model: torch.nn.Module, cfg: JobConfig, parallel: Parallel, spec: CheckpointSpec, tile_tokens: int = 0
 ) -> Optional[AutoSPBackend]:
     """Compile the model with the AutoSP backend over this rank's SP group (if enabled),
-    checkpointing activations by `spec`."""
+    checkpointing activations by `spec`, its MLPs in sequence tiles of `tile_tokens` (0: untiled)."""
     if not cfg.compile.enabled:
+        if tile_tokens:
+            tile_mlps(model, tile_tokens)
         return None
     backend = AutoSPBackend(cfg.parallel.sp_size, spec)
-    log.info("AutoSP: %r", backend)
+    log.info("AutoSP: %r%s", backend, f", MLP tiles of {tile_tokens} tokens" if tile_tokens else "")
     set_sp_group(parallel.sp_group)
-    compile_model(model, backend, per_layer=cfg.compile.per_layer)
+    compile_model(model, backend, per_layer=cfg.compile.per_layer, tile_tokens=tile_tokens)
     return backend
 
 
 def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> TrainResult:
     from slurm_autosp.plan import training_choices
 
-    zero_stage, checkpointing = training_choices(cfg)
+    choices = training_choices(cfg)
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, ctx.device, zero_stage)
+    engine = build_engine(cfg, ctx.device, choices.zero_stage)
     log.info("engine: %s (loss factor %g)", engine.name, engine.loss_scale)
-    backend = compile_for_sp(engine.module, cfg, parallel, checkpointing)
+    backend = compile_for_sp(engine.module, cfg, parallel, choices.checkpointing, choices.tile_tokens)
+    offload = None
+    if choices.offload_activations:
+        offload = ActivationOffload(ctx.device, layers=len(decoder_layers(engine.module)))
+        log.info("activation offload: what backward keeps waits in host memory")
     source = build_source(cfg)
     store = CheckpointStore(checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep)
     store.check_writable()
@@ -67,7 +75,7 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
         for step in range(first_step, cfg.train.steps):
             lr = engine.lr()
             with tracer.step(step + 1) as phases:
-                loss = optimizer_step(engine, cfg, ctx, parallel, source, step, phases)
+                loss = optimizer_step(engine, cfg, ctx, parallel, source, step, phases, offload)
             if backend is not None and step == first_step:
                 backend.require_sdpa_found()
             losses.append(loss)
@@ -109,7 +117,7 @@ def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> Tuple[bool
 
 def optimizer_step(
     engine: TrainEngine, cfg: JobConfig, ctx: DistContext, parallel: Parallel, source: Any, step: int,
-    phases: PhaseClock = UNTIMED,
+    phases: PhaseClock = UNTIMED, offload: Optional[ActivationOffload] = None,
 ) -> float:
     """One optimizer step over `grad_accum` micro-batches; returns the step's global loss.
 
@@ -117,7 +125,7 @@ def optimizer_step(
     the mean over every valid label of the step (all micro-batches, all ranks): each rank's
     loss is its label sum over that global count, times the factor that undoes the engine's
     gradient reduction (`engine.loss_scale`). `phases` times data / forward / backward / optimizer (and, on traced
-    steps, marks them on the memory timeline).
+    steps, marks them on the memory timeline). With `offload`, what each forward keeps for backward waits in host memory.
     """
     layout = parallel.layout
     with phases("data"):
@@ -134,7 +142,7 @@ def optimizer_step(
     num_items = valid.clamp(min=1)
     step_loss = torch.zeros((), device=ctx.device)
     for batch in batches:
-        with phases("forward"):
+        with phases("forward"), offload.saving() if offload else nullcontext():
             loss = causal_lm_loss(engine, batch.model_kwargs(num_items), chunk_tokens=cfg.compile.loss_chunk_tokens)
         with phases("backward"):
             engine.backward(loss * engine.loss_scale)

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from submitit.core.utils import pickle_load
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,3 +64,20 @@ def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):
     assert proc.returncode == 1
     assert "rank 1 failed" in proc.stderr
     assert "rank one cannot build its model" in proc.stderr
+
+
+def test_tiled_and_offloaded_run_trains_the_same_steps(tiny_run, tmp_path):
+    """compile.tile_tokens and compile.offload_activations reach training: the MLPs run in
+    tiles (48 tokens: 3 per rank's 128, the last one short) and the losses are the untiled,
+    resident run's (tile order changes only the summation order)."""
+    run_dir, _ = tiny_run
+    proc = submit(f"run.output_root={tmp_path}", "train.steps=30", "train.log_every=1", "compile.tile_tokens=48",
+                  "compile.offload_activations=true")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = next((tmp_path / "tiny_cpu" / "submitit").glob("*_0_log.out")).read_text()
+    assert "MLP tiles of 48 tokens" in log and "activation offload:" in log
+    reference, tiled = (pickle_load(sorted((d / "submitit").glob("*_0_result.pkl"))[-1])[1].losses
+                        for d in (run_dir, tmp_path / "tiny_cpu"))
+    assert len(tiled) == 30
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(tiled[:3], reference[:3])), (tiled[:3], reference[:3])
+    assert tiled[-1] < tiled[0] - 1.0

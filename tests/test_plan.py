@@ -14,6 +14,7 @@ from slurm_autosp.config import load_config
 from slurm_autosp.plan import (
     AUTO_CANDIDATES, build_plan, checkpoint_spec_for, plan_verdict, render, verdict, zero_stage_for,
 )
+from slurm_autosp.plan.policies import Rung, ladder, spec_label, tile_tokens_for
 from slurm_helpers import REPO
 
 TERMS = ("parameters", "gradients", "optimizer_shard", "activations", "logits_and_loss", "communication",
@@ -60,14 +61,48 @@ def test_plan_command_exits_0_for_llama70b_128k():
 
 
 @pytest.mark.parametrize("plan_fixture", ["llama70b_plan", "llama8b_plan"])
-def test_auto_picks_the_first_fitting_candidate_least_recomputation_first(request, plan_fixture):
+def test_auto_picks_the_first_fitting_rung_least_recomputation_first(request, plan_fixture):
     plan = request.getfixturevalue(plan_fixture)
     memories = plan.memories[plan.zero_stage]
-    chosen = AUTO_CANDIDATES.index(plan.configured.spec)
-    assert memories[AUTO_CANDIDATES[chosen]].total <= plan.gpu_bytes
-    assert all(memories[spec].total > plan.gpu_bytes for spec in AUTO_CANDIDATES[:chosen])
-    flops = [memories[spec].trace.recompute_flops for spec in AUTO_CANDIDATES]
+    rungs = ladder(plan.cfg)
+    chosen = rungs.index(plan.configured.rung)
+    assert memories[rungs[chosen]].fits(plan.gpu_bytes)
+    assert not any(memories[rung].fits(plan.gpu_bytes) for rung in rungs[:chosen])
+    flops = [memories[Rung(spec)].trace.recompute_flops for spec in AUTO_CANDIDATES]
     assert flops == sorted(flops), flops
+
+
+def test_plan_tile_is_the_largest_power_of_two_within_256_mib_of_mlp_intermediate():
+    cfg = load_config(["cfg=configs/llama8b_32k.yaml"])
+    assert tile_tokens_for(cfg, 14336, 2, 524288) == 8192  # 8,192 x 14,336 x 2 B = 224 MiB
+    assert tile_tokens_for(cfg, 14336, 2, 1000) == 1000
+    cfg.compile.tile_tokens = 512
+    assert tile_tokens_for(cfg, 14336, 2, 524288) == 512
+
+
+def test_ladder_ends_with_tiling_then_offload_of_the_least_memory_policies():
+    rungs = ladder(load_config(["cfg=configs/llama8b_32k.yaml"]))
+    assert [r.spec for r in rungs[: len(AUTO_CANDIDATES)]] == list(AUTO_CANDIDATES)
+    tail = [(spec_label(r.spec), r.tiled, r.offload) for r in rungs[len(AUTO_CANDIDATES):]]
+    assert tail == [("sac (budget 0, all-to-all recomputed)", True, False), ("full (all-to-all recomputed)", True, False),
+                    ("sac (budget 0, all-to-all recomputed)", True, True), ("full (all-to-all recomputed)", True, True)]
+    fixed = ladder(load_config(["cfg=configs/llama8b_32k.yaml", "compile.tile_tokens=0", "compile.offload_activations=false"]))
+    assert [r.spec for r in fixed] == list(AUTO_CANDIDATES) and not any(r.tiled or r.offload for r in fixed)
+
+
+def test_tiling_and_offload_extend_the_longest_sequence_llama8b(llama8b_plan):
+    """Each rung down the ladder trains a longer sequence than the untiled, resident rung."""
+    memories = llama8b_plan.memories[3]
+    full_a2a = CheckpointSpec(Policy.full, recompute_all_to_all=True)
+    untiled, tiled = memories[Rung(full_a2a)], memories[Rung(full_a2a, tiled=True)]
+    offloaded = memories[Rung(full_a2a, tiled=True, offload=True)]
+    assert tiled.trace.tiled and tiled.tile_tokens == 4096  # the local sequence, 32,768 / 8: shorter than a tile
+    assert llama8b_plan.longest_seq(offloaded) > llama8b_plan.longest_seq(untiled)
+    t = offloaded.trace  # on the GPU: the layer being written out or in use, and the one fetched ahead
+    assert offloaded.terms["activations"] == pytest.approx(2 * t.activation_bytes + t.shared_bytes)
+    assert offloaded.host_bytes == pytest.approx(32 * t.activation_bytes + offloaded.terms["logits_and_loss"] * 0
+                                                 + t.tokens * (4096 * 4 + 4 + 4096 * 2 + 8))
+    assert offloaded.host_bytes > 0 and untiled.host_bytes == 0
 
 
 def test_zero3_terms_are_fsdp2_fp32_shards_plus_gathered_bf16_layers(llama70b_plan):
@@ -83,7 +118,7 @@ def test_zero3_terms_are_fsdp2_fp32_shards_plus_gathered_bf16_layers(llama70b_pl
     root = 2 * head + m.hidden_size
     params = layer * m.num_hidden_layers + root
     assert llama70b_plan.parameters == params
-    zero3, zero1 = llama70b_plan.configured.terms, llama70b_plan.memories[1][llama70b_plan.configured.spec].terms
+    zero3, zero1 = llama70b_plan.configured.terms, llama70b_plan.memories[1][llama70b_plan.configured.rung].terms
     assert zero3["parameters"] == zero3["gradients"] == 4 * params / world
     assert zero3["optimizer_shard"] == 8 * params / world
     assert zero3["parameters"] + zero3["gradients"] + zero3["optimizer_shard"] == pytest.approx(16 * params / world)

@@ -1,35 +1,41 @@
 """What the config leaves to the plan, decided from the memory: `parallel.zero_stage` null is
 ZeRO-1 when the job fits under it, else ZeRO-3; `compile.activation_checkpointing=auto` is the
-first of `AUTO_CANDIDATES` (least recomputation first) that fits; a `sac` budget left null is
-the largest that fits. Training asks here for the stage and policy it runs with.
+first rung of the ladder (least recomputation first, then sequence tiling, then activation
+offload) that fits; a `sac` budget left null is the largest that fits; `compile.tile_tokens`
+and `compile.offload_activations` left null are the ladder's. Training asks here for what it
+runs with.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.config import ActivationCheckpointing, JobConfig, Precision
 from slurm_autosp.plan.memory import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
-from slurm_autosp.plan.policies import checkpoint_candidates, policy_from_plan, traced_specs
+from slurm_autosp.plan.policies import Rung, checkpoint_candidates, ladder, policy_from_plan, traced_specs
 from slurm_autosp.plan.trace import trace_decoder_layer
 
 
-def _choose_policy(
-    cfg: JobConfig, memories: dict[CheckpointSpec, PolicyMemory], gpu_bytes: float
-) -> tuple[CheckpointSpec, str]:
-    """The first candidate that fits (the last, the least memory, when none does), and how it was chosen."""
-    candidates = checkpoint_candidates(cfg)
-    if not policy_from_plan(cfg):
-        return candidates[0], ""
-    fitting = [s for s in candidates if memories[s].total <= gpu_bytes]
+def _choose_rung(
+    cfg: JobConfig, memories: dict[Rung, PolicyMemory], gpu_bytes: float
+) -> tuple[Rung, str]:
+    """The first rung of the ladder that fits (the last, the least memory, when none does), and how it was chosen."""
+    rungs = ladder(cfg)
+    if len(rungs) == 1:
+        return rungs[0], ""
+    fitting = [r for r in rungs if memories[r].fits(gpu_bytes)]
     if cfg.compile.activation_checkpointing is ActivationCheckpointing.auto:
         how, best = "chosen by auto", "the least recomputation"
-    else:
+    elif policy_from_plan(cfg):
         how, best = "budget chosen by the plan", "the largest"
+    else:
+        how, best = "tiling and offload chosen by the plan", "the least traffic"
     if fitting:
         return fitting[0], f"{how}: {best} that fits"
-    return candidates[-1], f"{how}: nothing fits, the least memory"
+    return rungs[-1], f"{how}: nothing fits, the least memory"
 
 
 def whole_model_graph(cfg: JobConfig) -> bool:
@@ -49,22 +55,31 @@ def _choose_stage(cfg: JobConfig, fits_under_zero1: bool) -> tuple[int, str]:
 
 
 def build_plan(cfg: JobConfig) -> MemoryPlan:
-    """Trace one decoder layer under every policy, lay out the per-GPU memory under ZeRO-1 and
-    ZeRO-3, and choose the stage and policy the config leaves open."""
+    """Trace one decoder layer under every policy (and, for the tiled rungs, without its MLP),
+    lay out the per-GPU memory under ZeRO-1 and ZeRO-3, and choose the stage and rung the
+    config leaves open."""
     sp = cfg.parallel.sp_size
     local_seq = -(-cfg.data.seq_len // sp)
     dtype = torch.bfloat16 if cfg.precision is Precision.bf16 else torch.float32
-    traces = trace_decoder_layer(
-        cfg.model, local_seq=local_seq, sp_size=sp, specs=traced_specs(cfg), micro_batch=cfg.train.micro_batch,
-        dtype=dtype,
-    )
+    rungs = [*(Rung(spec) for spec in traced_specs(cfg)), *ladder(cfg)]
+    traces = {}
+    for tiled in sorted({r.tiled for r in rungs}):
+        specs = list(dict.fromkeys(r.spec for r in rungs if r.tiled == tiled))
+        layer_traces = trace_decoder_layer(
+            cfg.model, local_seq=local_seq, sp_size=sp, specs=specs, micro_batch=cfg.train.micro_batch, dtype=dtype,
+            tiled=tiled,
+        )
+        traces.update({(spec, tiled): t for spec, t in zip(specs, layer_traces)})
     size = model_size(cfg)
     gpu_bytes = cfg.cluster.gpu_memory_gb * GB
-    memories = {stage: {t.spec: policy_memory(cfg, t, size, stage) for t in traces} for stage in (1, 3)}
-    zero1_spec, _ = _choose_policy(cfg, memories[1], gpu_bytes)
-    stage, stage_note = _choose_stage(cfg, memories[1][zero1_spec].total <= gpu_bytes)
-    spec, policy_note = _choose_policy(cfg, memories[stage], gpu_bytes)
-    return MemoryPlan(cfg, size.total, gpu_bytes, stage, memories[stage][spec], memories, stage_note, policy_note)
+    memories = {
+        stage: {r: policy_memory(cfg, traces[r.spec, r.tiled], size, stage, r) for r in dict.fromkeys(rungs)}
+        for stage in (1, 3)
+    }
+    zero1_rung, _ = _choose_rung(cfg, memories[1], gpu_bytes)
+    stage, stage_note = _choose_stage(cfg, memories[1][zero1_rung].fits(gpu_bytes))
+    rung, policy_note = _choose_rung(cfg, memories[stage], gpu_bytes)
+    return MemoryPlan(cfg, size.total, gpu_bytes, stage, memories[stage][rung], memories, stage_note, policy_note)
 
 
 def _has_plan(cfg: JobConfig) -> bool:
@@ -80,13 +95,33 @@ def zero_stage_for(cfg: JobConfig) -> int:
     return build_plan(cfg).zero_stage if _has_plan(cfg) else 1
 
 
-def training_choices(cfg: JobConfig) -> tuple[int, CheckpointSpec]:
-    """The ZeRO stage and checkpointing policy training runs with, from at most one plan:
-    tracing a large layer takes seconds, on every rank."""
-    if _has_plan(cfg) and (cfg.parallel.zero_stage is None or policy_from_plan(cfg)):
+@dataclass(frozen=True)
+class TrainingChoices:
+    """How training runs what the config may leave to the plan."""
+
+    zero_stage: int
+    checkpointing: CheckpointSpec
+    tile_tokens: int  # tokens per MLP tile; 0: untiled
+    offload_activations: bool
+
+
+def _plan_decides(cfg: JobConfig) -> bool:
+    c = cfg.compile
+    open_choice = cfg.parallel.zero_stage is None or policy_from_plan(cfg)
+    return _has_plan(cfg) and (open_choice or c.tile_tokens is None or c.offload_activations is None)
+
+
+def training_choices(cfg: JobConfig) -> TrainingChoices:
+    """The ZeRO stage, checkpointing policy, tiling and offload training runs with, from at most
+    one plan: tracing a large layer takes seconds, on every rank. Without a plan (CPU ranks,
+    builder models) tiling and offload are off unless configured."""
+    if _plan_decides(cfg):
         plan = build_plan(cfg)
-        return plan.zero_stage, plan.configured.spec
-    return zero_stage_for(cfg), checkpoint_spec_for(cfg)
+        memory = plan.configured
+        return TrainingChoices(plan.zero_stage, memory.spec, memory.tile_tokens, memory.rung.offload)
+    return TrainingChoices(
+        zero_stage_for(cfg), checkpoint_spec_for(cfg), cfg.compile.tile_tokens or 0, bool(cfg.compile.offload_activations)
+    )
 
 
 def checkpoint_spec_for(cfg: JobConfig) -> CheckpointSpec:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.config import JobConfig, Precision
-from slurm_autosp.plan.policies import spec_label
+from slurm_autosp.plan.policies import Rung, rung_label, tile_tokens_for
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan.trace import LayerTrace, hf_layer_classes
 
@@ -48,6 +48,7 @@ FSDP2_STATE_BYTES = {"parameters": 4, "gradients": 4, "optimizer_shard": 8}  # f
 REDUCE_BYTES = 4  # FSDP2 reduce_dtype: fp32
 MARGIN_FRACTION = 0.10
 RUNTIME_RESERVE = 2**30
+HOST_USABLE = 0.8  # of a node's host memory, for offloaded activations (the rest: OS, data, pinned staging)
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,28 @@ def model_size(cfg: JobConfig) -> ModelSize:
 
 @dataclass
 class PolicyMemory:
-    """The breakdown for one checkpointing policy under one ZeRO stage."""
+    """The breakdown for one rung of the memory ladder under one ZeRO stage."""
 
     label: str
-    spec: CheckpointSpec
+    rung: Rung
     terms: dict[str, float]  # name -> bytes, in print order
     per_token: float  # bytes per local token of the terms that grow with the sequence
     fixed: float  # bytes of the terms that do not
     trace: LayerTrace
+    host_per_token: float = 0.0  # bytes per local token this rank keeps in host memory (offload)
+    host_bytes_per_rank: float = 0.0  # the node's host memory for offload, shared by its ranks
+    tile_tokens: int = 0
+
+    @property
+    def spec(self) -> CheckpointSpec:
+        return self.rung.spec
+
+    @property
+    def host_bytes(self) -> float:
+        return self.host_per_token * self.trace.tokens
+
+    def fits(self, gpu_bytes: float) -> bool:
+        return self.total <= gpu_bytes and self.host_bytes <= self.host_bytes_per_rank
 
     @property
     def subtotal(self) -> float:
@@ -102,7 +117,10 @@ class PolicyMemory:
 
     def longest_local_seq(self, gpu_bytes: float) -> int:
         room = (gpu_bytes - RUNTIME_RESERVE) / (1 + MARGIN_FRACTION) - self.fixed
-        return max(0, int(room // self.per_token)) if self.per_token else 0
+        longest = max(0, int(room // self.per_token)) if self.per_token else 0
+        if self.host_per_token:
+            longest = min(longest, int(self.host_bytes_per_rank // self.host_per_token))
+        return longest
 
 
 @dataclass
@@ -111,14 +129,14 @@ class MemoryPlan:
     parameters: int
     gpu_bytes: float
     zero_stage: int  # the stage training runs: configured, or chosen by the plan
-    configured: PolicyMemory  # the policy training compiles with, under `zero_stage`
-    memories: dict[int, dict[CheckpointSpec, PolicyMemory]]  # per ZeRO stage (1, 3), every traced policy
+    configured: PolicyMemory  # the rung training runs with, under `zero_stage`
+    memories: dict[int, dict[Rung, PolicyMemory]]  # per ZeRO stage (1, 3), every traced rung
     stage_note: str = ""  # why the plan chose the stage; empty when configured
     policy_note: str = ""  # how the plan chose the policy; empty when configured
 
     @property
     def fits(self) -> bool:
-        return self.configured.total <= self.gpu_bytes
+        return self.configured.fits(self.gpu_bytes)
 
     @property
     def policies(self) -> list[PolicyMemory]:
@@ -149,20 +167,30 @@ def _gathered_weights(cfg: JobConfig, size: ModelSize) -> float:
     return b * (size.root + 2 * size.layer + size.head) + (b + REDUCE_BYTES) * size.layer
 
 
-def policy_memory(cfg: JobConfig, trace: LayerTrace, size: ModelSize, zero_stage: int) -> PolicyMemory:
-    """One policy's terms under one ZeRO stage, and the bytes per token of those that grow with the sequence."""
+def policy_memory(cfg: JobConfig, trace: LayerTrace, size: ModelSize, zero_stage: int, rung: Rung) -> PolicyMemory:
+    """One rung's terms under one ZeRO stage, and the bytes per token of those that grow with the sequence.
+
+    Offload moves the layers' saved tensors and the loss's saved inputs to host memory: on the
+    GPU stay two layers' worth (the one being written out or the one in use, and the one
+    fetched ahead) and the shared rotary tensors. Tiling adds one tile's recompute working set.
+    """
     b = _bytes_per_element(cfg)
     hf = hf_config(cfg.model)
     tokens = trace.tokens
     hidden, vocab = hf.hidden_size, hf.vocab_size
     chunk = min(tokens, cfg.compile.loss_chunk_tokens or tokens)
+    layers_saved = size.layers * trace.activation_bytes / tokens
+    loss_saved = hidden * 4 + 4 + hidden * b + 8  # final norm: its fp32 input and rsqrt; the lm_head input; the labels
+    resident_layers = min(2, size.layers) if rung.offload else size.layers
     per_token = {
-        "activations": (size.layers * trace.activation_bytes + trace.shared_bytes) / tokens,
-        # final norm: its fp32 input and rsqrt; the lm_head input; the labels
-        "logits_and_loss_saved": hidden * 4 + 4 + hidden * b + 8,
+        "activations": (resident_layers * trace.activation_bytes + trace.shared_bytes) / tokens,
+        "logits_and_loss_saved": 0.0 if rung.offload else loss_saved,
         "communication_all_to_all": 3 * trace.largest_all_to_all_bytes / tokens,
         "recompute_working": trace.working_bytes / tokens,
     }
+    tile = tile_tokens_for(cfg, hf.intermediate_size, b, tokens) if rung.tiled else 0
+    # one tile's gate, up, activation and product and their gradients; its input and output gradient
+    tile_working = tile * (8 * hf.intermediate_size + 2 * hidden) * b
     logits_chunk = chunk * vocab * (b + 4 + 4)  # logits in the model dtype, fp32, fp32 gradient
     buckets = 2 * ZERO_BUCKET_ELEMENTS * b if zero_stage == 1 else 0.0
     terms = {
@@ -171,8 +199,10 @@ def policy_memory(cfg: JobConfig, trace: LayerTrace, size: ModelSize, zero_stage
         "activations": per_token["activations"] * tokens,
         "logits_and_loss": per_token["logits_and_loss_saved"] * tokens + logits_chunk,
         "communication": per_token["communication_all_to_all"] * tokens + buckets,
-        "recompute_working": per_token["recompute_working"] * tokens,
+        "recompute_working": per_token["recompute_working"] * tokens + tile_working,
     }
     growing = sum(per_token.values()) + (vocab * (b + 8) if not cfg.compile.loss_chunk_tokens else 0)
     fixed = sum(terms.values()) - growing * tokens
-    return PolicyMemory(spec_label(trace.spec), trace.spec, terms, growing, fixed, trace)
+    host_per_token = layers_saved + loss_saved if rung.offload else 0.0
+    host_per_rank = cfg.cluster.host_memory_gb * GB * HOST_USABLE / cfg.cluster.ranks_per_node
+    return PolicyMemory(rung_label(rung), rung, terms, growing, fixed, trace, host_per_token, host_per_rank, tile)

@@ -1,12 +1,29 @@
-"""The checkpointing specs a config lets training compile with and the plan traces, and the
-names it prints them by: one vocabulary shared by the memory terms, the choice and the text."""
+"""The memory ladder a config lets training run with and the plan traces, and the names it
+prints them by: one vocabulary shared by the memory terms, the choice and the text.
+
+A rung is a checkpointing policy, optionally with sequence tiling of the MLP (no
+full-sequence tensor of the MLP's width) and activation offload to host memory; `auto` climbs
+the ladder from the least recomputation and traffic to the least memory.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 
 SAC_BUDGETS = (1.0, 0.75, 0.5, 0.25, 0.0)
+TILE_BYTES = 2**28  # the plan's tile: the most tokens whose MLP intermediate fits in 256 MiB (a power of two)
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One step of the memory ladder."""
+
+    spec: CheckpointSpec
+    tiled: bool = False  # the MLP runs in sequence tiles, recomputed tile by tile
+    offload: bool = False  # what backward keeps waits in host memory
 
 
 def _sac_candidates(recompute_all_to_all: bool) -> tuple[CheckpointSpec, ...]:
@@ -20,6 +37,39 @@ AUTO_CANDIDATES = (
     CheckpointSpec(Policy.full),
     CheckpointSpec(Policy.full, recompute_all_to_all=True),
 )
+
+
+_LEAST_MEMORY = (CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True),
+                 CheckpointSpec(Policy.full, recompute_all_to_all=True))
+
+
+def ladder(cfg: JobConfig) -> tuple[Rung, ...]:
+    """The rungs training may run with, in order of preference: each checkpointing candidate
+    as is, then the least-memory policies tiled, then tiled and offloaded. `compile.tile_tokens`
+    and `compile.offload_activations` set to a value fix that dimension for every rung."""
+    candidates = checkpoint_candidates(cfg)
+    tiling, offload = cfg.compile.tile_tokens, cfg.compile.offload_activations
+    rungs = [Rung(spec) for spec in candidates]
+    if tiling is None or offload is None:
+        tail = [spec for spec in candidates if spec in _LEAST_MEMORY] or [candidates[-1]]
+        rungs += [Rung(spec, tiled=True) for spec in tail] + [Rung(spec, tiled=True, offload=True) for spec in tail]
+    fixed = [Rung(r.spec, r.tiled if tiling is None else tiling > 0, r.offload if offload is None else offload)
+             for r in rungs]
+    return tuple(dict.fromkeys(fixed))
+
+
+def tile_tokens_for(cfg: JobConfig, intermediate_size: int, bytes_per_element: int, local_tokens: int) -> int:
+    """The configured tile, or the plan's: a power of two whose MLP intermediate fits TILE_BYTES,
+    at most the local sequence."""
+    if cfg.compile.tile_tokens:
+        return cfg.compile.tile_tokens
+    tile = 1 << max(0, (TILE_BYTES // (intermediate_size * bytes_per_element)).bit_length() - 1)
+    return max(1, min(tile, local_tokens))
+
+
+def rung_label(rung: Rung) -> str:
+    """e.g. "full (all-to-all recomputed) + tiling + offload"."""
+    return spec_label(rung.spec) + (" + tiling" if rung.tiled else "") + (" + offload" if rung.offload else "")
 
 
 def policy_from_plan(cfg: JobConfig) -> bool:

@@ -13,6 +13,8 @@ from slurm_autosp.model import hf_config
 from slurm_autosp.plan.verdict import verdict
 
 ENGINES = {1: "DeepSpeed", 3: "FSDP2"}
+OFFLOAD_REFERENCE_TFLOPS = 989.0  # H100/H200 dense bf16, when trace.peak_tflops_per_gpu is not set
+OFFLOAD_REFERENCE_MFU = 0.4  # the compute the offload traffic has to hide behind
 
 
 def _gb(value: float) -> str:
@@ -47,17 +49,37 @@ def render(plan: MemoryPlan) -> str:
         f"{len(t.quadratic_saved)}; attention recomputed: {t.recomputed_attention}; all-to-alls in backward: "
         f"{t.all_to_all_backward}"
     )
+    if memory.tile_tokens:
+        lines.append(f"  sequence tiling: the MLP runs in tiles of {memory.tile_tokens:,} tokens (recomputed tile by tile)")
+    if memory.rung.offload:
+        lines.append("  " + offload_line(plan))
     lines.append(f"longest sequence that fits (this cluster shape, per policy; GB per GPU under ZeRO-{plan.zero_stage} "
                  f"at seq {cfg.data.seq_len}):")
-    for spec, p in plan.memories[plan.zero_stage].items():
-        chosen = "   <- chosen" if spec == memory.spec else ""
+    for rung, p in plan.memories[plan.zero_stage].items():
+        chosen = "   <- chosen" if rung == memory.rung else ""
         lines.append(
-            f"  {p.label:<38} ZeRO-1: {plan.longest_seq(plan.memories[1][spec]):>9,}   "
-            f"ZeRO-3: {plan.longest_seq(plan.memories[3][spec]):>9,}   needs {p.total / GB:6.1f} GB{chosen}"
+            f"  {p.label:<50} ZeRO-1: {plan.longest_seq(plan.memories[1][rung]):>10,}   "
+            f"ZeRO-3: {plan.longest_seq(plan.memories[3][rung]):>10,}   needs {p.total / GB:6.1f} GB{chosen}"
         )
     text, _, _ = verdict(plan)
     lines.append(text)
     return "\n".join(lines)
+
+
+def offload_line(plan: MemoryPlan) -> str:
+    """Host memory the offload needs per node, and whether its traffic can hide behind compute:
+    each layer's saved tensors cross the host link once each way per step."""
+    cfg, memory = plan.cfg, plan.configured
+    c, t = cfg.cluster, memory.trace
+    node = memory.host_bytes * c.ranks_per_node
+    seconds = t.activation_bytes / (c.host_link_gb_per_s * GB)
+    peak = cfg.trace.peak_tflops_per_gpu or OFFLOAD_REFERENCE_TFLOPS
+    compute = t.forward_flops / (peak * 1e12 * OFFLOAD_REFERENCE_MFU)
+    hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
+    return (f"activation offload: {node / GB:,.0f} GB of host memory per node (cluster.host_memory_gb="
+            f"{c.host_memory_gb:g}, 80% usable); {t.activation_bytes / GB:.2f} GB per layer each way at "
+            f"{c.host_link_gb_per_s:g} GB/s = {seconds * 1e3:.0f} ms, {hidden} the layer's forward "
+            f"({compute * 1e3:.0f} ms at {OFFLOAD_REFERENCE_MFU:.0%} of {peak:g} TFLOP/s)")
 
 
 class PlanVerdict(NamedTuple):

@@ -52,6 +52,7 @@ class LayerTrace:
     local_seq: int
     micro_batch: int
     sp_size: int = 1
+    tiled: bool = False  # traced with the MLP outside the graph (see trace_decoder_layer)
     saved: list[SavedTensor] = field(default_factory=list)
     forward_flops: int = 0
     backward_flops: int = 0
@@ -124,7 +125,7 @@ def hf_layer_classes(model: ModelConfig) -> tuple[type, type]:
 
 def _partitioned_graphs(
     model: ModelConfig, local_seq: int, sp_size: int, micro_batch: int, dtype: torch.dtype,
-    specs: list[CheckpointSpec],
+    specs: list[CheckpointSpec], tiled: bool,
 ) -> tuple[list[tuple[fx.GraphModule, fx.GraphModule]], list[bool]]:
     """Trace the joint graph once; partition a copy of it under each spec."""
     from torch._functorch.aot_autograd import aot_module_simplified
@@ -158,6 +159,8 @@ def _partitioned_graphs(
         with FakeTensorMode():
             torch.set_default_dtype(dtype)
             layer = layer_class(config, 0)
+            if tiled:
+                layer.mlp = torch.nn.Identity()  # a tiled MLP runs outside the layer's graph
             rotary = rotary_class(config)
             torch.set_default_dtype(previous_dtype)
             hidden = torch.empty(micro_batch, local_seq, config.hidden_size, dtype=dtype, requires_grad=True)
@@ -180,13 +183,32 @@ def trace_decoder_layer(
     specs: list[CheckpointSpec],
     micro_batch: int = 1,
     dtype: torch.dtype = torch.bfloat16,
+    tiled: bool = False,
 ) -> list[LayerTrace]:
-    """Trace one decoder layer once and partition it under each spec; nothing is allocated."""
-    partitions, is_parameter = _partitioned_graphs(model, local_seq, sp_size, micro_batch, dtype, specs)
-    return [
+    """Trace one decoder layer once and partition it under each spec; nothing is allocated.
+
+    `tiled`: the MLP runs in sequence tiles outside the layer's graph (compile.tiling), so the
+    layer is traced without it; its one saved tensor, the MLP input, and the forward it
+    recomputes in backward are added here. Its per-tile working memory does not grow with the
+    sequence and is the memory plan's to add.
+    """
+    partitions, is_parameter = _partitioned_graphs(model, local_seq, sp_size, micro_batch, dtype, specs, tiled)
+    traces = [
         _read_partition(spec, forward, backward, is_parameter, local_seq, micro_batch, sp_size)
         for spec, (forward, backward) in zip(specs, partitions)
     ]
+    if tiled:
+        config = hf_config(model)
+        shape = (micro_batch, local_seq, config.hidden_size)
+        nbytes = micro_batch * local_seq * config.hidden_size * dtype.itemsize
+        mlp_flops = 2 * 3 * config.hidden_size * config.intermediate_size * micro_batch * local_seq
+        for trace in traces:
+            trace.tiled = True
+            trace.saved.append(SavedTensor("tiled_mlp_input", shape, str(dtype).removeprefix("torch."), nbytes, "activation"))
+            trace.forward_flops += mlp_flops
+            trace.backward_flops += 3 * mlp_flops  # the recomputed forward, then input and weight gradients
+            trace.recompute_flops += mlp_flops
+    return traces
 
 
 def _read_partition(

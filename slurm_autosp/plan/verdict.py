@@ -26,11 +26,11 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
     """What would fit instead: another policy, the other ZeRO stage, more GPUs in SP."""
     cfg = plan.cfg
     options = []
-    fitting = [p.label for p in plan.policies if p.total <= plan.gpu_bytes]
+    fitting = [p.label for p in plan.policies if p.fits(plan.gpu_bytes)]
     if fitting:
         options.append("another checkpointing policy: " + ", ".join(fitting))
     other = 3 if plan.zero_stage == 1 else 1
-    fitting = [p.label for p in plan.memories[other].values() if p.total <= plan.gpu_bytes]
+    fitting = [p.label for p in plan.memories[other].values() if p.fits(plan.gpu_bytes)]
     if fitting:
         what = "parameter sharding (parallel.zero_stage=3" if other == 3 else "ZeRO-1 (parallel.zero_stage=1"
         per_layer = ", compile.per_layer=true" if other == 3 and whole_model_graph(cfg) else ""
@@ -47,8 +47,9 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
             for memory in memories.values():
                 tokens = memory.trace.tokens * scale
                 total = (memory.fixed + memory.per_token * tokens) * (1 + MARGIN_FRACTION) + RUNTIME_RESERVE
-                if total <= plan.gpu_bytes:  # prefer no parameter sharding, then the least recomputation
-                    fitting.append(((stage, memory.trace.recompute_flops), memory, stage))
+                host_fits = memory.host_per_token * tokens <= memory.host_bytes_per_rank
+                if total <= plan.gpu_bytes and host_fits:  # prefer no sharding, the least recomputation, no offload
+                    fitting.append(((stage, memory.trace.recompute_flops, memory.rung.offload), memory, stage))
         if fitting:
             _, memory, stage = min(fitting, key=lambda item: item[0])
             where = "" if sp <= domain else f" (beyond the NVLink domain of {domain})"

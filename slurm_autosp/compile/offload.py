@@ -1,0 +1,205 @@
+"""Activation offload: the tensors autograd saves for backward wait in host memory, not on the
+accelerator, and come back about one layer ahead of the backward that reads them.
+
+At long sequence lengths activations, not weights, fill the GPU. A pair of saved-tensor hooks
+sees every tensor a forward saves, those of compiled graphs included (AOTAutograd saves through
+autograd), so offload needs no change to the model or its compiled code. Parameters and their
+views stay where they are (they are alive anyway, and the engine owns them), and so do tensors
+under `min_bytes` (a copy would cost more than they free).
+
+The prefetch cannot follow the decoder layers: a module hook inside compiled code would make
+Dynamo specialise each layer. The backward reads saved tensors roughly in reverse pack order,
+so it walks them down from the last one packed, keeping one layer's worth of bytes (all packed
+bytes over the number of layers) fetched ahead of the backward.
+
+On CUDA both copies run on a side stream, to and from pinned host memory; on CPU they are plain
+copies, which gain nothing but run the same bookkeeping and are exact alike.
+"""
+
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OffloadStats:
+    """Bytes moved and held, summed over every forward since the offload was made."""
+
+    to_host_bytes: int = 0
+    to_device_bytes: int = 0
+    kept_bytes: int = 0  # saved non-parameter tensors left in place: small, not dense, or on another device
+    resident_bytes: int = 0  # device copies of offloaded tensors alive now: prefetched, or in the backward's hands
+    peak_resident_bytes: int = 0
+
+
+@dataclass(eq=False)
+class _Offloaded:
+    """What autograd holds for one offloaded tensor: its host copy until fetched, then its device
+    copy (and, on CUDA, the event that copy ends with) until handed back."""
+
+    nbytes: int
+    host: torch.Tensor | None
+    device_copy: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements fill their memory exactly, in some order of dimensions: then a copy
+    with the same strides is the same size, and the compiled backward, which may assert the
+    strides of what it reads, gets them unchanged."""
+    expected = 1
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _on(stream: torch.cuda.Stream | None) -> AbstractContextManager:
+    """`stream` made current; nothing without one (torch.cuda.stream(None) would still ask CUDA
+    for its current device, starting CUDA in a CPU run on a GPU machine)."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _strided_like(tensor: torch.Tensor, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device, pin_memory=pin_memory)
+
+
+class ActivationOffload:
+    """Offloads what the forwards run under `saving()` keep for backward, on `device`.
+
+    `layers` (the model's decoder layers) sets how far the backward's prefetch runs ahead: one
+    layer's worth of bytes. Each `saving()` block is independent: one per micro-batch, its
+    backward run whenever the caller likes, once (retain_graph is not supported).
+    """
+
+    def __init__(self, device: torch.device | str, *, layers: int, min_bytes: int = 1 << 20) -> None:
+        if layers < 1:
+            raise ValueError(f"layers={layers}: pass the model's number of decoder layers (at least 1)")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # saved tensors name their GPU's index
+        self.device = device
+        self.layers = layers
+        self.min_bytes = min_bytes
+        self.stats = OffloadStats()
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Offload what the forward inside this block saves for backward."""
+        session = _Session(self)
+        with torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack):
+            yield
+
+    def movable(self, tensor: torch.Tensor) -> bool:
+        """A plain tensor (no parameter, no subclass such as DTensor), dense, big enough, on the device."""
+        return (
+            type(tensor) is torch.Tensor
+            and tensor.device == self.device
+            and tensor.nbytes >= self.min_bytes
+            and _dense(tensor)
+        )
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of `tensor`; on CUDA issued on the side stream once the compute stream has
+        produced `tensor`, whose memory the allocator then keeps until the copy is done."""
+        host = _strided_like(tensor, torch.device("cpu"), pin_memory=self._side is not None)
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            tensor.record_stream(self._side)
+        with _on(self._side):
+            host.copy_(tensor, non_blocking=True)
+        self.stats.to_host_bytes += tensor.nbytes
+        return host
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A device copy of `host`, and on CUDA the side-stream event it is ready at. Its bytes
+        count as resident until the copy is freed, by the backward or with its session."""
+        with _on(self._side):
+            tensor = _strided_like(host, self.device)
+            tensor.copy_(host, non_blocking=True)
+        ready = self._side.record_event() if self._side is not None else None
+        stats = self.stats
+        stats.to_device_bytes += tensor.nbytes
+        stats.resident_bytes += tensor.nbytes
+        stats.peak_resident_bytes = max(stats.peak_resident_bytes, stats.resident_bytes)
+        weakref.finalize(tensor, self._freed, tensor.nbytes)
+        return tensor, ready
+
+    def hand_over(self, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """On CUDA: the compute stream waits for the copy, and the allocator keeps the memory
+        (allocated on the side stream) until the compute stream is done with it."""
+        if ready is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(ready)
+        tensor.record_stream(current)
+
+    def _freed(self, nbytes: int) -> None:
+        self.stats.resident_bytes -= nbytes
+
+
+class _Session:
+    """One forward's offloaded tensors in pack order, and its backward's walk down through them."""
+
+    def __init__(self, offload: ActivationOffload) -> None:
+        self._offload = offload
+        self._records: list[_Offloaded] = []
+        self._packed_bytes = 0
+        self._ahead_bytes = 0  # fetched, not yet handed to the backward
+        self._cursor: int | None = None  # the next record the prefetch looks at; None before the backward
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Offloaded:
+        if _is_parameter(tensor):
+            return tensor
+        if not self._offload.movable(tensor):
+            self._offload.stats.kept_bytes += tensor.nbytes
+            return tensor
+        record = _Offloaded(tensor.nbytes, self._offload.to_host(tensor))
+        self._records.append(record)
+        self._packed_bytes += record.nbytes
+        return record
+
+    def unpack(self, packed: torch.Tensor | _Offloaded) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if packed.device_copy is None:
+            self._fetch(packed)
+        tensor, ready = packed.device_copy, packed.ready
+        packed.device_copy = packed.ready = None
+        self._ahead_bytes -= packed.nbytes
+        self._offload.hand_over(tensor, ready)
+        self._prefetch()
+        return tensor
+
+    def _fetch(self, record: _Offloaded) -> None:
+        if record.host is None:
+            raise RuntimeError(
+                "an offloaded activation was read twice: ActivationOffload serves one backward per "
+                "forward and drops each tensor once handed back (backward(retain_graph=True) is not supported)"
+            )
+        record.device_copy, record.ready = self._offload.to_device(record.host)
+        record.host = None
+        self._ahead_bytes += record.nbytes
+
+    def _prefetch(self) -> None:
+        """Fetch down from the last tensor packed, never skipping one, until one layer's worth of
+        bytes waits ahead: a compiled layer's backward reads all it saved at once, lowest first,
+        so jumping down to the tensor just read would leave the rest of its layer behind."""
+        if self._cursor is None:
+            self._cursor = len(self._records) - 1
+        window = self._packed_bytes / self._offload.layers
+        while self._cursor >= 0 and self._ahead_bytes < window:
+            record = self._records[self._cursor]
+            if record.host is not None:
+                self._fetch(record)
+            self._cursor -= 1

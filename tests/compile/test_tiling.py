@@ -1,0 +1,153 @@
+"""MLP sequence tiling (`compile_model(..., tile_tokens=N)`, `tile_mlps`) trains exactly as the
+untiled MLP, single-device, under AutoSP and through both engines, while no tensor of the MLP's
+width spans more than one tile. Rank-side code is in tiling_cases.py."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from slurm_autosp.compile import AutoSPCompileError, compile_model, tile_mlps
+from sp_cases import Case
+from tiling_cases import engine_tiled_vs_untiled, tiled_sp_step
+
+TOLERANCE = 1e-5
+HIDDEN, INTERMEDIATE = 32, 256  # an MLP 8x as wide as the hidden states, so its tensors stand out
+BATCH, SEQ = 2, 50
+SP_TILE = 24  # an SP=2 shard of 127 tokens is 64: tiles of 24 + 24 + 16
+
+
+def wide_llama(layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96, attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+def input_ids() -> torch.Tensor:
+    return torch.randint(0, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ids = input_ids()
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tile", [16, 64], ids=["seq_50_in_tiles_of_16", "tile_64_longer_than_seq_50"])
+def test_tiled_mlp_loss_and_every_gradient_equal_untiled(tile):
+    ref_loss, ref_grads = loss_and_grads(wide_llama())
+    model = wide_llama()
+    tile_mlps(model, tile)
+    loss, grads = loss_and_grads(model)
+    assert grads.keys() == ref_grads.keys(), "tiling renamed parameters"
+    assert float((loss - ref_loss).abs() / ref_loss.abs()) <= TOLERANCE
+    errors = {name: float((g - ref_grads[name]).abs().max() / ref_grads[name].abs().max()) for name, g in grads.items()}
+    assert max(errors.values()) <= TOLERANCE, errors
+
+
+def _mlp_width_tokens(tensor: torch.Tensor) -> int:
+    """Tokens a tensor of the MLP's width spans (numel / intermediate); 0 for other tensors and
+    for the MLP's weights and their gradients."""
+    if INTERMEDIATE not in tensor.shape or tuple(tensor.shape) in {(INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)}:
+        return 0
+    return tensor.numel() // INTERMEDIATE
+
+
+class _WidestMLPTensors(TorchDispatchMode):
+    """The most tokens any tensor of the MLP's width spans, over every op's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.tokens = max([self.tokens, *map(_mlp_width_tokens, tensors)])
+        return out
+
+
+def widest_mlp_tensors(tile: int) -> tuple[int, int]:
+    """Over a forward and backward (the tiles' recompute included): the most tokens a tensor of
+    the MLP's width spans, among all tensors created and among those saved for backward."""
+    model = wide_llama()
+    if tile:
+        tile_mlps(model, tile)
+    saved = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(_mlp_width_tokens(tensor))
+        return tensor
+
+    with _WidestMLPTensors() as created, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_and_grads(model)
+    return created.tokens, max(saved)
+
+
+def test_no_tensor_of_the_mlp_width_spans_more_than_one_tile():
+    assert widest_mlp_tensors(0) == (BATCH * SEQ, BATCH * SEQ), "the untiled MLP's width was not detected"
+    assert widest_mlp_tensors(16) == (BATCH * 16, BATCH * 16)
+
+
+def test_one_graph_pair_serves_every_tiled_layer():
+    """Per-layer compilation breaks each layer's graph around the tiled MLP: two graphs (before
+    and after it) for all three layers, none compiled again on the next step."""
+    graphs = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()  # a full cache for the layer's code would fall back to eager: no graphs
+    model = wide_llama(layers=3)
+    compile_model(model, counting_backend, per_layer=True, tile_tokens=16)
+    for _ in range(2):
+        loss_and_grads(model)
+    assert len(graphs) == 2, [gm.code for gm in graphs]
+
+
+def test_tile_mlps_refuses_layers_without_an_mlp_and_tiles_under_one_token():
+    model = wide_llama()
+    with pytest.raises(ValueError, match="tile_tokens must be >= 1"):
+        tile_mlps(model, 0)
+    for layer in model.model.layers:
+        del layer.mlp
+    with pytest.raises(AutoSPCompileError, match=r"decoder layers \['LlamaDecoderLayer'\] have no `mlp` submodule"):
+        tile_mlps(model, 8)
+
+
+def assert_matches_reference(results: list[dict]) -> None:
+    assert all(r["tiled_mlps"] == [2] for r in results), f"the SP model's MLPs were not all tiled: {results}"
+    for key in ("loss_rel_error", "token_error", "grad_rel_error"):
+        assert max(r[key] for r in results) <= TOLERANCE, (key, results)
+
+
+def test_sp2_with_tiled_mlps_matches_single_device(pool2):
+    """One sequence, as in the engine tests below: they reuse this test's compiled graphs."""
+    case = Case(batch=1, seq=127, labels="uneven", per_layer=True)
+    assert_matches_reference(pool2.run(tiled_sp_step, case, 2, SP_TILE))
+
+
+def test_sp2_dp2_with_tiled_mlps_matches_single_device(pool4):
+    """Two sequences per rank: the tiles are slices of a batch."""
+    case = Case(batch=4, seq=127, labels="uneven", per_layer=True)
+    assert_matches_reference(pool4.run(tiled_sp_step, case, 2, SP_TILE))
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3], ids=["deepspeed_zero1", "fsdp2"])
+def test_sp2_optimizer_steps_with_tiled_mlps_equal_untiled(pool2, zero_stage):
+    """Two steps of two micro-batches each: the tiles' gradients accumulate into .grad where
+    the engine expects them, so the losses (the second step's is the updated weights'), the
+    gradients and their norms are the untiled ones. The weights are held to the bound that
+    train_cases holds them to against one device: AdamW's first steps move a weight by about
+    lr * g / (|g| + eps), so where |g| is near eps (1e-8) float rounding of g moves it visibly."""
+    result = pool2.run(engine_tiled_vs_untiled, zero_stage, 2, SP_TILE)[0]
+    assert result["same_initial_weights"] and result["tiled_mlps"] == (0, 2), result
+    for key in ("loss_rel_error", "grad_norm_rel_error", "grad_rel_error"):
+        assert result[key] <= TOLERANCE, (key, result)
+    assert result["weight_rel_error"] <= 1e-2, result

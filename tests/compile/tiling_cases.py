@@ -1,0 +1,129 @@
+"""What every rank runs in the MLP tiling tests: an AutoSP step with tiled MLPs against the
+single-device reference, and optimizer steps through the real engines with tiling off and on.
+
+Backends, SP groups, engines and batches come from sp_cases and train_cases, so these cases
+share the pools' compiled graphs with the equivalence tests.
+"""
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+import sp_cases
+from slurm_autosp.compile import compile_model, set_sp_group
+from slurm_autosp.compile.chunked_loss import causal_lm_loss
+from slurm_autosp.compile.tiling import SequenceTiled
+from slurm_autosp.verify import make_batch
+from sp_cases import VOCAB, Case, backend_for, contiguous_sp_group, sp_step
+from train_cases import LOSS_CHUNK, SEQ, _engine, _grad_error, _job_config, _kwargs, _sp_shards, _whole_weights
+
+
+def _tiled_mlps(model: torch.nn.Module) -> int:
+    return sum(isinstance(m, SequenceTiled) for m in model.modules())
+
+
+@contextmanager
+def _sp_step_compiles_tiled(tile_tokens: int) -> Iterator[list[int]]:
+    """Make sp_step compile its SP model with tiled MLPs (it calls sp_cases' compile_model) and
+    yield, per model it compiled, how many MLPs are tiled: a test that tiled nothing must fail."""
+    tiled: list[int] = []
+
+    def compile_tiled(model: torch.nn.Module, *args, **kwargs) -> None:
+        compile_model(model, *args, **kwargs, tile_tokens=tile_tokens)
+        tiled.append(_tiled_mlps(model))
+
+    original, sp_cases.compile_model = sp_cases.compile_model, compile_tiled
+    try:
+        yield tiled
+    finally:
+        sp_cases.compile_model = original
+
+
+def tiled_sp_step(case: Case, sp_size: int, tile_tokens: int) -> dict:
+    """sp_cases.sp_step (errors against the plain single-device model) with the SP model's MLPs
+    tiled, plus how many MLPs it tiled."""
+    with _sp_step_compiles_tiled(tile_tokens) as tiled:
+        result = sp_step(case, sp_size)
+    return {**result, "tiled_mlps": tiled}
+
+
+def _first_grads(engine, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The gradients the engine holds after the first micro-batch, before its optimizer step:
+    reduced shards under FSDP2 (gathered), this rank's own under ZeRO-1 (DeepSpeed reduces them
+    at the accumulation boundary and then drops .grad)."""
+    params = engine.module.named_parameters()
+    if zero_stage == 3:
+        return {name: p.grad.full_tensor() for name, p in params}
+    return {name: p.grad.clone() for name, p in params}
+
+
+def _engine_run(zero_stage: int, sp_size: int, tile_tokens: int, steps: int) -> dict:
+    """`steps` optimizer steps of two micro-batches each through the engine for `zero_stage`
+    (train_cases.engine_steps' set-up), with the MLPs tiled when tile_tokens > 0: the initial
+    and final whole weights (rank 0's under FSDP2), each step's loss and gradient norm, and the
+    first micro-batch's gradients."""
+    grad_accum = 2
+    cfg = _job_config(dist.get_world_size(), zero_stage, grad_accum, steps)
+    rows = dist.get_world_size() // sp_size * grad_accum
+    engine = _engine(zero_stage, cfg)
+    initial = _whole_weights(engine)
+    compile_model(engine.module, backend_for(sp_size, True), per_layer=True, tile_tokens=tile_tokens)
+    set_sp_group(contiguous_sp_group(sp_size))
+    losses, grad_norms, first_grads = [], [], {}
+    for step in range(steps):
+        shards, count = _sp_shards(make_batch(rows, SEQ, VOCAB, seed=100 + step), sp_size, grad_accum)
+        step_loss = torch.zeros(())
+        for shard in shards:
+            loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
+            engine.backward(loss * engine.loss_scale)
+            first_grads = first_grads or _first_grads(engine, zero_stage)
+            engine.step()
+            step_loss += loss.detach()
+        dist.all_reduce(step_loss)
+        losses.append(float(step_loss))
+        grad_norms.append(engine.grad_norm())
+    final = _whole_weights(engine)
+    tiled = _tiled_mlps(engine.module)
+    engine.close()
+    return {"initial": initial, "final": final, "losses": losses, "grad_norms": grad_norms,
+            "first_grads": first_grads, "tiled_mlps": tiled}
+
+
+def _relative(values: list[float], references: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(values, references))
+
+
+def _worst_over_ranks(value: float) -> float:
+    worst = torch.tensor(value)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
+
+
+def engine_tiled_vs_untiled(zero_stage: int, sp_size: int, tile_tokens: int, steps: int = 2) -> dict | None:
+    """The same optimizer steps through the engine with the MLPs untiled, then tiled; rank 0
+    returns their relative differences: per-step loss and gradient norm; the first micro-batch's
+    gradients (worst parameter's max|g - g_ref| / max|g_ref|, worst rank); the final weights
+    (worst parameter's max|w - w_ref| over how far the untiled steps moved it, max|w_ref - w_0|)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
+    untiled = _engine_run(zero_stage, sp_size, 0, steps)
+    tiled = _engine_run(zero_stage, sp_size, tile_tokens, steps)
+    grad_error = _worst_over_ranks(
+        max(_grad_error(tiled["first_grads"][name], g) for name, g in untiled["first_grads"].items())
+    )
+    if dist.get_rank() != 0:
+        return None
+    initial, final = untiled["initial"], untiled["final"]
+    return {
+        "same_initial_weights": all(torch.equal(tiled["initial"][k], v) for k, v in initial.items()),
+        "tiled_mlps": (untiled["tiled_mlps"], tiled["tiled_mlps"]),
+        "loss_rel_error": _relative(tiled["losses"], untiled["losses"]),
+        "grad_norm_rel_error": _relative(tiled["grad_norms"], untiled["grad_norms"]),
+        "grad_rel_error": grad_error,
+        "weight_rel_error": max(
+            _grad_error(tiled["final"][k] - initial[k], w - initial[k]) for k, w in final.items()
+        ),
+    }
