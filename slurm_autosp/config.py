@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -325,10 +326,19 @@ def _read_yaml(path: str) -> DictConfig:
 
 
 def _parse_overrides(overrides: List[str]) -> DictConfig:
-    try:
-        return OmegaConf.from_dotlist(overrides)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"cannot parse overrides {overrides}: {err}") from err
+    """The overrides as one config; each value is read as YAML, so one YAML cannot read is named."""
+    for override in overrides:
+        try:
+            OmegaConf.from_dotlist([override])
+        except Exception as err:  # OmegaConf's own errors and yaml's scanner/parser errors alike
+            key, _, value = override.partition("=")
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            hint = "; quote it" if isinstance(err, yaml.YAMLError) else ""
+            raise ConfigError(
+                f"{key} on the command line: cannot read the value {value!r} ({reason}){hint}, "
+                f"e.g. {key}='\"{value}\"' in the shell"
+            ) from err
+    return OmegaConf.from_dotlist(overrides)
 
 
 def _merge(base: DictConfig, update: DictConfig, where: str) -> DictConfig:
@@ -373,6 +383,24 @@ def validate(cfg: JobConfig) -> None:
         ("train.log_every", t.log_every),
     ]:
         positive(key, value)
+    if cfg.data.seq_len == 1:
+        problems.append("data.seq_len=1 leaves no label to predict (each token predicts the next); use >= 2")
+    for key, value in [
+        ("checkpoint.keep", cfg.checkpoint.keep),
+        ("cluster.signal_delay_s", c.signal_delay_s),
+    ]:
+        if value < 1:
+            problems.append(f"{key}={value} must be >= 1" + (
+                " (keep=0 would delete every checkpoint, the one just written included)" if key == "checkpoint.keep" else ""))
+    for key, value in [
+        ("checkpoint.write_gb_per_s", cfg.checkpoint.write_gb_per_s),
+        ("cluster.collective_timeout_min", c.collective_timeout_min),
+    ]:
+        positive(key, value)
+    for key, value in [("cluster.max_requeues", c.max_requeues), ("cluster.mem_gb", c.mem_gb or 0)]:
+        if value < 0:
+            problems.append(f"{key}={value} must be >= 0")
+    problems.extend(_script_value_problems(cfg))
     if c.gpus_per_node < 0:
         problems.append(f"cluster.gpus_per_node={c.gpus_per_node} must be >= 0 (0 runs on CPU)")
     if c.tasks_per_node is not None:
@@ -436,6 +464,37 @@ def validate(cfg: JobConfig) -> None:
                 problems.append(f"model.{key} is required to build a model from its config")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _script_value_problems(cfg: JobConfig) -> List[str]:
+    """Values rendered into the sbatch script or used as a path: a newline would end the
+    #SBATCH block (the directives after it silently dropped, the rest run as shell), and a run
+    name with a path separator, `..` or `%` escapes run.output_root or is expanded by Slurm."""
+    c = cfg.cluster
+    rendered: list[tuple[str, object]] = [
+        ("run.name", cfg.run.name), ("run.output_root", cfg.run.output_root), ("cluster.partition", c.partition),
+        ("cluster.account", c.account), ("cluster.qos", c.qos), ("cluster.constraint", c.constraint),
+        ("cluster.container_image", c.container_image),
+        *((f"cluster.sbatch_extra.{k}", f"{k}={v}") for k, v in c.sbatch_extra.items()),
+        *((f"cluster.srun_args[{i}]", v) for i, v in enumerate(c.srun_args)),
+        *((f"cluster.container_mounts[{i}]", v) for i, v in enumerate(c.container_mounts)),
+        *((f"cluster.env.{k}", f"{k}={v}") for k, v in c.env.items()),
+    ]
+    problems = [
+        f"{key}={value!r} contains a control character (newline, tab, ...); it would break the job script"
+        for key, value in rendered
+        if value is not None and any(ch < " " or ch == "\x7f" for ch in str(value))
+    ]
+    bad_env = [k for k in c.env if not k or "=" in k]
+    if bad_env:
+        problems.append(f"cluster.env keys {bad_env} are not variable names (empty, or containing '=')")
+    name = cfg.run.name
+    if name in ("", ".", "..") or any(ch in name for ch in "/\\%") or name.startswith("-"):
+        problems.append(
+            f"run.name={name!r} must be a plain directory name (no '/', '\\', '%', not '.', '..', empty or "
+            "starting with '-'): it names <run.output_root>/<run.name> and the job's log files"
+        )
+    return problems
 
 
 def _compile_problems(cfg: JobConfig) -> List[str]:

@@ -113,3 +113,43 @@ def test_defaults_are_the_tiny_cpu_job():
     assert cfg.cluster.world_size == 2 and not cfg.cluster.uses_gpus
     assert cfg.data.source is DataSource.synthetic
     assert cfg.precision.value == "fp32"
+
+
+@pytest.mark.parametrize("override, named", [
+    ("checkpoint.keep=0", "checkpoint.keep=0 must be >= 1 (keep=0 would delete every checkpoint"),
+    ("checkpoint.keep=-1", "checkpoint.keep=-1 must be >= 1"),
+    ("checkpoint.write_gb_per_s=0", "checkpoint.write_gb_per_s=0.0 must be > 0"),
+    ("data.seq_len=1", "data.seq_len=1 leaves no label to predict"),
+    ("cluster.max_requeues=-1", "cluster.max_requeues=-1 must be >= 0"),
+    ("cluster.mem_gb=-4", "cluster.mem_gb=-4 must be >= 0"),
+    ("cluster.signal_delay_s=0", "cluster.signal_delay_s=0 must be >= 1"),
+    ("cluster.collective_timeout_min=-1", "cluster.collective_timeout_min=-1.0 must be > 0"),
+    ("cluster.env={A=B: 1}", "cluster.env keys ['A=B'] are not variable names"),
+])
+def test_values_that_would_fail_later_or_lose_data_are_refused_naming_the_key(override, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(["cfg=configs/tiny_cpu.yaml", override])
+    assert named in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "log%j", ".", "..", "", "-rf"])
+def test_run_name_must_be_a_plain_directory_name(name):
+    with pytest.raises(ConfigError, match=r"run\.name=.* must be a plain directory name"):
+        load_config(["cfg=configs/tiny_cpu.yaml", f"run.name='{name}'"])
+
+
+def test_a_newline_in_any_value_rendered_into_the_job_script_is_refused(tmp_path):
+    """A newline would end the #SBATCH block: the directives after it dropped, the line run as shell."""
+    path = tmp_path / "evil.yaml"
+    path.write_text('cluster:\n  account: "proj\\n#SBATCH --foo"\n  sbatch_extra:\n    mail-user: "x\\ntouch /tmp/p"\n'
+                    '  srun_args: ["--x\\ty"]\n')
+    with pytest.raises(ConfigError) as err:
+        load_config([f"cfg={path}"])
+    message = str(err.value)
+    for key in ("cluster.account=", "cluster.sbatch_extra.mail-user=", "cluster.srun_args[0]="):
+        assert f"{key}" in message and "contains a control character" in message, message
+
+
+def test_a_value_yaml_cannot_read_is_named_with_how_to_quote_it():
+    with pytest.raises(ConfigError, match=r"cluster\.constraint on the command line: cannot read the value '`id`'.*quote it"):
+        load_config(["cfg=configs/tiny_cpu.yaml", "cluster.constraint=`id`"])
