@@ -1,0 +1,193 @@
+"""Sequence tiling and activation offload, measured per rank on our AutoSP graphs (SP=2), with
+the memory plan's prediction beside each figure.
+
+    python bench/context_bench.py                     # S = 16384 over 2 CPU ranks
+    python bench/context_bench.py --seq 8192 --steps 3
+
+A tiny Llama whose MLP is wide (hidden 64, intermediate 1024 = 16x, 4 heads, 2 KV heads, 2
+layers, fp32), its decoder layers compiled per layer by our backend with SAC at budget 0 (the
+production policy for long sequences), run as a decoder stack (embedding and rotary outside
+autograd, loss = sum of the last hidden state) on one sequence of S tokens over 2 CPU ranks
+(gloo). Modes: untiled; MLP tiled (compile.tile_tokens); tiled and offloaded
+(compile.offload_activations, every saved tensor moved). Columns, per rank (rank 0):
+- held for bw: bytes of distinct storages saved for backward, parameters excluded
+  (saved_tensors_hooks); offloaded: what the offload left on the device plus the peak of its
+  device copies alive at once (fetched ahead or in the backward's hands);
+- largest saved: the largest of them;
+- peak working: the resident-set peak during forward+backward above the resident set before
+  it (VmHWM after clear_refs), glibc's mmap threshold at 64 KiB so freed tensors leave at once;
+  on CPU the offloaded copies live in the same memory, so this column does not fall with offload;
+- step: median wall time of forward+backward;
+- moved/layer, resident: offload's bytes to host per layer per step, and its peak of fetched copies;
+- plan: the plan's activations for this mode (layers x the traced layer's saved bytes + the
+  shared cos/sin; offloaded: two layers' worth) and its working bytes (traced backward peak,
+  plus one tile's working set when tiled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SP = 2
+LAYERS = 2
+MODES = ["untiled", "tiled", "tiled_offloaded"]
+
+
+def model_config():
+    from slurm_autosp.config import ModelConfig
+
+    return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=1024, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from slurm_autosp.compile import AutoSPBackend, compile_model, tile_mlps, set_sp_group
+    from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+    from slurm_autosp.compile.hf_attention import use_sp_attention
+    from slurm_autosp.compile.offload import ActivationOffload
+    from slurm_autosp.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_config())
+    use_sp_attention(model)
+    backend = AutoSPBackend(SP, CheckpointSpec(Policy.sac, budget=0.0))
+    compile_model(model, backend, per_layer=True, tile_tokens=tile if mode != "untiled" else 0)
+    set_sp_group(dist.group.WORLD)
+    rank, local = dist.get_rank(), seq // SP
+    offload = ActivationOffload("cpu", layers=LAYERS, min_bytes=0) if mode == "tiled_offloaded" else None
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(1))[:, rank * local:(rank + 1) * local]
+    position_ids = torch.arange(rank * local, (rank + 1) * local).unsqueeze(0)
+    with torch.no_grad():
+        embedded = model.model.embed_tokens(ids)
+        rotary = model.model.rotary_emb(embedded, position_ids)
+    times, held, largest, working = [], 0, 0, 0
+    for step in range(steps + 1):
+        saved: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        hidden = embedded.clone().requires_grad_(True)
+        dist.barrier()
+        before = _status_kib("VmRSS")
+        _reset_peak()
+        start = time.perf_counter()
+        counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with offload.saving() if offload else counting:  # only the innermost hooks apply
+            for layer in model.model.layers:
+                hidden = layer(hidden, position_embeddings=rotary, position_ids=position_ids, use_cache=False)
+        hidden.sum().backward()
+        elapsed = time.perf_counter() - start
+        if step:  # step 0 compiles
+            times.append(elapsed)
+            held, largest = sum(saved.values()), max(saved.values(), default=0)
+            working = _status_kib("VmHWM") - before
+    backend.require_sdpa_found()
+    result = {"mode": mode, "held": held, "largest": largest, "working": working, "step_s": statistics.median(times)}
+    if offload is not None:
+        stats = offload.stats
+        result.update(moved_per_layer=stats.to_host_bytes / (steps + 1) / LAYERS, resident=stats.peak_resident_bytes,
+                      held=stats.kept_bytes // (steps + 1) + stats.peak_resident_bytes)
+    return result
+
+
+def plan_prediction(mode: str, seq: int, tile: int) -> dict:
+    import torch
+
+    from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+    from slurm_autosp.plan.trace import trace_decoder_layer
+
+    local = seq // SP
+    tiled = mode != "untiled"
+    trace, = trace_decoder_layer(model_config(), local_seq=local, sp_size=SP, dtype=torch.float32,
+                                 specs=[CheckpointSpec(Policy.sac, budget=0.0)], tiled=tiled)
+    layers = 2 if mode == "tiled_offloaded" else LAYERS
+    tile_working = tile * (8 * 1024 + 2 * 64) * 4 if tiled else 0
+    return {"held": layers * trace.activation_bytes + trace.shared_bytes,
+            "working": trace.working_bytes + tile_working}
+
+
+def rank_main(rank: int, init_file: str, args: argparse.Namespace, out: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
+    rows = [run_mode(mode, args.seq, args.tile, args.steps) for mode in MODES]
+    if rank == 0:
+        for row in rows:
+            row["plan"] = plan_prediction(row["mode"], args.seq, args.tile)
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:,.1f} MiB"
+
+
+def render(rows: list[dict], args: argparse.Namespace) -> str:
+    base = rows[0]
+    lines = [
+        f"S = {args.seq} over SP={SP} ({args.seq // SP} tokens per rank), tiles of {args.tile} tokens, "
+        f"hidden 64, intermediate 1024, {LAYERS} layers, fp32, sac budget 0; rank 0, median of {args.steps} steps",
+        "| mode | held for bw (plan) | largest saved | peak working (plan) | step | vs untiled | moved/layer | resident |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        plan = row["plan"]
+        lines.append(
+            f"| {row['mode']} | {_mib(row['held'])} ({_mib(plan['held'])}, {row['held'] / plan['held'] - 1:+.1%}) "
+            f"| {_mib(row['largest']) if row['largest'] else '-'} | {_mib(row['working'])} ({_mib(plan['working'])}) "
+            f"| {row['step_s'] * 1e3:.0f} ms | x{row['step_s'] / base['step_s']:.2f} "
+            f"| {_mib(row['moved_per_layer']) if 'moved_per_layer' in row else '-'} "
+            f"| {_mib(row['resident']) if 'resident' in row else '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--tile", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="context_bench_inductor_"))
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.spawn(rank_main, args=(os.path.join(tmp, "init"), args, out), nprocs=SP)
+        print(render(json.loads(Path(out).read_text()), args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
