@@ -3,6 +3,7 @@ under both engines (DeepSpeed ZeRO-1 and FSDP2 parameter sharding, one rank each
 
 import json
 import os
+import random
 import socket
 
 import pytest
@@ -133,3 +134,56 @@ def test_unwritable_checkpoint_directory_is_reported_before_training(tmp_path, s
     store = CheckpointStore(blocker, rank=0, world_size=1, keep=2)
     with pytest.raises(CheckpointError, match=r"checkpoint directory .*checkpoints is not writable"):
         store.check_writable()
+
+
+def test_retention_counts_only_verified_checkpoints_and_discards_the_corrupt_one(tmp_path, engine):
+    """Newest corrupt, resumed from the one before: the next save keeps that good one (keep=2)."""
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    for step in (1, 2, 3):
+        store.save(engine, state(step, engine.name))
+    newest = tmp_path / "step_00000003"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    victim = newest / sorted(manifest["files"])[0]
+    victim.write_bytes(victim.read_bytes()[:-10])
+    resumed = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    assert resumed.load_latest(engine) == state(2, engine.name)
+    resumed.save(engine, state(4, engine.name))
+    assert [p.name for p in resumed.checkpoints()] == ["step_00000004", "step_00000002"]
+
+
+def test_half_written_saves_of_a_killed_job_are_removed_at_start(tmp_path, single_rank_group):
+    stale = tmp_path / ".step_00000007.partial" / "engine"
+    stale.mkdir(parents=True)
+    (stale / "shard.pt").write_bytes(b"x" * 1024)
+    CheckpointStore(tmp_path, rank=0, world_size=1, keep=2).check_writable()
+    assert not (tmp_path / ".step_00000007.partial").exists()
+
+
+def test_a_checkpoint_directory_others_can_write_is_refused_and_a_group_writable_one_warned(
+        tmp_path, single_rank_group, caplog):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    tmp_path.chmod(0o777)
+    with pytest.raises(CheckpointError, match="writable by every user.*chmod o-w"):
+        store.check_writable()
+    tmp_path.chmod(0o775)
+    with caplog.at_level("WARNING"):
+        store.check_writable()
+    assert "writable by its group" in caplog.text
+
+
+def test_rng_state_files_load_without_unpickling_code(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    random.seed(5)
+    store.save(engine, state(1, engine.name))
+    expected = (random.random(), torch.rand(1).item())
+    random.seed(9)
+    torch.manual_seed(9)
+    loaded = torch.load(tmp_path / "step_00000001" / "rng" / "rank_00000.pt", weights_only=True)
+    assert set(loaded) >= {"python", "numpy", "torch"}
+    store.load_latest(engine)
+    assert (random.random(), torch.rand(1).item()) == expected
+
+
+def test_keep_below_one_is_refused_by_the_store(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint.keep=0"):
+        CheckpointStore(tmp_path, rank=0, world_size=1, keep=0)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from slurm_autosp.checkpoint.export import export_hf, hf_export_dir
 from slurm_autosp.config import ConfigError, ModelConfig
 from slurm_autosp.model import build_model
 
@@ -40,3 +41,21 @@ def test_unimportable_builder_is_explained():
 def test_unknown_model_type_is_named():
     with pytest.raises(ConfigError, match=r"model\.model_type='llamma'"):
         build_model(ModelConfig(model_type="llamma"))
+
+
+def test_an_export_killed_half_way_leaves_the_previous_model_whole(tmp_path):
+    model = build_model(ModelConfig())
+    export_hf(model, tmp_path)
+    before = sorted(p.name for p in hf_export_dir(tmp_path).iterdir())
+    original = model.save_pretrained
+
+    def killed(path, **kwargs):
+        original(path, **kwargs)
+        (path / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    model.save_pretrained = killed
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(model, tmp_path)
+    assert sorted(p.name for p in hf_export_dir(tmp_path).iterdir()) == before
+    assert (hf_export_dir(tmp_path) / "model.safetensors").stat().st_size > 1000

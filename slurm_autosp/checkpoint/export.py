@@ -4,6 +4,8 @@ fine-tuning tools that know nothing of DeepSpeed or FSDP."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -24,5 +26,12 @@ def export_hf(model: nn.Module, run_dir: Path, weights: Optional[Dict[str, torch
         log.info("model %s has no save_pretrained: no Hugging Face export", type(model).__name__)
         return
     target = hf_export_dir(run_dir)
-    model.save_pretrained(target, safe_serialization=True, state_dict=weights)
+    partial, previous = target.with_name(".hf.partial"), target.with_name(".hf.previous")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True, state_dict=weights)
+    if target.exists():  # a killed export leaves the old model or the new one in hf/, never half of one
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(target, previous)
+    os.rename(partial, target)
+    shutil.rmtree(previous, ignore_errors=True)
     log.info("exported Hugging Face weights to %s", target)

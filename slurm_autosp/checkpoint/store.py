@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import shutil
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -65,10 +66,13 @@ class CheckpointStore:
     """All ranks call `save` and `load_latest` together; rank 0 does the bookkeeping."""
 
     def __init__(self, root: Path, rank: int, world_size: int, keep: int):
+        if keep < 1:
+            raise CheckpointError(f"checkpoint.keep={keep}: at least the checkpoint just written must be kept")
         self.root = root
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
+        self._failed: set[Path] = set()  # checkpoints that failed verification: never kept in place of good ones
 
     def check_writable(self) -> None:
         """Fail before training, not at the first save an hour later."""
@@ -81,9 +85,31 @@ class CheckpointStore:
                 probe.unlink()
             except OSError as err:
                 problem = f"checkpoint directory {self.root} is not writable ({err.strerror or err})"
+            if not problem:
+                problem = self._permission_problem()
+            if not problem:
+                self._remove_stale_partials()
         problem = _broadcast(problem)
         if problem:
             raise CheckpointError(f"{problem}; choose a writable run.output_root on shared storage")
+
+    def _permission_problem(self) -> str:
+        """Resume unpickles what DeepSpeed and DCP wrote here: a directory others can write is refused,
+        one the group can write (teams share runs that way) is warned about."""
+        mode = self.root.stat().st_mode
+        if mode & stat.S_IWOTH:
+            return (f"checkpoint directory {self.root} is writable by every user, and resuming loads files from it; "
+                    f"chmod o-w {self.root}")
+        if mode & stat.S_IWGRP:
+            log.warning("checkpoint directory %s is writable by its group: anyone in it can change what a resume loads",
+                        self.root)
+        return ""
+
+    def _remove_stale_partials(self) -> None:
+        """Half-written saves of a killed job (the run lock means no other job writes here now)."""
+        for partial in self.root.glob(".step_*.partial"):
+            log.warning("removing %s, a save that never completed", partial)
+            shutil.rmtree(partial, ignore_errors=True)
 
     def save(self, engine: Any, state: TrainerState) -> Path:
         final = self.root / step_dir_name(state.step)
@@ -120,8 +146,11 @@ class CheckpointStore:
         _fsync_dir(self.root)
         size = sum((final / n).stat().st_size for n in list_files(final))
         log.info("checkpoint %s saved (%.1f MiB)", final, size / 2**20)
-        for old in self.checkpoints()[self.keep :]:
+        good = [c for c in self.checkpoints() if c not in self._failed]
+        for old in [*good[self.keep :], *self._failed]:
+            log.info("removing checkpoint %s (%s)", old, "failed verification" if old in self._failed else "retention")
             shutil.rmtree(old, ignore_errors=True)
+        self._failed.clear()
 
     def checkpoints(self) -> List[Path]:
         """Committed checkpoints, newest first (the `latest` pointer's target leading)."""
@@ -143,6 +172,7 @@ class CheckpointStore:
             if problems:
                 if self.rank == 0:
                     log.warning("skipping checkpoint %s: %s", candidate, "; ".join(problems))
+                self._failed.add(candidate)
                 continue
             state = TrainerState(**json.loads((candidate / TRAINER_STATE).read_text()))
             if state.world_size != self.world_size:
@@ -158,7 +188,7 @@ class CheckpointStore:
                     "a new run (run.name=...)"
                 )
             engine.load(candidate / ENGINE_TAG)
-            _set_rng_state(torch.load(candidate / "rng" / f"rank_{self.rank:05d}.pt", weights_only=False))
+            _set_rng_state(torch.load(candidate / "rng" / f"rank_{self.rank:05d}.pt", weights_only=True))
             if self.rank == 0:
                 log.info("resumed from %s at step %d", candidate, state.step)
             return state
@@ -194,15 +224,24 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _rng_state() -> Dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors, ints and strings only, so it loads with weights_only=True."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: Dict[str, Any] = {
+        "python": [version, list(mt), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _set_rng_state(state: Dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -151,15 +151,16 @@ def collective_env_settings(
     """Every variable we would set, with its reason, before user values are applied.
 
     node_local_cache_dir defaults to $SLURM_TMPDIR or $TMPDIR (from user_env) or /tmp, plus
-    "slurm_autosp_cache": compile caches on shared storage hit inode quotas and stale file
-    handles, and a cold cache costs minutes per start.
+    "slurm_autosp_cache_<uid>": compile caches on shared storage hit inode quotas and stale file
+    handles, and a cold cache costs minutes per start. One per user: inductor unpickles what
+    it finds there, so another user's directory must never be read (the job makes it 0700).
     """
     if vendor not in VENDORS:
         raise ValueError(f"vendor={vendor!r} is not one of {', '.join(VENDORS)}")
     if fabric not in FABRICS:
         raise ValueError(f"fabric={fabric!r} is not one of {', '.join(FABRICS)}")
     cache_dir = node_local_cache_dir or os.path.join(
-        user_env.get("SLURM_TMPDIR") or user_env.get("TMPDIR") or "/tmp", "slurm_autosp_cache"
+        user_env.get("SLURM_TMPDIR") or user_env.get("TMPDIR") or "/tmp", f"slurm_autosp_cache_{os.getuid()}"
     )
     settings = [
         EnvSetting(

@@ -81,10 +81,26 @@ def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> Dict[str
 def _apply_collective_env(cfg: JobConfig) -> Dict[str, str]:
     """Export the settings before the process group starts (NCCL reads them at init)."""
     env = collective_env_for(cfg, os.environ)
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        private_cache_dir(env[key])
     os.environ.update(env)
     if "TORCH_FR_DUMP_TEMP_FILE" in env:
         os.makedirs(os.path.dirname(env["TORCH_FR_DUMP_TEMP_FILE"]), exist_ok=True)
     return env
+
+
+def private_cache_dir(path: str) -> None:
+    """Make `path` (and its parent) this user's alone, or refuse it: compile caches are
+    unpickled, so a directory another user owns or can write could run their code in this job."""
+    for directory in (os.path.dirname(path), path):
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        info = os.stat(directory)
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise RuntimeError(
+                f"compile cache directory {directory} is owned by uid {info.st_uid} or writable by others "
+                f"(mode {info.st_mode & 0o777:o}); compiled code is loaded from it: remove it, or set "
+                "compile.cache_dir to a directory of your own"
+            )
 
 
 def _configure_process(cfg: JobConfig, rank: int) -> None:

@@ -1,8 +1,11 @@
 """launch.comm_env: NCCL/RCCL variables per vendor and fabric, user values always winning."""
 
+import os
+
 import pytest
 
 from slurm_autosp.launch.comm_env import FABRICS, VENDORS, collective_env, collective_env_settings
+from slurm_autosp.launch.job import private_cache_dir
 
 RUN_DIR = "/shared/runs/llama70b_128k"
 
@@ -34,9 +37,9 @@ def test_rccl_gets_fine_grained_pcie_and_nccl_gets_pci_bus_device_order():
 
 
 def test_compile_caches_are_node_local_and_follow_slurm_tmpdir():
-    assert env()["TRITON_CACHE_DIR"] == "/tmp/slurm_autosp_cache/triton"
+    assert env()["TRITON_CACHE_DIR"] == f"/tmp/slurm_autosp_cache_{os.getuid()}/triton"  # one per user
     e = env(user_env={"SLURM_TMPDIR": "/local/job42"})
-    assert e["TORCHINDUCTOR_CACHE_DIR"] == "/local/job42/slurm_autosp_cache/inductor"
+    assert e["TORCHINDUCTOR_CACHE_DIR"] == f"/local/job42/slurm_autosp_cache_{os.getuid()}/inductor"
     assert env(node_local_cache_dir="/nvme/cache")["TRITON_CACHE_DIR"] == "/nvme/cache/triton"
 
 
@@ -90,3 +93,13 @@ def test_unknown_vendor_or_fabric_names_the_choices():
         env(vendor="intel")
     with pytest.raises(ValueError, match=r"fabric='omnipath' is not one of infiniband, roce, efa, slingshot, tcp"):
         env(fabric="omnipath")
+
+
+def test_a_compile_cache_directory_others_can_write_is_refused(tmp_path):
+    """Inductor unpickles its cache: a shared or planted directory must not be used."""
+    mine = tmp_path / "cache" / "inductor"
+    private_cache_dir(str(mine))
+    assert oct(mine.stat().st_mode & 0o777) == oct(0o700)
+    mine.chmod(0o777)
+    with pytest.raises(RuntimeError, match="writable by others.*compile.cache_dir"):
+        private_cache_dir(str(mine))
