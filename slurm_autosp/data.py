@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from slurm_autosp.config import DataSource, JobConfig
+from slurm_autosp.config import ConfigError, DataSource, JobConfig
 
 TOKEN_FILE_MAGIC = b"SATOKENS"
 _HEADER = struct.Struct("<8s8sQQ")  # magic, dtype name, vocab size, token count
@@ -101,14 +101,32 @@ def read_token_file(path: Path) -> tuple[int, np.ndarray]:
     dtype_name = dtype.rstrip(b"\0").decode()
     if dtype_name != "uint32":
         raise ValueError(f"{path}: unsupported token dtype {dtype_name!r}; expected uint32")
+    expected, actual = _HEADER.size + 4 * count, Path(path).stat().st_size
+    if actual < expected:
+        raise ValueError(
+            f"{path}: truncated: its header promises {count} tokens ({expected} bytes) but the file has "
+            f"{actual} bytes; write it again (an interrupted copy?)"
+        )
     tokens = np.memmap(path, dtype="<u4", mode="r", offset=_HEADER.size, shape=(count,))
     return vocab_size, tokens
 
 
-def build_source(cfg: JobConfig) -> SampleSource:
+def check_token_file(cfg: JobConfig, model_vocab_size: int | None) -> None:
+    """Before any rank starts: the token file reads, holds a sample, and fits the vocabulary of
+    the model actually trained (a pretrained checkpoint's, not the config's field)."""
+    if cfg.data.source is not DataSource.tokens or cfg.data.path is None:
+        return
+    try:
+        TokenFileSource(cfg.data.path, cfg.data.seq_len, model_vocab_size)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"data.path={cfg.data.path}: {err}") from err
+
+
+def build_source(cfg: JobConfig, model_vocab_size: int | None = None) -> SampleSource:
+    """`model_vocab_size`: the trained model's vocabulary, when it is not the config's field."""
     if cfg.data.source is DataSource.tokens:
         assert cfg.data.path is not None
-        return TokenFileSource(cfg.data.path, cfg.data.seq_len, cfg.model.vocab_size)
+        return TokenFileSource(cfg.data.path, cfg.data.seq_len, model_vocab_size or cfg.model.vocab_size)
     assert cfg.model.vocab_size is not None
     return SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, cfg.train.seed)
 

@@ -4,6 +4,7 @@ their own constructor."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -46,6 +47,11 @@ def hf_config(cfg: ModelConfig):
     """The HF config the model is built from: its checkpoint's, or the job config's fields."""
     from transformers import AutoConfig
 
+    if cfg.pretrained_path and not os.path.isfile(os.path.join(cfg.pretrained_path, "config.json")):
+        raise ConfigError(
+            f"model.pretrained_path={cfg.pretrained_path}: no config.json there, so it is not a Hugging Face "
+            "checkpoint; point it at a directory written by save_pretrained (config.json and the weights)"
+        )
     try:
         if cfg.pretrained_path:
             config = AutoConfig.from_pretrained(cfg.pretrained_path)
@@ -58,11 +64,20 @@ def hf_config(cfg: ModelConfig):
     return config
 
 
-def hf_decoder_layer_class(config: Any) -> type:
-    """The repeated block of an HF causal LM family (the first module its `_no_split_modules` names)."""
+def model_vocab_size(cfg: ModelConfig) -> int | None:
+    """The vocabulary of the model trained: a pretrained checkpoint's own, else the config's."""
+    return cfg.vocab_size if cfg.builder else hf_config(cfg).vocab_size
+
+
+def _hf_model_class(config: Any) -> type:
     from transformers import AutoModelForCausalLM
 
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def hf_decoder_layer_class(config: Any) -> type:
+    """The repeated block of an HF causal LM family (the first module its `_no_split_modules` names)."""
+    model_class = _hf_model_class(config)
     return getattr(sys.modules[model_class.__module__], model_class._no_split_modules[0])
 
 
@@ -88,6 +103,11 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
     seq = seq_len or cfg.data.seq_len
     padded = -(-seq // sp) * sp
     problems = unsupported_attention(config, padded) + _attention_sinks(config) if cfg.compile.enabled else []
+    model_class = _hf_model_class(config)
+    if cfg.model.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
+        problems.insert(0, f'transformers cannot run {model_class.__name__} with attn_implementation="sdpa", which '
+                           "AutoSP needs (it rewrites scaled_dot_product_attention); without AutoSP set "
+                           "model.attn_implementation=eager")
     if cfg.compile.loss_chunk_tokens > 0:
         problems += [f"{p}; set compile.loss_chunk_tokens=0 (the model's own loss)" for p in unsupported_logits(config)]
     if problems:

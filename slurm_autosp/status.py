@@ -22,15 +22,16 @@ from slurm_autosp.launch.executor import submitit_dir
 def last_good_checkpoint(run_dir: Path) -> Optional[Path]:
     """The newest checkpoint whose manifest lists every file at its recorded size (checksums
     are verified when a job resumes)."""
-    store = CheckpointStore(checkpoint_dir(run_dir), rank=0, world_size=1, keep=0)
+    store = CheckpointStore(checkpoint_dir(run_dir), rank=0, world_size=1, keep=1)
     for candidate in store.checkpoints():
         try:
             files = read_manifest(candidate)["files"]
-        except ValueError:
-            continue
-        present = set(list_files(candidate))
-        if all(name in present and (candidate / name).stat().st_size == rec["size"] for name, rec in files.items()):
-            return candidate
+            json.loads((candidate / TRAINER_STATE).read_text())["step"]
+            present = set(list_files(candidate))
+            if all(name in present and (candidate / name).stat().st_size == rec["size"] for name, rec in files.items()):
+                return candidate
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # a malformed manifest or trainer state: not a good checkpoint
     return None
 
 

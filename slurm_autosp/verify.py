@@ -143,6 +143,25 @@ def _hf_config_of(model: ModelConfig) -> Dict[str, Any]:
     return {key: value for key, value in loaded.items() if key not in keep_out}
 
 
+SPECIAL_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def _special_ids_within(fields: Dict[str, Any], vocab_size: int) -> Dict[str, Any]:
+    """The model's pad/bos/eos ids (its own or its HF class's defaults, e.g. Phi-3's pad 32000)
+    that fall outside the shrunk vocabulary, mapped to its last id: they would not embed."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(fields["model_type"], **{k: v for k, v in fields.items() if k != "model_type"})
+    moved: Dict[str, Any] = {}
+    for key in SPECIAL_TOKEN_IDS:
+        value = getattr(config, key, None)
+        ids = value if isinstance(value, list) else [value]
+        if any(i is not None and i >= vocab_size for i in ids):
+            within = [min(i, vocab_size - 1) for i in ids]
+            moved[key] = within if isinstance(value, list) else within[0]
+    return moved
+
+
 def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConfig:
     """A CPU-sized copy of `model` with the same head layout, class and RoPE settings.
 
@@ -168,6 +187,7 @@ def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConf
     typed = {f.name for f in dataclasses.fields(ModelConfig)}
     extra = {k: v for k, v in fields.items() if k not in typed and k not in shrunk}
     extra.update({k: v for k, v in model.extra.items() if k not in shrunk})
+    extra.update(_special_ids_within(fields, shrunk["vocab_size"]))
     kept = {k: v for k, v in fields.items() if k in typed and k not in shrunk and k != "extra"}
     kept.pop("model_type", None)
     return dataclasses.replace(

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from slurm_autosp.config import load_config
-from slurm_autosp.data import SyntheticSource, TokenFileSource, micro_batch, write_token_file
+from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.data import SyntheticSource, TokenFileSource, check_token_file, micro_batch, write_token_file
 
 
 def test_synthetic_samples_are_deterministic_and_distinct():
@@ -62,3 +62,21 @@ def test_micro_batches_cover_each_step_without_overlap():
     assert rows.shape == (2 * 2 * 2 * 2, 8)
     assert len({tuple(r.tolist()) for r in rows}) == len(rows)
     assert torch.equal(rows[0], src.sample(0)) and torch.equal(rows[-1], src.sample(15))
+
+
+def test_a_truncated_token_file_names_its_path_and_sizes(tmp_path):
+    path = tmp_path / "cut.bin"
+    write_token_file(path, np.arange(100), vocab_size=256)
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(ValueError, match=r"cut\.bin: truncated: its header promises 100 tokens"):
+        TokenFileSource(path, seq_len=8)
+
+
+def test_the_token_file_is_checked_against_the_vocabulary_of_the_model_trained(tmp_path):
+    """A pretrained checkpoint's vocabulary, not the config's field, is what embeds the ids."""
+    path = tmp_path / "toks.bin"
+    write_token_file(path, np.arange(64), vocab_size=300)
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml", "data.source=tokens", f"data.path={path}", "data.seq_len=16"])
+    check_token_file(cfg, 512)
+    with pytest.raises(ConfigError, match=rf"data.path={path}: .*vocabulary of 300 but model.vocab_size=256"):
+        check_token_file(cfg, 256)

@@ -69,3 +69,11 @@ def test_bad_arguments_exit_2_naming_the_key(capsys):
     assert "train.stepz" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "per_shard_shift" in capsys.readouterr().out
+
+
+def test_shrunk_model_moves_special_token_ids_into_the_shrunk_vocabulary():
+    """Phi-3's pad id 32000 (its HF default) would not embed in a 256-token vocabulary."""
+    model = load_config(["cfg=configs/tiny_cpu.yaml", "model.model_type=phi3"]).model
+    shrunk = shrink_model_config(model, VerifyOptions())
+    assert shrunk.extra["pad_token_id"] == 255
+    assert all(shrunk.extra.get(k, 0) < 256 for k in ("bos_token_id", "eos_token_id"))
