@@ -9,7 +9,6 @@ types cannot: values that are out of range and fields that contradict each other
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import enum
 import os
 from dataclasses import dataclass, field
@@ -305,12 +304,6 @@ def load_config(argv: List[str]) -> JobConfig:
 
 def to_yaml(cfg: JobConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def config_hash(cfg: JobConfig) -> str:
-    """Identifies what was trained: a resumed run with another model or data is a mistake."""
-    identity = {"model": cfg.model, "data": cfg.data, "seed": cfg.train.seed}
-    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.structured(identity)).encode()).hexdigest()[:16]
 
 
 def _read_yaml(path: str) -> DictConfig:

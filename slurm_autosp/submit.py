@@ -8,7 +8,8 @@ cfg=, the embedded default trains a tiny Llama on 2 local CPU ranks.
 
 Every key of the config can be overridden as section.key=value (e.g. parallel.sp_size=4,
 cluster.backend=local). The run's directory <run.output_root>/<run.name>/ receives the
-resolved config, per-rank logs, checkpoints and TensorBoard events:
+resolved config (config.yaml; earlier submissions' in configs/), per-rank logs, checkpoints
+and TensorBoard events:
 
   tensorboard --logdir <run.output_root>/<run.name>/tensorboard
 """
@@ -16,6 +17,7 @@ resolved config, per-rank logs, checkpoints and TensorBoard events:
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from slurm_autosp.checkpoint.lock import live_holder, write_lock
 from slurm_autosp.cli import arguments, config_error
@@ -30,8 +32,8 @@ from slurm_autosp.launch.watch import JobFailed, wait_for_job
 
 
 def prepare_run_dir(cfg: JobConfig) -> None:
-    """Create the run directory and record the resolved config a resumed job will read;
-    refuse a run that another live job is training."""
+    """Create the run directory and record the resolved config this submission runs with,
+    keeping the earlier submissions'; refuse a run that another live job is training."""
     run_dir = cfg.run.dir
     holder = live_holder(run_dir)
     if holder is not None:
@@ -41,12 +43,31 @@ def prepare_run_dir(cfg: JobConfig) -> None:
         )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        _keep_previous_config(run_dir)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     except OSError as err:
         raise ConfigError(
             f"run.output_root={cfg.run.output_root}: cannot write the run directory {run_dir} ({err}); "
             "choose a writable run.output_root on shared storage"
         ) from err
+
+
+def _keep_previous_config(run_dir: Path) -> None:
+    """A resubmission may change settings a checkpoint allows to change: the config each earlier
+    submission ran with stays as configs/config.NNNN.yaml (in submission order), never overwritten."""
+    previous = run_dir / "config.yaml"
+    if not previous.exists():
+        return
+    kept = run_dir / "configs"
+    kept.mkdir(exist_ok=True)
+    number = len(list(kept.glob("config.*.yaml"))) + 1
+    while True:
+        try:
+            with open(kept / f"config.{number:04d}.yaml", "x") as f:
+                f.write(previous.read_text())
+            return
+        except FileExistsError:
+            number += 1
 
 
 def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -> str:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_autosp.checkpoint.export import export_hf
+from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.schedule import SaveSchedule, checkpoint_dir
 from slurm_autosp.checkpoint.signals import StopRequest
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
@@ -18,7 +19,7 @@ from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile import AutoSPBackend, compile_model, decoder_layers, prepare_sp_inputs, set_sp_group, tile_mlps
 from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.compile.offload import ActivationOffload
-from slurm_autosp.config import JobConfig, config_hash
+from slurm_autosp.config import JobConfig
 from slurm_autosp.data import build_source, micro_batch
 from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.launch.distributed import DistContext
@@ -66,8 +67,9 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     source = build_source(cfg)
     store = CheckpointStore(checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep)
     store.check_writable()
-    resumed = store.load_latest(engine)
-    first_step = resumed.step if resumed else 0
+    settings = run_settings(cfg, parallel.layout, choices.zero_stage)
+    resumed = store.load_latest(engine, settings)
+    first_step = resumed.step if resumed else 0  # the store checked it is samples_consumed / global_batch
     schedule = SaveSchedule(cfg.checkpoint)
     tracer = StepTracer(cfg, ctx.rank, ctx.world_size, ctx.device, engine.module, first_step, parallel.layout)
     losses = []
@@ -83,7 +85,7 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
             tracer.log_step(done, loss, lr, engine.grad_norm())
             save_due, stop_now = _agree(ctx, schedule.due(done), stop.requested)
             if save_due or stop_now or done == cfg.train.steps:
-                store.save(engine, _trainer_state(cfg, ctx, parallel, engine, done))
+                store.save(engine, _trainer_state(cfg, ctx, parallel, engine, done, settings))
                 schedule.saved()
             if stop_now:
                 log.info("stopping at step %d on %s", done, stop.signal_name or "another rank's signal")
@@ -97,14 +99,16 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     return TrainResult(first_step=first_step, losses=losses)
 
 
-def _trainer_state(cfg: JobConfig, ctx: DistContext, parallel: Parallel, engine: TrainEngine, done: int) -> TrainerState:
+def _trainer_state(
+    cfg: JobConfig, ctx: DistContext, parallel: Parallel, engine: TrainEngine, done: int, settings: dict[str, Any]
+) -> TrainerState:
     return TrainerState(
         step=done,
         samples_consumed=done * cfg.global_batch,
         world_size=ctx.world_size,
-        config_hash=config_hash(cfg),
         layout=repr(parallel.layout),
         engine=engine.name,
+        settings=settings,
     )
 
 

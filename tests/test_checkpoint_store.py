@@ -12,9 +12,15 @@ import torch.distributed as dist
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from slurm_autosp.checkpoint.store import CheckpointError, CheckpointStore, TrainerState  # noqa: E402
+from slurm_autosp.checkpoint.identity import run_settings  # noqa: E402
+from slurm_autosp.checkpoint.manifest import FileRecord, hash_files, read_manifest, write_manifest  # noqa: E402
+from slurm_autosp.checkpoint.store import TRAINER_STATE, CheckpointError, CheckpointStore, TrainerState  # noqa: E402
 from slurm_autosp.config import load_config  # noqa: E402
 from slurm_autosp.engine import build_engine  # noqa: E402
+from slurm_autosp.launch.placement import plan_layout  # noqa: E402
+from slurm_autosp.optim import lr_factor  # noqa: E402
+
+STAGES = {"deepspeed_zero1": 1, "fsdp2": 3}
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +39,42 @@ def single_rank_group():
         os.environ["LOCAL_RANK"] = saved
 
 
+def job_config(zero_stage, *overrides):
+    return load_config(["cluster.tasks_per_node=1", f"parallel.zero_stage={zero_stage}", *overrides])
+
+
 @pytest.fixture(params=[1, 3], ids=["zero1", "fsdp2"])
 def engine(request, single_rank_group):
-    cfg = load_config(["cluster.tasks_per_node=1", f"parallel.zero_stage={request.param}"])
     torch.manual_seed(0)
-    return build_engine(cfg, torch.device("cpu"), request.param)
+    return build_engine(job_config(request.param), torch.device("cpu"), request.param)
 
 
-def state(step, engine_name, world_size=1):
-    return TrainerState(
-        step=step, samples_consumed=step * 2, world_size=world_size, config_hash="x", layout="", engine=engine_name
-    )
+def settings(engine_name, *overrides):
+    """What a job of this engine with these overrides records and resumes with."""
+    cfg = job_config(STAGES[engine_name], *overrides)
+    return run_settings(cfg, plan_layout(cfg), STAGES[engine_name])
+
+
+def state(step, engine_name, world_size=1, samples_per_step=1):
+    """A checkpoint's trainer state, written by the fixture's job (its global batch is 1)."""
+    return TrainerState(step=step, samples_consumed=step * samples_per_step, world_size=world_size, layout="",
+                        engine=engine_name, settings=settings(engine_name))
+
+
+def rewrite_as_before_settings(checkpoint, **changes):
+    """Make `checkpoint` look written by a version that recorded an opaque config hash instead of
+    its settings (and these other `changes`), its manifest updated to match."""
+    old = {k: v for k, v in json.loads((checkpoint / TRAINER_STATE).read_text()).items() if k != "settings"}
+    (checkpoint / TRAINER_STATE).write_text(json.dumps({**old, "config_hash": "0123456789abcdef", **changes}))
+    manifest = read_manifest(checkpoint)
+    records = {name: FileRecord(**r) for name, r in manifest["files"].items()}
+    records.update(hash_files(checkpoint, [TRAINER_STATE], fsync=False))
+    write_manifest(checkpoint, records, manifest["meta"])
 
 
 def params(engine):
-    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in engine.module.parameters()]
+    """Copies: on one rank an FSDP2 parameter's full_tensor() is the parameter's own storage."""
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in engine.module.parameters()]
 
 
 def perturb(engine):
@@ -61,7 +88,7 @@ def test_saved_checkpoint_restores_weights_and_trainer_state(tmp_path, engine):
     before = params(engine)
     store.save(engine, state(3, engine.name))
     perturb(engine)
-    resumed = store.load_latest(engine)
+    resumed = store.load_latest(engine, settings(engine.name))
     assert resumed == state(3, engine.name)
     assert all(torch.equal(a, b) for a, b in zip(before, params(engine)))
     assert (tmp_path / "latest").read_text() == "step_00000003"
@@ -88,7 +115,7 @@ def test_save_that_dies_half_way_leaves_the_previous_checkpoint_in_use(tmp_path,
         store.save(engine, state(2, engine.name))
     monkeypatch.undo()
     assert (tmp_path / ".step_00000002.partial").is_dir()
-    assert store.load_latest(engine) == state(1, engine.name)
+    assert store.load_latest(engine, settings(engine.name)) == state(1, engine.name)
     assert all(torch.equal(a, b) for a, b in zip(good, params(engine)))
 
 
@@ -102,7 +129,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path,
     victim = newest / sorted(manifest["files"])[0]
     victim.write_bytes(victim.read_bytes()[:-10])
     with caplog.at_level("WARNING"):
-        assert store.load_latest(engine) == state(1, engine.name)
+        assert store.load_latest(engine, settings(engine.name)) == state(1, engine.name)
     assert "skipping checkpoint" in caplog.text and "step_00000002" in caplog.text
 
 
@@ -111,21 +138,23 @@ def test_checkpoint_without_manifest_is_never_used(tmp_path, engine):
     store.save(engine, state(1, engine.name))
     store.save(engine, state(2, engine.name))
     (tmp_path / "step_00000002" / "manifest.json").unlink()
-    assert store.load_latest(engine) == state(1, engine.name)
+    assert store.load_latest(engine, settings(engine.name)) == state(1, engine.name)
 
 
 def test_checkpoint_from_another_world_size_is_refused(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     store.save(engine, state(1, engine.name, world_size=4))
     with pytest.raises(CheckpointError, match="written by 4 ranks but this job has 1"):
-        store.load_latest(engine)
+        store.load_latest(engine, settings(engine.name))
 
 
 def test_checkpoint_from_another_engine_is_refused(tmp_path, engine):
+    """Checkpoints that record their settings are refused by parallel.zero_stage; older ones by their engine."""
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
-    store.save(engine, state(1, "another_engine"))
+    store.save(engine, state(1, engine.name))
+    rewrite_as_before_settings(tmp_path / "step_00000001", engine="another_engine")
     with pytest.raises(CheckpointError, match=f"written by the another_engine engine but this job uses {engine.name}"):
-        store.load_latest(engine)
+        store.load_latest(engine, settings(engine.name))
 
 
 def test_unwritable_checkpoint_directory_is_reported_before_training(tmp_path, single_rank_group):
@@ -146,7 +175,7 @@ def test_retention_counts_only_verified_checkpoints_and_discards_the_corrupt_one
     victim = newest / sorted(manifest["files"])[0]
     victim.write_bytes(victim.read_bytes()[:-10])
     resumed = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
-    assert resumed.load_latest(engine) == state(2, engine.name)
+    assert resumed.load_latest(engine, settings(engine.name)) == state(2, engine.name)
     resumed.save(engine, state(4, engine.name))
     assert [p.name for p in resumed.checkpoints()] == ["step_00000004", "step_00000002"]
 
@@ -180,10 +209,87 @@ def test_rng_state_files_load_without_unpickling_code(tmp_path, engine):
     torch.manual_seed(9)
     loaded = torch.load(tmp_path / "step_00000001" / "rng" / "rank_00000.pt", weights_only=True)
     assert set(loaded) >= {"python", "numpy", "torch"}
-    store.load_latest(engine)
+    store.load_latest(engine, settings(engine.name))
     assert (random.random(), torch.rand(1).item()) == expected
 
 
 def test_keep_below_one_is_refused_by_the_store(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint.keep=0"):
         CheckpointStore(tmp_path, rank=0, world_size=1, keep=0)
+
+
+def test_checkpoint_of_another_run_is_refused_naming_every_key_that_differs(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(3, engine.name))
+    before = params(engine)
+    perturb(engine)
+    changed = settings(engine.name, "model.hidden_size=96", "data.seq_len=128", "train.seed=7", "train.grad_accum=2")
+    with pytest.raises(CheckpointError) as refused:
+        store.load_latest(engine, changed)
+    message = str(refused.value)
+    for line in ["model.hidden_size: 64 in the checkpoint, 96 now", "data.seq_len: 256 in the checkpoint, 128 now",
+                 "train.seed: 0 in the checkpoint, 7 now", "train.grad_accum: 1 in the checkpoint, 2 now",
+                 "train.global_batch: 1 in the checkpoint, 2 now (set by train.micro_batch x train.grad_accum"]:
+        assert line in message
+    assert "(data.seq_len=256 model.hidden_size=64 train.grad_accum=1 train.seed=0)" in message
+    assert "start a new run with another run.name (this job's is run.name=tiny)" in message
+    assert not all(torch.equal(a, b) for a, b in zip(before, params(engine)))  # nothing was loaded
+
+
+def test_checkpoint_of_another_zero_stage_or_layout_is_refused(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(1, engine.name))
+    other = dict(settings(engine.name), **{"parallel.zero_stage": 4 - STAGES[engine.name], "parallel.layout": "other"})
+    with pytest.raises(CheckpointError, match=r"(?s)parallel\.layout: .*parallel\.zero_stage: "):
+        store.load_latest(engine, other)
+
+
+def test_harmless_changes_resume_and_are_logged(tmp_path, engine, caplog):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(2, engine.name))
+    changed = settings(engine.name, "train.steps=200", "train.min_lr_ratio=0.5", "checkpoint.every_steps=5",
+                       "trace.memory_steps=[3]", "cluster.time_min=5")
+    with caplog.at_level("INFO"):
+        assert store.load_latest(engine, changed) == state(2, engine.name)
+    assert ("resuming with changed settings: checkpoint.every_steps 0 -> 5; cluster.time_min 60 -> 5; "
+            "trace.memory_steps [2] -> [3]; train.min_lr_ratio 0.1 -> 0.5; train.steps 20 -> 200") in caplog.text
+
+
+def test_changed_learning_rate_and_weight_decay_take_effect_on_resume(tmp_path, engine):
+    """The optimizer and schedule states in the checkpoint carry the old values; the new config's win."""
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(1, engine.name))
+    changes = ["train.lr=1e-3", "train.warmup_steps=4", "train.weight_decay=0.1", "train.betas=[0.8,0.9]"]
+    cfg = job_config(STAGES[engine.name], *changes)
+    resumed = build_engine(cfg, torch.device("cpu"), STAGES[engine.name])
+    store.load_latest(resumed, settings(engine.name, *changes))
+    assert resumed.lr() == 1e-3 * lr_factor(0, cfg.train) == 2.5e-4  # its schedule has not stepped yet
+    optimizer = resumed.optimizer if engine.name == "fsdp2" else resumed._engine.optimizer
+    assert all(g["weight_decay"] == 0.1 and g["betas"] == (0.8, 0.9) for g in optimizer.param_groups)
+
+
+def test_unchanged_learning_rate_resumes_bitwise(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(1, engine.name))
+    lr = engine.lr()
+    store.load_latest(engine, settings(engine.name))
+    assert engine.lr() == lr
+
+
+def test_checkpoint_from_before_recorded_settings_resumes_with_a_warning(tmp_path, engine, caplog):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(2, engine.name))
+    rewrite_as_before_settings(tmp_path / "step_00000002")
+    with caplog.at_level("WARNING"):
+        resumed = store.load_latest(engine, settings(engine.name, "model.hidden_size=96"))
+    assert resumed.step == 2 and resumed.settings is None
+    assert "step_00000002 records no run settings" in caplog.text
+
+
+def test_data_position_that_the_global_batch_does_not_continue_is_refused(tmp_path, engine):
+    """A checkpoint without settings whose global batch was 2: this job's batch of 1 would re-read samples."""
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(3, engine.name, samples_per_step=2))
+    rewrite_as_before_settings(tmp_path / "step_00000003")
+    with pytest.raises(CheckpointError, match=r"is at sample 6 after 3 steps, but this job's global batch of 1"):
+        store.load_latest(engine, settings(engine.name))

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from slurm_autosp.checkpoint.identity import differences, is_identity, refusal
 from slurm_autosp.checkpoint.manifest import (
     FileRecord,
     hash_files,
@@ -53,9 +54,14 @@ class TrainerState:
     step: int  # optimizer steps completed
     samples_consumed: int  # the data position: global sample index of the next sample
     world_size: int
-    config_hash: str
     layout: str
     engine: str = "deepspeed_zero1"  # the engine whose format `engine/` is in (before FSDP2: ZeRO-1)
+    settings: dict[str, Any] | None = None  # the run's resolved config (identity.run_settings); None: older
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainerState:
+        """Checkpoints written before `settings` carry an opaque `config_hash` instead, never read."""
+        return cls(**{k: v for k, v in data.items() if k != "config_hash"})
 
 
 def step_dir_name(step: int) -> str:
@@ -165,8 +171,9 @@ class CheckpointStore:
                 found.insert(0, target)
         return found
 
-    def load_latest(self, engine: Any) -> Optional[TrainerState]:
-        """Resume from the newest checkpoint that verifies; skip (and name) the others."""
+    def load_latest(self, engine: Any, settings: dict[str, Any]) -> Optional[TrainerState]:
+        """Resume from the newest checkpoint that verifies (skip and name the others), if it
+        belongs to the run this job's `settings` (identity.run_settings) describe."""
         for candidate in self.checkpoints():
             problems = self._verify(candidate)
             if problems:
@@ -174,7 +181,8 @@ class CheckpointStore:
                     log.warning("skipping checkpoint %s: %s", candidate, "; ".join(problems))
                 self._failed.add(candidate)
                 continue
-            state = TrainerState(**json.loads((candidate / TRAINER_STATE).read_text()))
+            state = TrainerState.from_json(json.loads((candidate / TRAINER_STATE).read_text()))
+            self._check_same_run(candidate, state, settings)
             if state.world_size != self.world_size:
                 raise CheckpointError(
                     f"checkpoint {candidate} was written by {state.world_size} ranks but this job has "
@@ -193,6 +201,30 @@ class CheckpointStore:
                 log.info("resumed from %s at step %d", candidate, state.step)
             return state
         return None
+
+    def _check_same_run(self, candidate: Path, state: TrainerState, settings: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another run, naming every identity key that differs; name the
+        harmless changes. The data position continues from `samples_consumed`: it must be
+        where this job's step count and global batch put it, or samples would be skipped or repeated."""
+        if state.settings is None:
+            if self.rank == 0:
+                log.warning("checkpoint %s records no run settings (written by an older version): whether it "
+                            "belongs to this run's model, data and layout is not checked", candidate)
+        else:
+            changed = differences(state.settings, settings)
+            refused = [d for d in changed if is_identity(d.key)]
+            if refused:
+                raise CheckpointError(refusal(candidate, refused, settings["run.name"]))
+            if changed and self.rank == 0:
+                log.info("resuming with changed settings: %s", "; ".join(map(str, changed)))
+        global_batch = settings["train.global_batch"]
+        if state.samples_consumed != state.step * global_batch:
+            raise CheckpointError(
+                f"checkpoint {candidate} is at sample {state.samples_consumed} after {state.step} steps, but this "
+                f"job's global batch of {global_batch} (train.micro_batch x train.grad_accum x data-parallel ranks) "
+                f"would continue at sample {state.step * global_batch}: resume with the batch it was written "
+                f"with, or start a new run with another run.name"
+            )
 
     def _verify(self, candidate: Path) -> List[str]:
         try:

@@ -12,7 +12,7 @@ from torch import nn
 from slurm_autosp.checkpoint.store import CheckpointError
 from slurm_autosp.compile.loss import loss_scale
 from slurm_autosp.config import JobConfig, Precision
-from slurm_autosp.optim import build_lr_scheduler, build_optimizer
+from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 
 
 def deepspeed_config(cfg: JobConfig) -> Dict[str, Any]:
@@ -50,6 +50,7 @@ class ZeRO1Engine:
             config=deepspeed_config(cfg),
         )
         self.module = self._engine.module
+        self._train = cfg.train
         self.loss_scale = loss_scale(cfg.cluster.world_size, cfg.train.grad_accum)
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -74,6 +75,7 @@ class ZeRO1Engine:
         _, client_state = self._engine.load_checkpoint(str(path.parent), tag=path.name)
         if client_state is None:
             raise CheckpointError(f"DeepSpeed could not load its checkpoint {path}")
+        apply_hyperparameters(self._engine.optimizer, self._engine.lr_scheduler, self._train)
 
     def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
         return None

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from slurm_autosp.compile import AutoSPCompileError, decoder_layers
 from slurm_autosp.config import ConfigError, JobConfig, Precision
-from slurm_autosp.optim import build_lr_scheduler, build_optimizer
+from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 
 SCHEDULE_FILE = "schedule.pt"
 
@@ -54,6 +54,7 @@ class FSDP2Engine:
         self.module = model
         self.optimizer = build_optimizer(model, cfg.train)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
+        self._train = cfg.train
         # FSDP2 divides the reduce-scattered gradient by its mesh size and sums micro-batches
         self.loss_scale = float(world)
         self._grad_accum = cfg.train.grad_accum
@@ -101,6 +102,7 @@ class FSDP2Engine:
             self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
         self.scheduler.load_state_dict(torch.load(path / SCHEDULE_FILE, weights_only=True))
+        apply_hyperparameters(self.optimizer, self.scheduler, self._train)
 
     def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
         """Gathered one tensor at a time and cast to the compute dtype as it arrives (bf16 runs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 import sys
 from typing import Dict, Mapping
 
@@ -91,11 +92,14 @@ def _apply_collective_env(cfg: JobConfig) -> Dict[str, str]:
 
 def private_cache_dir(path: str) -> None:
     """Make `path` (and its parent) this user's alone, or refuse it: compile caches are
-    unpickled, so a directory another user owns or can write could run their code in this job."""
-    for directory in (os.path.dirname(path), path):
+    unpickled, so a directory another user owns or can write could run their code in this job.
+    A sticky parent (/tmp, where torch's default cache lives) is safe: others cannot replace `path`."""
+    parent = os.path.dirname(path)
+    for directory in (parent, path):
         os.makedirs(directory, mode=0o700, exist_ok=True)
         info = os.stat(directory)
-        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        sticky_parent = directory == parent and info.st_mode & stat.S_ISVTX
+        if not sticky_parent and (info.st_uid != os.getuid() or info.st_mode & 0o022):
             raise RuntimeError(
                 f"compile cache directory {directory} is owned by uid {info.st_uid} or writable by others "
                 f"(mode {info.st_mode & 0o777:o}); compiled code is loaded from it: remove it, or set "

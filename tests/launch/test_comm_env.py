@@ -103,3 +103,14 @@ def test_a_compile_cache_directory_others_can_write_is_refused(tmp_path):
     mine.chmod(0o777)
     with pytest.raises(RuntimeError, match="writable by others.*compile.cache_dir"):
         private_cache_dir(str(mine))
+
+
+def test_a_compile_cache_directory_in_a_sticky_shared_directory_is_accepted(tmp_path):
+    """torch's default cache, /tmp/torchinductor_<user>, which importing torch._dynamo exports to every job."""
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    private_cache_dir(str(shared / "torchinductor_me"))
+    shared.chmod(0o777)
+    with pytest.raises(RuntimeError, match=r"directory .*tmp is owned by uid \d+ or writable by others"):
+        private_cache_dir(str(shared / "torchinductor_me"))

@@ -1,0 +1,102 @@
+"""Whether a job resuming a checkpoint continues the run that wrote it.
+
+Every checkpoint records the config it was written with, resolved and flat (`run_settings`:
+key -> JSON value). A job may resume it only while the keys that make the run what it is
+(`is_identity`) are unchanged: the model, the data and the position in it, the seed, the
+batch, and the world layout and engine its state is sharded for. Other keys (steps, the
+learning-rate schedule, checkpoint cadence, traces, the cluster's time limit, ...) may change
+between submissions; the resumed job names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from slurm_autosp.config import JobConfig
+from slurm_autosp.launch.layout import ParallelLayout
+
+IDENTITY_PREFIXES = ("model.",)
+IDENTITY_KEYS = frozenset({
+    "data.source", "data.path", "data.seq_len",
+    "train.seed", "train.micro_batch", "train.grad_accum", "train.global_batch", "train.precision",
+    "parallel.sp_size", "parallel.zero_stage", "parallel.layout", "cluster.world_size",
+})
+# keys no config sets directly, and what sets them
+DERIVED = {
+    "train.global_batch": "train.micro_batch x train.grad_accum x data-parallel ranks",
+    "cluster.world_size": "cluster.nodes x ranks per node",
+    "parallel.layout": "cluster.* and parallel.sp_size",
+}
+
+
+def run_settings(cfg: JobConfig, layout: ParallelLayout, zero_stage: int) -> dict[str, Any]:
+    """The config as this job runs it, flat and JSON-serialisable, with the values it resolves
+    or derives (ZeRO stage, precision, global batch, world size, layout): what a checkpoint's
+    engine state and data position depend on."""
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    assert isinstance(tree, dict)
+    return {
+        **dict(_flatten(tree)),
+        "parallel.zero_stage": zero_stage,
+        "train.precision": cfg.precision.value,
+        "train.global_batch": cfg.global_batch,
+        "cluster.world_size": cfg.cluster.world_size,
+        "parallel.layout": repr(layout),
+    }
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def is_identity(key: str) -> bool:
+    return key in IDENTITY_KEYS or key.startswith(IDENTITY_PREFIXES)
+
+
+@dataclass(frozen=True)
+class Difference:
+    key: str
+    saved: Any  # in the checkpoint
+    current: Any  # in this job's config
+
+    def __str__(self) -> str:
+        return f"{self.key} {_text(self.saved)} -> {_text(self.current)}"
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Difference]:
+    """Every key whose value differs, by key; a key one side lacks (a config field added or
+    removed since, an `extra` entry) counts as null there."""
+    keys = sorted(saved.keys() | current.keys())
+    return [Difference(k, saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)]
+
+
+def refusal(checkpoint: Path, refused: list[Difference], run_name: str) -> str:
+    """Why `checkpoint` cannot be resumed: each identity key that differs, and both ways out."""
+    lines = [f"checkpoint {checkpoint} belongs to a different run than this job's config describes:"]
+    for d in refused:
+        derived = f" (set by {DERIVED[d.key]})" if d.key in DERIVED else ""
+        lines.append(f"  {d.key}: {_text(d.saved)} in the checkpoint, {_text(d.current)} now{derived}")
+    restore = " ".join(f"{d.key}={_text(d.saved)}" for d in refused if d.key not in DERIVED)
+    lines.append(
+        f"resume it with the values it was written with{f' ({restore})' if restore else ''}, or start a new "
+        f"run with another run.name (this job's is run.name={run_name})"
+    )
+    return "\n".join(lines)
+
+
+def _text(value: Any) -> str:
+    """A value as it is written on the command line (key=value)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
