@@ -16,7 +16,8 @@ from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.job import TrainingJob
 from slurm_autosp.launch.placement import plan_layout
-from slurm_autosp.model import refuse_unsupported_attention
+from slurm_autosp.data import check_token_file
+from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
 from slurm_autosp.submit import prepare_run_dir
 
 
@@ -28,6 +29,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = load_config(argv)
         refuse_unsupported_attention(cfg)
+        check_token_file(cfg, model_vocab_size(cfg.model))
         plan_layout(cfg)
         if os.environ.get("SLURM_PROCID", "0") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
             prepare_run_dir(cfg)

@@ -25,7 +25,8 @@ from slurm_autosp.config import Backend, ConfigError, JobConfig, load_config, to
 from slurm_autosp.launch.executor import build_executor, resolve_backend, sbatch_script, submitit_dir
 from slurm_autosp.launch.layout import ParallelLayout
 from slurm_autosp.launch.placement import plan_layout
-from slurm_autosp.model import refuse_unsupported_attention
+from slurm_autosp.data import check_token_file
+from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
 from slurm_autosp.plan import plan_verdict
 from slurm_autosp.launch.job import TrainingJob, collective_env_for
 from slurm_autosp.launch.watch import JobFailed, wait_for_job
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         refuse_unsupported_attention(cfg)
+        check_token_file(cfg, model_vocab_size(cfg.model))
         layout = plan_layout(cfg)
         backend = resolve_backend(cfg.cluster.backend)
         plan = plan_verdict(cfg)

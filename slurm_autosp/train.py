@@ -64,7 +64,7 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     if choices.offload_activations:
         offload = ActivationOffload(ctx.device, layers=len(decoder_layers(engine.module)))
         log.info("activation offload: what backward keeps waits in host memory")
-    source = build_source(cfg)
+    source = build_source(cfg, _vocab_size(engine.module))
     store = CheckpointStore(checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep)
     store.check_writable()
     settings = run_settings(cfg, parallel.layout, choices.zero_stage)
@@ -97,6 +97,12 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     if ctx.rank == 0:
         export_hf(engine.module, cfg.run.dir, weights)
     return TrainResult(first_step=first_step, losses=losses)
+
+
+def _vocab_size(model: torch.nn.Module) -> Optional[int]:
+    """The vocabulary the model embeds (a pretrained checkpoint's, not the config's field)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embedding, "num_embeddings", None)
 
 
 def _trainer_state(

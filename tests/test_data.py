@@ -1,11 +1,15 @@
 """Samples are addressed by a global index: the same on every run, rank count and restart."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.data import SyntheticSource, TokenFileSource, check_token_file, micro_batch, write_token_file
+from slurm_helpers import REPO
 
 
 def test_synthetic_samples_are_deterministic_and_distinct():
@@ -80,3 +84,17 @@ def test_the_token_file_is_checked_against_the_vocabulary_of_the_model_trained(t
     check_token_file(cfg, 512)
     with pytest.raises(ConfigError, match=rf"data.path={path}: .*vocabulary of 300 but model.vocab_size=256"):
         check_token_file(cfg, 256)
+
+
+def test_submit_refuses_a_truncated_token_file_before_any_rank_starts(tmp_path):
+    path = tmp_path / "cut.bin"
+    write_token_file(path, np.arange(4096) % 256, vocab_size=256)
+    path.write_bytes(path.read_bytes()[:-4])
+    proc = subprocess.run(
+        [sys.executable, "-m", "slurm_autosp.submit", "cfg=configs/tiny_cpu.yaml", "data.source=tokens",
+         f"data.path={path}", f"run.output_root={tmp_path / 'runs'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"data.path={path}: {path}: truncated" in proc.stderr
+    assert not (tmp_path / "runs").exists()
