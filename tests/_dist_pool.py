@@ -58,6 +58,10 @@ def _worker(rank: int, world_size: int, init_file: str, cache_dir: str, conn: Co
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # One worker compiles every test's models (several families, policies, tilings, lengths) with
+    # the same layer code objects; a training job compiles one. compile_model makes hitting the
+    # limit an error (never a silent eager fallback), so give the shared workers room.
+    torch._dynamo.config.recompile_limit = 64
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
         timeout=_COLLECTIVE_TIMEOUT,

@@ -12,7 +12,7 @@ from slurm_autosp.config import Backend, load_config
 from slurm_autosp.launch.executor import build_executor, sbatch_script
 from slurm_helpers import REPO
 
-NO_SLURM_PATH = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
+NO_SLURM_PATH = str(Path(sys.executable).parent)  # the interpreter alone: Slurm may be in /usr/bin (the Slurm tests install it)
 
 
 def submit_without_slurm(*args):

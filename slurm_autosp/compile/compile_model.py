@@ -37,6 +37,9 @@ def compile_model(
         use_sp_attention(model)
     if tile_tokens:
         tile_mlps(model, tile_tokens)
+    # Past Dynamo's recompile limit a frame runs eagerly: the attention would run unrewritten,
+    # each rank attending within its own shard, silently wrong. Fail instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     targets = decoder_layers(model) if per_layer else [model]
     for target in targets:
         target.compile(backend=backend, dynamic=dynamic)
