@@ -114,7 +114,8 @@ def test_tensorboard_lists_loss_throughput_and_memory_scalars(tensorboard):
     assert all(50 < lo[2] <= hi[2] < 64 * 1024 for lo, hi in zip(low, high))  # MiB of a 2-rank CPU run
     split = [tensorboard.json("/data/plugin/scalars/scalars", run="tensorboard", tag=f"time/{t}")[-1][2]
              for t in ("data_wait_s", "forward_backward_s", "optimizer_s", "step_s")]
-    assert 0 < sum(split[:3]) <= split[3]
+    # the split is the mean over ranks, the step rank 0's own wall time: a slower rank 1 lifts the mean a little
+    assert 0 < sum(split[:3]) <= 1.1 * split[3]
 
 
 def test_resumed_run_shows_every_step_once(tensorboard):
