@@ -46,15 +46,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SP = 2
 LAYERS = 4
-POLICIES = ["none", "torch_default", "full", "sac", "sac_replay_a2a", "deepspeed", "deepspeed_attn_kept"]
+POLICIES = [
+    "none",
+    "torch_default",
+    "full",
+    "sac",
+    "sac_replay_a2a",
+    "deepspeed",
+    "deepspeed_attn_kept",
+]
 CHUNK = 256
 
 
 def tiny_llama_config():
     from slurm_autosp.config import ModelConfig
 
-    return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                       num_attention_heads=4, num_key_value_heads=2)
+    return ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 def _spec(policy: str):
@@ -106,7 +120,9 @@ def _scope(policy: str):
     if policy == "deepspeed_attn_kept":
         stack = contextlib.ExitStack()
         stack.enter_context(deepspeed_policy())
-        stack.enter_context(torch._inductor.config.patch(joint_custom_post_pass=_KeepAttentionOnly()))
+        stack.enter_context(
+            torch._inductor.config.patch(joint_custom_post_pass=_KeepAttentionOnly())
+        )
         return stack
     return contextlib.nullcontext()
 
@@ -116,7 +132,9 @@ class deepspeed_policy:
 
     def __enter__(self):
         import torch._functorch.partitioners as partitioners
-        from deepspeed.compile.passes.long_context_checkpointing import register_long_context_checkpointing
+        from deepspeed.compile.passes.long_context_checkpointing import (
+            register_long_context_checkpointing,
+        )
 
         self.partitioners, self.original = partitioners, partitioners.solve_min_cut
         register_long_context_checkpointing()
@@ -145,7 +163,9 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = tiny_llama_config()
-    model = LlamaForCausalLM(LlamaConfig(**m.hf_fields(), attn_implementation="sdpa", use_cache=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(**m.hf_fields(), attn_implementation="sdpa", use_cache=False)
+    )
     scope = _scope(policy)
     compile_model(model, AutoSPBackend(SP, _spec(policy)), per_layer=True, dynamic=False)
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
@@ -229,8 +249,13 @@ def layer_trace(policy: str, seq: int):
     from slurm_autosp.plan.trace import trace_decoder_layer
 
     with _scope(policy):
-        (trace,) = trace_decoder_layer(tiny_llama_config(), local_seq=seq // SP, sp_size=SP,
-                                       specs=[_spec(policy)], dtype=torch.float32)
+        (trace,) = trace_decoder_layer(
+            tiny_llama_config(),
+            local_seq=seq // SP,
+            sp_size=SP,
+            specs=[_spec(policy)],
+            dtype=torch.float32,
+        )
     return trace
 
 
@@ -260,18 +285,32 @@ def rank_main(rank: int, init_file: str, seqs: list[int], steps: int, out: str) 
             result = run_policy(policy, seq, steps, rank)
             if reference is None:
                 reference = result
-            grad_err = max(float((result["grads"][k] - g).abs().max() / g.abs().max()) for k, g in reference["grads"].items())
+            grad_err = max(
+                float((result["grads"][k] - g).abs().max() / g.abs().max())
+                for k, g in reference["grads"].items()
+            )
             loss_err = float((result["loss"] - reference["loss"]).abs() / reference["loss"].abs())
             row = {k: v for k, v in result.items() if k not in ("grads", "loss")}
-            row.update(policy=policy, seq=seq, loss_err=loss_err, grad_err=grad_err, loss=float(result["loss"]))
+            row.update(
+                policy=policy,
+                seq=seq,
+                loss_err=loss_err,
+                grad_err=grad_err,
+                loss=float(result["loss"]),
+            )
             if rank == 0:
                 trace = layer_trace(policy, seq)
-                row["recompute_share"] = trace.recompute_flops / max(trace.forward_flops + trace.backward_flops, 1)
+                row["recompute_share"] = trace.recompute_flops / max(
+                    trace.forward_flops + trace.backward_flops, 1
+                )
                 row["attention_recomputed"] = trace.recomputed_attention
                 row["plan_saved_per_token_layer"] = trace.activation_bytes / trace.tokens
                 row["predicted_forward_bytes"] = predicted_forward_bytes(trace, result["local"])
             rows.append(row)
-            print(f"[rank {rank}] seq {seq} {policy}: {json.dumps({k: row[k] for k in row if k != 'grads'}, default=str)}", flush=True)
+            print(
+                f"[rank {rank}] seq {seq} {policy}: {json.dumps({k: row[k] for k in row if k != 'grads'}, default=str)}",
+                flush=True,
+            )
     with open(f"{out}.{rank}", "w") as f:
         json.dump(rows, f)
     dist.destroy_process_group()
@@ -289,17 +328,25 @@ def render(rows0: list[dict], rows1: list[dict]) -> str:
             f"{a['recompute_share']:.1%} | {a['attention_recomputed']} | {max(a['step_s'], b['step_s']):.3f} | "
             f"{max(a['loss_err'], b['loss_err']):.1e} | {max(a['grad_err'], b['grad_err']):.1e} |"
         )
-    lines += ["", "| S (P=2) | policy | plan: held after forward | measured (VmRSS delta, rank 0) | error |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| S (P=2) | policy | plan: held after forward | measured (VmRSS delta, rank 0) | error |",
+        "|---|---|---|---|---|",
+    ]
     for a in rows0:
         if a["policy"] in ("none", "sac", "sac_replay_a2a"):
             predicted, measured = a["predicted_forward_bytes"], a["rss_forward_delta"]
-            lines.append(f"| {a['seq']} | {a['policy']} | {predicted / 2**20:.2f} MiB | {measured / 2**20:.2f} MiB | "
-                         f"{(predicted - measured) / measured:+.1%} |")
+            lines.append(
+                f"| {a['seq']} | {a['policy']} | {predicted / 2**20:.2f} MiB | {measured / 2**20:.2f} MiB | "
+                f"{(predicted - measured) / measured:+.1%} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seqs", default="1024,4096,8192")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "bench" / "checkpointing_results.json"))
@@ -312,7 +359,11 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
-        mp.spawn(rank_main, args=(os.path.join(tmp, "store"), seqs, args.steps, os.path.join(tmp, "rows")), nprocs=SP)
+        mp.spawn(
+            rank_main,
+            args=(os.path.join(tmp, "store"), seqs, args.steps, os.path.join(tmp, "rows")),
+            nprocs=SP,
+        )
         rows = [json.load(open(os.path.join(tmp, f"rows.{r}"))) for r in range(SP)]
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

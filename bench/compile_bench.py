@@ -51,8 +51,13 @@ def tiny_llama(layers: int, device):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, attn_implementation="sdpa",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config).to(device)
 
@@ -89,7 +94,13 @@ def setup_ours(layers: int, input_ids, device):
     import torch
     import torch.distributed as dist
 
-    from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs, set_sp_group
+    from slurm_autosp.compile import (
+        AutoSPBackend,
+        compile_model,
+        loss_scale,
+        prepare_sp_inputs,
+        set_sp_group,
+    )
 
     world, rank = dist.get_world_size(), dist.get_rank()
     engine = deepspeed_engine(tiny_llama(layers, device), {})
@@ -115,7 +126,6 @@ def setup_peer(layers: int, input_ids, device):
     inputs inside the compiled graph. Its loss is each rank's mean over its shard; the value it
     reports for the step is their mean."""
     import torch
-    import torch.distributed as dist
     from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
 
     engine = deepspeed_engine(
@@ -163,9 +173,13 @@ def rank_main(impl: str, layers: int, steps: int, result_path: str) -> None:
             torch.cuda.synchronize()
         dist.barrier()
 
-    input_ids = torch.randint(1, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
+    input_ids = torch.randint(1, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1)).to(
+        device
+    )
     ref_loss, ref_grads = reference_step(layers, input_ids, device)
-    engine, compile_, step, combine = (setup_ours if impl == "ours" else setup_peer)(layers, input_ids, device)
+    engine, compile_, step, combine = (setup_ours if impl == "ours" else setup_peer)(
+        layers, input_ids, device
+    )
 
     def timed(fn):
         """Run `fn` on every rank; (wall s, this process's CPU s) until all ranks are done."""
@@ -177,7 +191,9 @@ def rank_main(impl: str, layers: int, steps: int, result_path: str) -> None:
 
     loss, wall, cpu = timed(lambda: (compile_(), step())[1])
     # the reduced gradients the optimizer is about to apply (read outside the timed region)
-    grads = {name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()}
+    grads = {
+        name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()
+    }
     _, step_wall, step_cpu = timed(engine.step)
     first = [wall + step_wall, cpu + step_cpu]
 
@@ -193,14 +209,18 @@ def rank_main(impl: str, layers: int, steps: int, result_path: str) -> None:
         float((grads[name] - ref).abs().max() / ref.abs().max()) for name, ref in ref_grads.items()
     )
     if dist.get_rank() == 0:
-        Path(result_path).write_text(json.dumps({
-            "first_step_s": float(slowest[0]),
-            "first_step_cpu_s": float(slowest[1]),
-            "median_step_ms": 1000 * float(slowest[2]),
-            "median_step_cpu_ms": 1000 * float(slowest[3]),
-            "loss_rel_error": abs(float(loss) - ref_loss) / abs(ref_loss),
-            "grad_rel_error": grad_error,
-        }))
+        Path(result_path).write_text(
+            json.dumps(
+                {
+                    "first_step_s": float(slowest[0]),
+                    "first_step_cpu_s": float(slowest[1]),
+                    "median_step_ms": 1000 * float(slowest[2]),
+                    "median_step_cpu_ms": 1000 * float(slowest[3]),
+                    "loss_rel_error": abs(float(loss) - ref_loss) / abs(ref_loss),
+                    "grad_rel_error": grad_error,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -213,7 +233,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(impl: str, layers: int, steps: int, cache_dir: Path, device: str, timeout_s: float) -> dict:
+def launch(
+    impl: str, layers: int, steps: int, cache_dir: Path, device: str, timeout_s: float
+) -> dict:
     """Run one measurement on SP fresh processes; returns rank 0's result or {"error": ...}."""
     result_path = cache_dir / f"result_{impl}_{layers}_{time.monotonic_ns()}.json"
     env = {
@@ -229,14 +251,29 @@ def launch(impl: str, layers: int, steps: int, cache_dir: Path, device: str, tim
     }
     if device == "cpu":
         env.update(DS_ACCELERATOR="cpu", TORCHINDUCTOR_COMPILE_THREADS="1")
-    command = [sys.executable, __file__, "--rank-main", impl, str(layers), str(steps), str(result_path)]
+    command = [
+        sys.executable,
+        __file__,
+        "--rank-main",
+        impl,
+        str(layers),
+        str(steps),
+        str(result_path),
+    ]
     log_path = cache_dir / f"log_{impl}_{layers}.txt"
     processes = []
     with open(log_path, "ab") as log:
         for rank in range(SP):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            processes.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    env=rank_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + timeout_s
         try:
             for process in processes:
@@ -262,7 +299,9 @@ def detect_device(requested: str) -> str:
     if torch.cuda.is_available() and torch.cuda.device_count() >= SP:
         return "cuda"
     if torch.cuda.is_available():
-        print(f"only {torch.cuda.device_count()} GPU(s); SP={SP} with NCCL needs {SP}: running on CPU")
+        print(
+            f"only {torch.cuda.device_count()} GPU(s); SP={SP} with NCCL needs {SP}: running on CPU"
+        )
     return "cpu"
 
 
@@ -298,7 +337,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 and 8 layers, 3 timed steps")
     parser.add_argument("--layers", type=int, nargs="+", help="depths to measure (default 2 8 32)")
     parser.add_argument("--impls", nargs="+", default=["ours", "peer"], choices=["ours", "peer"])
-    parser.add_argument("--steps", type=int, help="timed steps after the first (default 5, quick 3)")
+    parser.add_argument(
+        "--steps", type=int, help="timed steps after the first (default 5, quick 3)"
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     parser.add_argument("--json", type=Path, help="also write every result here")
@@ -321,11 +362,16 @@ def main() -> None:
                     result = launch(impl, layers, steps, cache_dir, device, args.timeout)
                     results[(impl, layers, run)] = result
                     load = os.getloadavg()[0]
-                    print(f"[{time.monotonic() - began:6.0f} s] {impl:4s} {layers:2d} layers {run}: "
-                          f"{json.dumps(result)} ({time.monotonic() - t:.0f} s with start-up; "
-                          f"load {load:.1f} on {os.cpu_count()} cores)", flush=True)
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
-          "(wall times grow with other load, CPU times much less)\n")
+                    print(
+                        f"[{time.monotonic() - began:6.0f} s] {impl:4s} {layers:2d} layers {run}: "
+                        f"{json.dumps(result)} ({time.monotonic() - t:.0f} s with start-up; "
+                        f"load {load:.1f} on {os.cpu_count()} cores)",
+                        flush=True,
+                    )
+    print(
+        f"\nload average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+        "(wall times grow with other load, CPU times much less)\n"
+    )
     print(table(results, layer_counts))
     print()
     shallow, deep = min(layer_counts), max(layer_counts)
@@ -333,10 +379,14 @@ def main() -> None:
         ours = [results.get(("ours", n, "cold"), {}).get(key) for n in (shallow, deep)]
         if None not in ours and deep > shallow:
             ratio = ours[1] / ours[0]
-            print(f"ours: cold compile + first step ({what}) at {deep} layers / at {shallow} layers = "
-                  f"{ratio:.2f} (acceptance <= 1.5: {'PASS' if ratio <= 1.5 else 'FAIL'})")
+            print(
+                f"ours: cold compile + first step ({what}) at {deep} layers / at {shallow} layers = "
+                f"{ratio:.2f} (acceptance <= 1.5: {'PASS' if ratio <= 1.5 else 'FAIL'})"
+            )
     if args.json:
-        args.json.write_text(json.dumps({f"{i}/{n}/{r}": v for (i, n, r), v in results.items()}, indent=1))
+        args.json.write_text(
+            json.dumps({f"{i}/{n}/{r}": v for (i, n, r), v in results.items()}, indent=1)
+        )
 
 
 if __name__ == "__main__":

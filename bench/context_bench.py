@@ -44,8 +44,14 @@ MODES = ["untiled", "tiled", "tiled_offloaded"]
 def model_config():
     from slurm_autosp.config import ModelConfig
 
-    return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=1024, num_hidden_layers=LAYERS,
-                       num_attention_heads=4, num_key_value_heads=2)
+    return ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=1024,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 def _status_kib(field: str) -> int:
@@ -63,7 +69,7 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from slurm_autosp.compile import AutoSPBackend, compile_model, tile_mlps, set_sp_group
+    from slurm_autosp.compile import AutoSPBackend, compile_model, set_sp_group
     from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
     from slurm_autosp.compile.hf_attention import use_sp_attention
     from slurm_autosp.compile.offload import ActivationOffload
@@ -76,9 +82,13 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
     compile_model(model, backend, per_layer=True, tile_tokens=tile if mode != "untiled" else 0)
     set_sp_group(dist.group.WORLD)
     rank, local = dist.get_rank(), seq // SP
-    offload = ActivationOffload("cpu", layers=LAYERS, min_bytes=0) if mode == "tiled_offloaded" else None
+    offload = (
+        ActivationOffload("cpu", layers=LAYERS, min_bytes=0) if mode == "tiled_offloaded" else None
+    )
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(1))[:, rank * local:(rank + 1) * local]
+    ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(1))[
+        :, rank * local : (rank + 1) * local
+    ]
     position_ids = torch.arange(rank * local, (rank + 1) * local).unsqueeze(0)
     with torch.no_grad():
         embedded = model.model.embed_tokens(ids)
@@ -101,7 +111,9 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
         counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         with offload.saving() if offload else counting:  # only the innermost hooks apply
             for layer in model.model.layers:
-                hidden = layer(hidden, position_embeddings=rotary, position_ids=position_ids, use_cache=False)
+                hidden = layer(
+                    hidden, position_embeddings=rotary, position_ids=position_ids, use_cache=False
+                )
         hidden.sum().backward()
         elapsed = time.perf_counter() - start
         if step:  # step 0 compiles
@@ -109,11 +121,20 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
             held, largest = sum(saved.values()), max(saved.values(), default=0)
             working = _status_kib("VmHWM") - before
     backend.require_sdpa_found()
-    result = {"mode": mode, "held": held, "largest": largest, "working": working, "step_s": statistics.median(times)}
+    result = {
+        "mode": mode,
+        "held": held,
+        "largest": largest,
+        "working": working,
+        "step_s": statistics.median(times),
+    }
     if offload is not None:
         stats = offload.stats
-        result.update(moved_per_layer=stats.to_host_bytes / (steps + 1) / LAYERS, resident=stats.peak_resident_bytes,
-                      held=stats.kept_bytes // (steps + 1) + stats.peak_resident_bytes)
+        result.update(
+            moved_per_layer=stats.to_host_bytes / (steps + 1) / LAYERS,
+            resident=stats.peak_resident_bytes,
+            held=stats.kept_bytes // (steps + 1) + stats.peak_resident_bytes,
+        )
     return result
 
 
@@ -125,12 +146,20 @@ def plan_prediction(mode: str, seq: int, tile: int) -> dict:
 
     local = seq // SP
     tiled = mode != "untiled"
-    trace, = trace_decoder_layer(model_config(), local_seq=local, sp_size=SP, dtype=torch.float32,
-                                 specs=[CheckpointSpec(Policy.sac, budget=0.0)], tiled=tiled)
+    (trace,) = trace_decoder_layer(
+        model_config(),
+        local_seq=local,
+        sp_size=SP,
+        dtype=torch.float32,
+        specs=[CheckpointSpec(Policy.sac, budget=0.0)],
+        tiled=tiled,
+    )
     layers = 2 if mode == "tiled_offloaded" else LAYERS
     tile_working = tile * (8 * 1024 + 2 * 64) * 4 if tiled else 0
-    return {"held": layers * trace.activation_bytes + trace.shared_bytes,
-            "working": trace.working_bytes + tile_working}
+    return {
+        "held": layers * trace.activation_bytes + trace.shared_bytes,
+        "working": trace.working_bytes + tile_working,
+    }
 
 
 def rank_main(rank: int, init_file: str, args: argparse.Namespace, out: str) -> None:
@@ -173,13 +202,17 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--tile", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="context_bench_inductor_"))
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="context_bench_inductor_")
+    )
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -46,8 +46,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -82,7 +83,7 @@ def _tensors(obj: Any) -> Iterator[Any]:
         yield from _tensors(obj.param_groups)
 
 
-def held_state(engine: Any) -> Dict[str, int]:
+def held_state(engine: Any) -> dict[str, int]:
     """Bytes of distinct storages by role, each storage counted once, in the order below."""
     from torch.distributed.tensor import DTensor
 
@@ -104,8 +105,14 @@ def held_state(engine: Any) -> Dict[str, int]:
     optimizer = deepspeed.optimizer if deepspeed else engine.optimizer  # the torch AdamW
     held = {
         "weights": add(iter(params)),
-        "grads": add(_tensors([[[p.grad, *vars(p).values()] for p in params],
-                               getattr(deepspeed, "averaged_gradients", None)])),
+        "grads": add(
+            _tensors(
+                [
+                    [[p.grad, *vars(p).values()] for p in params],
+                    getattr(deepspeed, "averaged_gradients", None),
+                ]
+            )
+        ),
         "master": add(_tensors(getattr(deepspeed, "single_partition_of_fp32_groups", None))),
         "adam": add(_tensors(list(optimizer.state.values()))),
         "other": add(_tensors(vars(deepspeed))) if deepspeed else 0,
@@ -136,18 +143,37 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if use_gpus else "gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, device_id=device if use_gpus else None)
+    dist.init_process_group(
+        "nccl" if use_gpus else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        device_id=device if use_gpus else None,
+    )
     h = args.hidden
-    cfg = load_config([
-        f"run.output_root={Path(init_file).parent}", f"cluster.tasks_per_node={WORLD}",
-        f"cluster.gpus_per_node={WORLD if use_gpus else 0}", f"model.hidden_size={h}",
-        f"model.intermediate_size={2 * h}", f"model.num_hidden_layers={args.layers}", f"data.seq_len={args.seq}",
-        f"parallel.sp_size={WORLD}", f"parallel.zero_stage={stage}", "compile.enabled=true",
-        "compile.activation_checkpointing=sac", "compile.activation_memory_budget=1.0",
-        f"train.steps={1 + args.warmup + args.steps}", "train.seed=0",
-    ])
-    ctx, parallel, source = DistContext(rank, WORLD, rank, device), build_parallel(cfg), build_source(cfg)
+    cfg = load_config(
+        [
+            f"run.output_root={Path(init_file).parent}",
+            f"cluster.tasks_per_node={WORLD}",
+            f"cluster.gpus_per_node={WORLD if use_gpus else 0}",
+            f"model.hidden_size={h}",
+            f"model.intermediate_size={2 * h}",
+            f"model.num_hidden_layers={args.layers}",
+            f"data.seq_len={args.seq}",
+            f"parallel.sp_size={WORLD}",
+            f"parallel.zero_stage={stage}",
+            "compile.enabled=true",
+            "compile.activation_checkpointing=sac",
+            "compile.activation_memory_budget=1.0",
+            f"train.steps={1 + args.warmup + args.steps}",
+            "train.seed=0",
+        ]
+    )
+    ctx, parallel, source = (
+        DistContext(rank, WORLD, rank, device),
+        build_parallel(cfg),
+        build_source(cfg),
+    )
 
     def say(message: str) -> None:
         if rank == 0:
@@ -166,7 +192,7 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     built = time.perf_counter()
     say(f"{type(engine).__name__} built in {built - start:.1f} s; compiling (first step)")
     backend = compile_for_sp(engine.module, cfg, parallel, checkpoint_spec_for(cfg))
-    held: Dict[str, int] = {}
+    held: dict[str, int] = {}
     real_step = engine.step
 
     def step_and_measure() -> None:  # the held state, just before the last warmup step's update
@@ -186,15 +212,22 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
             compiled = time.perf_counter() - built
             say(f"compile + first step {compiled:.1f} s, loss {losses[0]:.4f}")
         elif step > args.warmup:
-            say(f"step {step - args.warmup}/{args.steps}: {1e3 * times[-1]:.1f} ms, loss {losses[-1]:.4f}")
+            say(
+                f"step {step - args.warmup}/{args.steps}: {1e3 * times[-1]:.1f} ms, loss {losses[-1]:.4f}"
+            )
     mine = {
-        "build_s": built - start, "compile_first_s": compiled, "step_s": statistics.median(times[1 + args.warmup:]),
-        "loss": losses[-1], "held": held, "peak_rss": _status_bytes("VmHWM") - baseline,
+        "build_s": built - start,
+        "compile_first_s": compiled,
+        "step_s": statistics.median(times[1 + args.warmup :]),
+        "loss": losses[-1],
+        "held": held,
+        "peak_rss": _status_bytes("VmHWM") - baseline,
         "peak_alloc": torch.cuda.max_memory_allocated(device) if use_gpus else None,
-        "tokens": args.seq * cfg.global_batch, "precision": cfg.precision.value,
+        "tokens": args.seq * cfg.global_batch,
+        "precision": cfg.precision.value,
     }
     engine.close()
-    gathered: List[Dict[str, Any]] = [{} for _ in range(WORLD)]
+    gathered: list[dict[str, Any]] = [{} for _ in range(WORLD)]
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
@@ -209,7 +242,7 @@ def _size(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
-def render(results: Dict[int, List[Dict[str, Any]]], args: argparse.Namespace) -> str:
+def render(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace) -> str:
     first = results[1][0]
     memory = "peak alloc" if args.device == "cuda" else "peak RSS+"
     lines = [
@@ -220,7 +253,7 @@ def render(results: Dict[int, List[Dict[str, Any]]], args: argparse.Namespace) -
         f"| other | held total | {memory} | final loss |",
         "|---|---|" + "---:|" * 12,
     ]
-    row: Dict[int, Dict[str, Any]] = {}
+    row: dict[int, dict[str, Any]] = {}
     for stage, ranks in results.items():
         held = max((r["held"] for r in ranks), key=lambda h: h["total"])
         peak = max(r["peak_alloc"] if args.device == "cuda" else r["peak_rss"] for r in ranks)
@@ -229,7 +262,10 @@ def render(results: Dict[int, List[Dict[str, Any]]], args: argparse.Namespace) -
         lines.append(
             f"| {stage} | {STAGES[stage]} | {max(r['build_s'] for r in ranks):.1f} "
             f"| {max(r['compile_first_s'] for r in ranks):.1f} | {1e3 * step:.1f} | {ranks[0]['tokens'] / step:,.0f} "
-            + "".join(f"| {_size(held[k])} " for k in ("weights", "grads", "master", "adam", "other", "total"))
+            + "".join(
+                f"| {_size(held[k])} "
+                for k in ("weights", "grads", "master", "adam", "other", "total")
+            )
             + f"| {_size(peak)} | {ranks[0]['loss']:.4f} |"
         )
     lines += [
@@ -243,12 +279,23 @@ def render(results: Dict[int, List[Dict[str, Any]]], args: argparse.Namespace) -
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size (intermediate = 2x; 4 heads, 2 KV heads)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=64,
+        help="hidden size (intermediate = 2x; 4 heads, 2 KV heads)",
+    )
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
-    parser.add_argument("--seq", type=int, default=512, help="tokens per sequence (one sequence per step)")
+    parser.add_argument(
+        "--seq", type=int, default=512, help="tokens per sequence (one sequence per step)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per stage")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (>= 1)")
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps after the first (>= 1)"
+    )
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: the held state is measured on the last warmup step")
@@ -257,10 +304,12 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     args.device = "cuda" if torch.cuda.device_count() >= WORLD else "cpu"
-    results: Dict[int, List[Dict[str, Any]]] = {}
+    results: dict[int, list[dict[str, Any]]] = {}
     for stage in STAGES:
         with tempfile.TemporaryDirectory(prefix="sharding_bench_") as tmp:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")  # cold compile for both
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+                tmp, "inductor"
+            )  # cold compile for both
             out = os.path.join(tmp, "result.json")
             mp.spawn(run_stage, args=(stage, args, os.path.join(tmp, "store"), out), nprocs=WORLD)
             results[stage] = json.loads(Path(out).read_text())

@@ -41,8 +41,14 @@ def build(device, hidden, layers):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=4, attn_implementation="sdpa", use_cache=False,
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        attn_implementation="sdpa",
+        use_cache=False,
     )
     model = LlamaForCausalLM(config).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -83,12 +89,26 @@ def main():
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="trace_bench_"))
-    dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo" if device.type == "cpu" else "nccl",
+        init_method=f"file://{tmp}/store",
+        rank=0,
+        world_size=1,
+    )
     # Steps 1..rounds are untraced, rounds+1.. traced: one tracer, the loop picks the numbers.
     traced_steps = list(range(rounds + 1, 2 * rounds + 1))
-    cfg = load_config([f"run.output_root={tmp}", "run.name=bench", f"data.seq_len={args.seq}", "train.micro_batch=2",
-                       f"train.steps={2 * rounds}", "trace.memory_steps=[" + ",".join(map(str, traced_steps)) + "]",
-                       f"cluster.gpus_per_node={1 if device.type == 'cuda' else 0}", "cluster.tasks_per_node=1"])
+    cfg = load_config(
+        [
+            f"run.output_root={tmp}",
+            "run.name=bench",
+            f"data.seq_len={args.seq}",
+            "train.micro_batch=2",
+            f"train.steps={2 * rounds}",
+            "trace.memory_steps=[" + ",".join(map(str, traced_steps)) + "]",
+            f"cluster.gpus_per_node={1 if device.type == 'cuda' else 0}",
+            "cluster.tasks_per_node=1",
+        ]
+    )
     model, optimizer = build(device, args.hidden, args.layers)
     tracer = StepTracer(cfg, 0, 1, device, model, first_step=0, layout="1 rank")
     ids = torch.randint(0, 1024, (2, args.seq), device=device)
@@ -128,18 +148,26 @@ def main():
     dist.destroy_process_group()
 
     bare = statistics.median(times["bare"])
-    print(f"device {device}, Llama hidden {args.hidden} x {args.layers} layers, 2 x {args.seq} tokens, {rounds} rounds, "
-          f"{statistics.median(samples):.0f} memory samples per traced step ({cfg.trace.memory_sample_ms} ms interval)")
+    print(
+        f"device {device}, Llama hidden {args.hidden} x {args.layers} layers, 2 x {args.seq} tokens, {rounds} rounds, "
+        f"{statistics.median(samples):.0f} memory samples per traced step ({cfg.trace.memory_sample_ms} ms interval)"
+    )
     bare_cpu = statistics.median(cpu["bare"])
     for kind in times:
         wall, used = statistics.median(times[kind]), statistics.median(cpu[kind])
-        extra = "" if kind == "bare" else (
-            f"   wall {1e3 * (wall - bare):+7.2f} ms ({100 * (wall - bare) / bare:+5.1f}%),"
-            f" CPU {1e3 * (used - bare_cpu):+7.2f} ms ({100 * (used - bare_cpu) / bare_cpu:+5.1f}%)"
+        extra = (
+            ""
+            if kind == "bare"
+            else (
+                f"   wall {1e3 * (wall - bare):+7.2f} ms ({100 * (wall - bare) / bare:+5.1f}%),"
+                f" CPU {1e3 * (used - bare_cpu):+7.2f} ms ({100 * (used - bare_cpu) / bare_cpu:+5.1f}%)"
+            )
         )
         print(f"  {kind:9s} wall {1e3 * wall:8.2f} ms, CPU {1e3 * used:8.2f} ms{extra}")
-    print(f"  tracer bookkeeping alone on an untraced step (phase clock, memory peak, all-gather, "
-          f"scalars event): {1e6 * (empty[1] - empty[0]) / 200:.0f} us CPU")
+    print(
+        f"  tracer bookkeeping alone on an untraced step (phase clock, memory peak, all-gather, "
+        f"scalars event): {1e6 * (empty[1] - empty[0]) / 200:.0f} us CPU"
+    )
 
 
 if __name__ == "__main__":

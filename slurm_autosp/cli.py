@@ -4,14 +4,13 @@ error naming the key, with exit status 2, before anything starts."""
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
 
 from slurm_autosp.config import ConfigError
 
 HELP = ("-h", "--help", "help")
 
 
-def arguments(argv: Optional[List[str]], doc: str) -> Optional[List[str]]:
+def arguments(argv: list[str] | None, doc: str) -> list[str] | None:
     """The command's arguments; None once `doc` is printed because help was asked for."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in HELP for a in argv):

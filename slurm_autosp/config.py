@@ -13,14 +13,13 @@ import enum
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from slurm_autosp.heads import valid_sp_sizes
-
 
 ZERO_STAGES = (None, 1, 3)  # null: the memory plan chooses
 
@@ -83,31 +82,31 @@ class ClusterConfig:
     backend: Backend = Backend.auto
     nodes: int = 1
     gpus_per_node: int = 0  # 0: CPU ranks with gloo (laptops, CI)
-    tasks_per_node: Optional[int] = None  # default: one rank per GPU, or 2 CPU ranks
+    tasks_per_node: int | None = None  # default: one rank per GPU, or 2 CPU ranks
     cpus_per_task: int = 1
     vendor: Vendor = Vendor.nvidia
     gpu_memory_gb: float = 80.0
     host_memory_gb: float = 512.0  # per node: what activation offload may fill (80% of it)
     host_link_gb_per_s: float = 25.0  # per GPU, each way (PCIe 4 x16 ~25; PCIe 5 or C2C more)
-    nvlink_domain_size: Optional[int] = None  # default: all GPUs of one node
+    nvlink_domain_size: int | None = None  # default: all GPUs of one node
     fabric: Fabric = Fabric.infiniband
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
     exclusive: bool = False
-    mem_gb: Optional[int] = None
+    mem_gb: int | None = None
     time_min: int = 60
     signal_delay_s: int = 120
     max_requeues: int = 3
     collective_timeout_min: float = 30.0  # above compile time plus checkpoint time
-    setup: List[str] = field(default_factory=list)  # shell lines before srun (module load ...)
-    env: Dict[str, str] = field(default_factory=dict)  # exported on every rank; wins over ours
+    setup: list[str] = field(default_factory=list)  # shell lines before srun (module load ...)
+    env: dict[str, str] = field(default_factory=dict)  # exported on every rank; wins over ours
     debug_collectives: bool = False  # NCCL_DEBUG=INFO and friends
-    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
-    container_mounts: List[str] = field(default_factory=list)  # srun --container-mounts
-    srun_args: List[str] = field(default_factory=list)
-    sbatch_extra: Dict[str, str] = field(default_factory=dict)  # any other #SBATCH option
+    container_image: str | None = None  # pyxis/enroot: srun --container-image
+    container_mounts: list[str] = field(default_factory=list)  # srun --container-mounts
+    srun_args: list[str] = field(default_factory=list)
+    sbatch_extra: dict[str, str] = field(default_factory=dict)  # any other #SBATCH option
 
     @property
     def ranks_per_node(self) -> int:
@@ -133,23 +132,23 @@ class ModelConfig:
     """
 
     model_type: str = "llama"
-    vocab_size: Optional[int] = 256
-    hidden_size: Optional[int] = 64
-    intermediate_size: Optional[int] = 128
-    num_hidden_layers: Optional[int] = 2
-    num_attention_heads: Optional[int] = 4
-    num_key_value_heads: Optional[int] = 2
-    head_dim: Optional[int] = None
-    max_position_embeddings: Optional[int] = 4096
-    rope_theta: Optional[float] = None
-    rms_norm_eps: Optional[float] = None
-    tie_word_embeddings: Optional[bool] = None
+    vocab_size: int | None = 256
+    hidden_size: int | None = 64
+    intermediate_size: int | None = 128
+    num_hidden_layers: int | None = 2
+    num_attention_heads: int | None = 4
+    num_key_value_heads: int | None = 2
+    head_dim: int | None = None
+    max_position_embeddings: int | None = 4096
+    rope_theta: float | None = None
+    rms_norm_eps: float | None = None
+    tie_word_embeddings: bool | None = None
     attn_implementation: str = "sdpa"
-    pretrained_path: Optional[str] = None
-    builder: Optional[str] = None
-    extra: Dict[str, Any] = field(default_factory=dict)  # other HF config fields, verbatim
+    pretrained_path: str | None = None
+    builder: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # other HF config fields, verbatim
 
-    def hf_fields(self) -> Dict[str, Any]:
+    def hf_fields(self) -> dict[str, Any]:
         """The HF config fields that are set, with `extra` merged in."""
         skip = {"model_type", "attn_implementation", "pretrained_path", "builder", "extra"}
         fields = {
@@ -165,7 +164,7 @@ class DataConfig:
     """Training samples: `synthetic` (deterministic and learnable) or a `tokens` file."""
 
     source: DataSource = DataSource.synthetic
-    path: Optional[str] = None
+    path: str | None = None
     seq_len: int = 256
 
 
@@ -174,12 +173,14 @@ class ParallelConfig:
     sp_size: int = 1
     # 1: DeepSpeed ZeRO-1 (optimizer state sharded); 3: FSDP2 (parameters, gradients and
     # optimizer state sharded); null: the memory plan chooses (1 when the job fits under it)
-    zero_stage: Optional[int] = None
+    zero_stage: int | None = None
     allow_cross_domain: bool = False  # let SP groups span NVLink domains (slow; logged)
 
 
 class ActivationCheckpointing(str, enum.Enum):
-    auto = "auto"  # the memory plan picks the least recomputation that fits (sac budgets, then full)
+    auto = (
+        "auto"  # the memory plan picks the least recomputation that fits (sac budgets, then full)
+    )
     sac = "sac"  # sequence-aware: attention kept, the rest by recompute FLOPs per byte within the budget
     none = "none"  # save everything backward needs
     full = "full"  # recompute everything but the layer inputs, attention included
@@ -190,20 +191,22 @@ class ActivationCheckpointing(str, enum.Enum):
 class CompileConfig:
     enabled: bool = False
     per_layer: bool = True  # one graph per decoder layer: compile time flat in depth
-    cache_dir: Optional[str] = None  # default: node-local, under the system temp dir
+    cache_dir: str | None = None  # default: node-local, under the system temp dir
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.auto
     # sac: fraction in [0, 1] of the non-attention tensors' bytes kept (dearest to recompute
     # first); null: the largest the memory plan fits (1.0 on CPU ranks)
-    activation_memory_budget: Optional[float] = None
+    activation_memory_budget: float | None = None
     # run the Ulysses all-to-alls again in backward (saves memory); under auto the plan decides
     recompute_all_to_all: bool = False
-    loss_chunk_tokens: int = 1024  # tokens per cross-entropy chunk: logits never exist whole; 0: unchunked
+    loss_chunk_tokens: int = (
+        1024  # tokens per cross-entropy chunk: logits never exist whole; 0: unchunked
+    )
     # sequence tiling: tokens per tile of each decoder layer's MLP, run tile by tile and recomputed
     # tile by tile in backward (no full-sequence tensor of the MLP's width); 0: untiled; null: the plan chooses
-    tile_tokens: Optional[int] = None
+    tile_tokens: int | None = None
     # what backward keeps goes to host memory during forward and comes back a layer ahead in
     # backward; null: the plan decides (off where nothing needs it)
-    offload_activations: Optional[bool] = None
+    offload_activations: bool | None = None
 
 
 @dataclass
@@ -216,9 +219,9 @@ class TrainConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
-    precision: Optional[Precision] = None  # default: bf16 on GPU, fp32 on CPU
+    precision: Precision | None = None  # default: bf16 on GPU, fp32 on CPU
     seed: int = 0
     log_every: int = 1
 
@@ -228,7 +231,9 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: no periodic saves
     every_minutes: float = 0.0
     keep: int = 2
-    write_gb_per_s: float = 1.0  # per-rank write bandwidth to shared storage, to size the signal delay
+    write_gb_per_s: float = (
+        1.0  # per-rank write bandwidth to shared storage, to size the signal delay
+    )
 
 
 @dataclass
@@ -238,13 +243,13 @@ class TraceConfig:
     highest-peak rank."""
 
     tensorboard: bool = True  # false: no events and no memory traces
-    memory_steps: List[int] = field(default_factory=lambda: [2])  # step 1 is mostly compilation
-    memory_ranks: List[int] = field(default_factory=lambda: [0])
+    memory_steps: list[int] = field(default_factory=lambda: [2])  # step 1 is mostly compilation
+    memory_ranks: list[int] = field(default_factory=lambda: [0])
     memory_worst_rank: bool = True  # also trace the rank whose peak memory is highest
     memory_sample_ms: float = 1.0  # sampling interval of the timeline inside a traced step
     memory_snapshot: bool = True  # GPU: PyTorch memory snapshot (memory_viz) of the traced ranks
     oom_snapshot: bool = True  # GPU: a rank that runs out of memory dumps a snapshot first
-    peak_tflops_per_gpu: Optional[float] = None  # MFU denominator; default by GPU name, none on CPU
+    peak_tflops_per_gpu: float | None = None  # MFU denominator; default by GPU name, none on CPU
 
 
 @dataclass
@@ -276,7 +281,7 @@ class JobConfig:
         return self.train.micro_batch * self.train.grad_accum * self.dp_size
 
 
-def load_config(argv: List[str]) -> JobConfig:
+def load_config(argv: list[str]) -> JobConfig:
     """Merge `cfg=PATH.yaml` and `a.b=c` overrides onto the defaults, then validate."""
     cfg_path = None
     overrides = []
@@ -308,7 +313,9 @@ def to_yaml(cfg: JobConfig) -> str:
 
 def _read_yaml(path: str) -> DictConfig:
     if not os.path.isfile(path):
-        raise ConfigError(f"cfg={path}: no such file (give the path of a YAML config, e.g. configs/tiny_cpu.yaml)")
+        raise ConfigError(
+            f"cfg={path}: no such file (give the path of a YAML config, e.g. configs/tiny_cpu.yaml)"
+        )
     try:
         loaded = OmegaConf.load(path)
     except Exception as err:  # yaml.YAMLError and friends
@@ -318,7 +325,7 @@ def _read_yaml(path: str) -> DictConfig:
     return loaded
 
 
-def _parse_overrides(overrides: List[str]) -> DictConfig:
+def _parse_overrides(overrides: list[str]) -> DictConfig:
     """The overrides as one config; each value is read as YAML, so one YAML cannot read is named."""
     for override in overrides:
         try:
@@ -377,14 +384,22 @@ def validate(cfg: JobConfig) -> None:
     ]:
         positive(key, value)
     if cfg.data.seq_len == 1:
-        problems.append("data.seq_len=1 leaves no label to predict (each token predicts the next); use >= 2")
+        problems.append(
+            "data.seq_len=1 leaves no label to predict (each token predicts the next); use >= 2"
+        )
     for key, value in [
         ("checkpoint.keep", cfg.checkpoint.keep),
         ("cluster.signal_delay_s", c.signal_delay_s),
     ]:
         if value < 1:
-            problems.append(f"{key}={value} must be >= 1" + (
-                " (keep=0 would delete every checkpoint, the one just written included)" if key == "checkpoint.keep" else ""))
+            problems.append(
+                f"{key}={value} must be >= 1"
+                + (
+                    " (keep=0 would delete every checkpoint, the one just written included)"
+                    if key == "checkpoint.keep"
+                    else ""
+                )
+            )
     for key, value in [
         ("checkpoint.write_gb_per_s", cfg.checkpoint.write_gb_per_s),
         ("cluster.collective_timeout_min", c.collective_timeout_min),
@@ -427,7 +442,9 @@ def validate(cfg: JobConfig) -> None:
             f"{', '.join(map(str, valid_sp_sizes(heads, kv_heads)))}"
         )
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        problems.append(f"train.betas={list(t.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        problems.append(
+            f"train.betas={list(t.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]"
+        )
     if not 0 <= t.min_lr_ratio <= 1:
         problems.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if t.warmup_steps < 0:
@@ -437,12 +454,18 @@ def validate(cfg: JobConfig) -> None:
     if c.nvlink_domain_size is not None and c.nvlink_domain_size < 1:
         problems.append(f"cluster.nvlink_domain_size={c.nvlink_domain_size} must be >= 1")
     if c.backend is Backend.local and c.nodes != 1:
-        problems.append(f"cluster.nodes={c.nodes}: the local backend runs on one machine; set cluster.nodes=1")
+        problems.append(
+            f"cluster.nodes={c.nodes}: the local backend runs on one machine; set cluster.nodes=1"
+        )
     if cfg.precision is Precision.bf16 and not c.uses_gpus:
-        problems.append("train.precision=bf16 needs GPUs (cluster.gpus_per_node > 0); use fp32 on CPU")
+        problems.append(
+            "train.precision=bf16 needs GPUs (cluster.gpus_per_node > 0); use fp32 on CPU"
+        )
     if cfg.data.source is DataSource.tokens:
         if not cfg.data.path:
-            problems.append("data.source=tokens needs data.path (a token file written by slurm_autosp.data)")
+            problems.append(
+                "data.source=tokens needs data.path (a token file written by slurm_autosp.data)"
+            )
         elif not os.path.isfile(cfg.data.path):
             problems.append(f"data.path={cfg.data.path}: no such file")
     if m.pretrained_path and m.builder:
@@ -459,14 +482,18 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
-def _script_value_problems(cfg: JobConfig) -> List[str]:
+def _script_value_problems(cfg: JobConfig) -> list[str]:
     """Values rendered into the sbatch script or used as a path: a newline would end the
     #SBATCH block (the directives after it silently dropped, the rest run as shell), and a run
     name with a path separator, `..` or `%` escapes run.output_root or is expanded by Slurm."""
     c = cfg.cluster
     rendered: list[tuple[str, object]] = [
-        ("run.name", cfg.run.name), ("run.output_root", cfg.run.output_root), ("cluster.partition", c.partition),
-        ("cluster.account", c.account), ("cluster.qos", c.qos), ("cluster.constraint", c.constraint),
+        ("run.name", cfg.run.name),
+        ("run.output_root", cfg.run.output_root),
+        ("cluster.partition", c.partition),
+        ("cluster.account", c.account),
+        ("cluster.qos", c.qos),
+        ("cluster.constraint", c.constraint),
         ("cluster.container_image", c.container_image),
         *((f"cluster.sbatch_extra.{k}", f"{k}={v}") for k, v in c.sbatch_extra.items()),
         *((f"cluster.srun_args[{i}]", v) for i, v in enumerate(c.srun_args)),
@@ -480,7 +507,9 @@ def _script_value_problems(cfg: JobConfig) -> List[str]:
     ]
     bad_env = [k for k in c.env if not k or "=" in k]
     if bad_env:
-        problems.append(f"cluster.env keys {bad_env} are not variable names (empty, or containing '=')")
+        problems.append(
+            f"cluster.env keys {bad_env} are not variable names (empty, or containing '=')"
+        )
     name = cfg.run.name
     if name in ("", ".", "..") or any(ch in name for ch in "/\\%") or name.startswith("-"):
         problems.append(
@@ -490,28 +519,40 @@ def _script_value_problems(cfg: JobConfig) -> List[str]:
     return problems
 
 
-def _compile_problems(cfg: JobConfig) -> List[str]:
+def _compile_problems(cfg: JobConfig) -> list[str]:
     """Checkpointing and compile settings that contradict each other or the ZeRO stage."""
     problems = []
     c = cfg.compile
     if c.activation_memory_budget is not None and not 0.0 <= c.activation_memory_budget <= 1.0:
-        problems.append(f"compile.activation_memory_budget={c.activation_memory_budget} must be in [0, 1] "
-                        "(or null: from the memory plan)")
+        problems.append(
+            f"compile.activation_memory_budget={c.activation_memory_budget} must be in [0, 1] "
+            "(or null: from the memory plan)"
+        )
     if c.activation_checkpointing is ActivationCheckpointing.auto:
         if c.activation_memory_budget is not None:
-            problems.append(f"compile.activation_memory_budget={c.activation_memory_budget} applies to sac only; "
-                            "compile.activation_checkpointing=auto chooses the budget itself: set "
-                            "compile.activation_checkpointing=sac or leave the budget null")
+            problems.append(
+                f"compile.activation_memory_budget={c.activation_memory_budget} applies to sac only; "
+                "compile.activation_checkpointing=auto chooses the budget itself: set "
+                "compile.activation_checkpointing=sac or leave the budget null"
+            )
         if c.recompute_all_to_all:
-            problems.append("compile.recompute_all_to_all=true: compile.activation_checkpointing=auto decides "
-                            "that itself; to force it set compile.activation_checkpointing=sac or full")
+            problems.append(
+                "compile.recompute_all_to_all=true: compile.activation_checkpointing=auto decides "
+                "that itself; to force it set compile.activation_checkpointing=sac or full"
+            )
     if c.tile_tokens is not None and c.tile_tokens < 0:
-        problems.append(f"compile.tile_tokens={c.tile_tokens} must be >= 0 (0: untiled; null: the plan chooses)")
+        problems.append(
+            f"compile.tile_tokens={c.tile_tokens} must be >= 0 (0: untiled; null: the plan chooses)"
+        )
     if c.loss_chunk_tokens < 0:
-        problems.append(f"compile.loss_chunk_tokens={c.loss_chunk_tokens} must be >= 0 (0: unchunked)")
+        problems.append(
+            f"compile.loss_chunk_tokens={c.loss_chunk_tokens} must be >= 0 (0: unchunked)"
+        )
     if cfg.parallel.zero_stage == 3 and c.enabled and not c.per_layer:
-        problems.append("parallel.zero_stage=3 with compile.per_layer=false: parameter sharding compiles one graph "
-                        "per decoder layer; set compile.per_layer=true")
+        problems.append(
+            "parallel.zero_stage=3 with compile.per_layer=false: parameter sharding compiles one graph "
+            "per decoder layer; set compile.per_layer=true"
+        )
     return problems
 
 

@@ -85,7 +85,9 @@ def write_token_file(path: str | Path, tokens: np.ndarray, vocab_size: int) -> N
     """Write token ids as uint32 (a 128k vocabulary does not fit uint16) behind a header."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{tokens.min()}, {tokens.max()}]")
+        raise ValueError(
+            f"token ids must lie in [0, {vocab_size}); got [{tokens.min()}, {tokens.max()}]"
+        )
     with open(path, "wb") as f:
         f.write(_HEADER.pack(TOKEN_FILE_MAGIC, b"uint32".ljust(8, b"\0"), vocab_size, tokens.size))
         f.write(tokens.astype("<u4").tobytes())
@@ -96,7 +98,9 @@ def read_token_file(path: Path) -> tuple[int, np.ndarray]:
     with open(path, "rb") as f:
         raw = f.read(_HEADER.size)
     if len(raw) < _HEADER.size or raw[:8] != TOKEN_FILE_MAGIC:
-        raise ValueError(f"{path}: not a token file (write one with slurm_autosp.data.write_token_file)")
+        raise ValueError(
+            f"{path}: not a token file (write one with slurm_autosp.data.write_token_file)"
+        )
     _, dtype, vocab_size, count = _HEADER.unpack(raw)
     dtype_name = dtype.rstrip(b"\0").decode()
     if dtype_name != "uint32":
@@ -126,12 +130,16 @@ def build_source(cfg: JobConfig, model_vocab_size: int | None = None) -> SampleS
     """`model_vocab_size`: the trained model's vocabulary, when it is not the config's field."""
     if cfg.data.source is DataSource.tokens:
         assert cfg.data.path is not None
-        return TokenFileSource(cfg.data.path, cfg.data.seq_len, model_vocab_size or cfg.model.vocab_size)
+        return TokenFileSource(
+            cfg.data.path, cfg.data.seq_len, model_vocab_size or cfg.model.vocab_size
+        )
     assert cfg.model.vocab_size is not None
     return SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, cfg.train.seed)
 
 
-def micro_batch(source: SampleSource, cfg: JobConfig, step: int, micro_step: int, dp_rank: int) -> torch.Tensor:
+def micro_batch(
+    source: SampleSource, cfg: JobConfig, step: int, micro_step: int, dp_rank: int
+) -> torch.Tensor:
     """Token ids [micro_batch, seq_len] that `dp_rank` trains on at this step and micro-step."""
     t = cfg.train
     first = step * cfg.global_batch + (micro_step * cfg.dp_size + dp_rank) * t.micro_batch

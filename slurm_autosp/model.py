@@ -35,7 +35,7 @@ def build_skeleton(cfg: ModelConfig) -> nn.Module:
     """The HF model's architecture on the meta device, nothing allocated: parameter sharding
     allocates only each rank's shards. A pretrained model's architecture comes from its
     checkpoint's config; its weights are loaded separately."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(
@@ -58,7 +58,11 @@ def hf_config(cfg: ModelConfig):
         else:
             config = AutoConfig.for_model(cfg.model_type, **cfg.hf_fields())
     except (OSError, ValueError) as err:
-        where = f"model.pretrained_path={cfg.pretrained_path}" if cfg.pretrained_path else f"model.model_type={cfg.model_type!r}"
+        where = (
+            f"model.pretrained_path={cfg.pretrained_path}"
+            if cfg.pretrained_path
+            else f"model.model_type={cfg.model_type!r}"
+        )
         raise ConfigError(f"{where}: {err}") from err
     config.use_cache = False
     return config
@@ -102,17 +106,30 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
     sp = cfg.parallel.sp_size
     seq = seq_len or cfg.data.seq_len
     padded = -(-seq // sp) * sp
-    problems = unsupported_attention(config, padded) + _attention_sinks(config) if cfg.compile.enabled else []
+    problems = (
+        unsupported_attention(config, padded) + _attention_sinks(config)
+        if cfg.compile.enabled
+        else []
+    )
     model_class = _hf_model_class(config)
     if cfg.model.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
-        problems.insert(0, f'transformers cannot run {model_class.__name__} with attn_implementation="sdpa", which '
-                           "AutoSP needs (it rewrites scaled_dot_product_attention); without AutoSP set "
-                           "model.attn_implementation=eager")
+        problems.insert(
+            0,
+            f'transformers cannot run {model_class.__name__} with attn_implementation="sdpa", which '
+            "AutoSP needs (it rewrites scaled_dot_product_attention); without AutoSP set "
+            "model.attn_implementation=eager",
+        )
     if cfg.compile.loss_chunk_tokens > 0:
-        problems += [f"{p}; set compile.loss_chunk_tokens=0 (the model's own loss)" for p in unsupported_logits(config)]
+        problems += [
+            f"{p}; set compile.loss_chunk_tokens=0 (the model's own loss)"
+            for p in unsupported_logits(config)
+        ]
     if problems:
-        source = f"model.pretrained_path={cfg.model.pretrained_path}" if cfg.model.pretrained_path else (
-            f"model.model_type={cfg.model.model_type}")
+        source = (
+            f"model.pretrained_path={cfg.model.pretrained_path}"
+            if cfg.model.pretrained_path
+            else (f"model.model_type={cfg.model.model_type}")
+        )
         raise ConfigError(
             f"{source} (sequence parallel over parallel.sp_size={sp}, data.seq_len={seq}) is not supported exactly:\n  - "
             + "\n  - ".join(problems)
@@ -133,5 +150,7 @@ def _call_builder(cfg: ModelConfig) -> nn.Module:
         ) from err
     model = func(cfg)
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model.builder={cfg.builder!r} returned {type(model).__name__}, not an nn.Module")
+        raise ConfigError(
+            f"model.builder={cfg.builder!r} returned {type(model).__name__}, not an nn.Module"
+        )
     return model

@@ -36,16 +36,26 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 
-def apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                          cfg: TrainConfig) -> None:
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: TrainConfig
+) -> None:
     """Loading a checkpoint restores the lr, betas and weight decay it was written with; a resumed
     job trains with its own config's (unchanged ones give the same floats: an exact resume stays exact)."""
     scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
     lr = cfg.lr * lr_factor(scheduler.last_epoch, cfg)
     for group in optimizer.param_groups:
-        group.update(lr=lr, initial_lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay)
-    scheduler._last_lr = [lr for _ in optimizer.param_groups]  # what get_last_lr() reports until the next step
+        group.update(
+            lr=lr,
+            initial_lr=cfg.lr,
+            betas=(cfg.betas[0], cfg.betas[1]),
+            weight_decay=cfg.weight_decay,
+        )
+    scheduler._last_lr = [
+        lr for _ in optimizer.param_groups
+    ]  # what get_last_lr() reports until the next step

@@ -10,7 +10,6 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 from slurm_autosp.checkpoint.lock import live_holder, read_lock
 from slurm_autosp.checkpoint.manifest import MANIFEST, list_files, read_manifest
@@ -19,7 +18,7 @@ from slurm_autosp.checkpoint.store import TRAINER_STATE, CheckpointStore
 from slurm_autosp.launch.executor import submitit_dir
 
 
-def last_good_checkpoint(run_dir: Path) -> Optional[Path]:
+def last_good_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint whose manifest lists every file at its recorded size (checksums
     are verified when a job resumes)."""
     store = CheckpointStore(checkpoint_dir(run_dir), rank=0, world_size=1, keep=1)
@@ -28,28 +27,41 @@ def last_good_checkpoint(run_dir: Path) -> Optional[Path]:
             files = read_manifest(candidate)["files"]
             json.loads((candidate / TRAINER_STATE).read_text())["step"]
             present = set(list_files(candidate))
-            if all(name in present and (candidate / name).stat().st_size == rec["size"] for name, rec in files.items()):
+            if all(
+                name in present and (candidate / name).stat().st_size == rec["size"]
+                for name, rec in files.items()
+            ):
                 return candidate
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # a malformed manifest or trainer state: not a good checkpoint
     return None
 
 
-def describe(run_dir: Path) -> List[str]:
+def describe(run_dir: Path) -> list[str]:
     lines = [f"run {run_dir}"]
     config = run_dir / "config.yaml"
     steps = re.search(r"^\s+steps: (\d+)", config.read_text(), re.M) if config.exists() else None
     good = last_good_checkpoint(run_dir)
     if good is None:
-        lines.append(f"steps done: 0{f' of {steps.group(1)}' if steps else ''} (no complete checkpoint)")
+        lines.append(
+            f"steps done: 0{f' of {steps.group(1)}' if steps else ''} (no complete checkpoint)"
+        )
     else:
         state = json.loads((good / TRAINER_STATE).read_text())
         lines.append(f"steps done: {state['step']}{f' of {steps.group(1)}' if steps else ''}")
-        lines.append(f"last good checkpoint: {good} ({len(read_manifest(good)['files'])} files in {MANIFEST}, "
-                     f"engine {state.get('engine', 'deepspeed_zero1')}, {state['world_size']} ranks)")
-    jobs = sorted({p.name.split("_")[0] for p in submitit_dir(run_dir).glob("*_submitted.pkl")}, key=_job_order)
+        lines.append(
+            f"last good checkpoint: {good} ({len(read_manifest(good)['files'])} files in {MANIFEST}, "
+            f"engine {state.get('engine', 'deepspeed_zero1')}, {state['world_size']} ranks)"
+        )
+    jobs = sorted(
+        {p.name.split("_")[0] for p in submitit_dir(run_dir).glob("*_submitted.pkl")},
+        key=_job_order,
+    )
     lines.append(f"jobs: {', '.join(jobs) if jobs else 'none'}")
-    requeues = sum(p.read_text(errors="replace").count("requeueing (restart") for p in submitit_dir(run_dir).glob("*_0_log.out"))
+    requeues = sum(
+        p.read_text(errors="replace").count("requeueing (restart")
+        for p in submitit_dir(run_dir).glob("*_0_log.out")
+    )
     lines.append(f"requeues: {requeues}")
     lock, holder = read_lock(run_dir), live_holder(run_dir)
     if holder is not None:
@@ -67,14 +79,17 @@ def _job_order(job_id: str):
     return (0, int(job_id)) if job_id.isdigit() else (1, job_id)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     run_dir = Path(argv[0])
     if not run_dir.is_dir():
-        print(f"error: {run_dir}: no such run directory (it is <run.output_root>/<run.name>)", file=sys.stderr)
+        print(
+            f"error: {run_dir}: no such run directory (it is <run.output_root>/<run.name>)",
+            file=sys.stderr,
+        )
         return 2
     print("\n".join(describe(run_dir)))
     return 0

@@ -22,14 +22,19 @@ from pathlib import Path
 from slurm_autosp.checkpoint.lock import live_holder, write_lock
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import Backend, ConfigError, JobConfig, load_config, to_yaml
-from slurm_autosp.launch.executor import build_executor, resolve_backend, sbatch_script, submitit_dir
+from slurm_autosp.data import check_token_file
+from slurm_autosp.launch.executor import (
+    build_executor,
+    resolve_backend,
+    sbatch_script,
+    submitit_dir,
+)
+from slurm_autosp.launch.job import TrainingJob, collective_env_for
 from slurm_autosp.launch.layout import ParallelLayout
 from slurm_autosp.launch.placement import plan_layout
-from slurm_autosp.data import check_token_file
+from slurm_autosp.launch.watch import JobFailed, wait_for_job
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
 from slurm_autosp.plan import plan_verdict
-from slurm_autosp.launch.job import TrainingJob, collective_env_for
-from slurm_autosp.launch.watch import JobFailed, wait_for_job
 
 
 def prepare_run_dir(cfg: JobConfig) -> None:
@@ -79,7 +84,9 @@ def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -
     if backend is Backend.slurm:
         launch = "# sbatch script (submitit would submit exactly this)\n" + sbatch_script(cfg)
     else:
-        launch = f"# local: {c.world_size} processes on this machine through submitit's local executor"
+        launch = (
+            f"# local: {c.world_size} processes on this machine through submitit's local executor"
+        )
     return "\n".join(
         [
             launch,
@@ -105,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         layout = plan_layout(cfg)
         backend = resolve_backend(cfg.cluster.backend)
         plan = plan_verdict(cfg)
-        cfg.parallel.zero_stage = plan.zero_stage  # fixed for the run: the engines' checkpoints differ
+        cfg.parallel.zero_stage = (
+            plan.zero_stage
+        )  # fixed for the run: the engines' checkpoints differ
         if cfg.dry_run:
             print(describe_dry_run(cfg, backend, layout))
             print(plan.text)
@@ -132,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         job.cancel(check=False)
         print(f"\ninterrupted: cancelled job {job.job_id}", file=sys.stderr)
         return 130
-    print(f"job {job.job_id} finished; TensorBoard: tensorboard --logdir {cfg.run.dir / 'tensorboard'}")
+    print(
+        f"job {job.job_id} finished; TensorBoard: tensorboard --logdir {cfg.run.dir / 'tensorboard'}"
+    )
     return 0
 
 

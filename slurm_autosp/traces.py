@@ -13,7 +13,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from slurm_autosp.trace.memory import MemoryTrace
 from slurm_autosp.trace.tracer import memory_dir, tensorboard_dir
@@ -21,7 +20,7 @@ from slurm_autosp.trace.tracer import memory_dir, tensorboard_dir
 MIB = 2**20
 
 
-def load_scalars(events_dir: Path) -> Dict[str, Dict[int, float]]:
+def load_scalars(events_dir: Path) -> dict[str, dict[int, float]]:
     """tag -> {step: value}; TensorBoard's own reader, so purged (resumed) steps are dropped."""
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
@@ -30,7 +29,7 @@ def load_scalars(events_dir: Path) -> Dict[str, Dict[int, float]]:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()[SCALARS]}
 
 
-def load_traces(run_dir: Path) -> List[dict]:
+def load_traces(run_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(memory_dir(run_dir).glob("step_*.json"))]
 
 
@@ -44,10 +43,10 @@ def summarize(run_dir: Path, rows: int = 20) -> str:
     measure = "allocated" if "memory/peak_allocated_mib/max" in scalars else "rss"
     mem = f"memory/peak_{measure}_mib"
 
-    def at(tag: str, step: int) -> Optional[float]:
+    def at(tag: str, step: int) -> float | None:
         return scalars.get(tag, {}).get(step)
 
-    def fmt(value: Optional[float], spec: str) -> str:
+    def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     mfu = at("throughput/mfu_pct", last)
@@ -56,7 +55,11 @@ def summarize(run_dir: Path, rows: int = 20) -> str:
         f"last step {last}: loss {loss[last]:.4f} | {fmt(at('throughput/tokens_per_s', last), ',.0f')} tok/s "
         f"({fmt(at('throughput/tokens_per_s_per_device', last), ',.0f')} per device) | "
         f"{fmt(at('throughput/tflops_per_device', last), '.3g')} TFLOP/s per device | "
-        + (f"MFU {mfu:.1f}%" if mfu is not None else "MFU n/a (no peak FLOP/s: CPU, or set trace.peak_tflops_per_gpu)")
+        + (
+            f"MFU {mfu:.1f}%"
+            if mfu is not None
+            else "MFU n/a (no peak FLOP/s: CPU, or set trace.peak_tflops_per_gpu)"
+        )
         + f" | {fmt(at('time/step_s', last), '.3f')} s/step (data {fmt(at('time/data_wait_s', last), '.3f')}, "
         f"forward+backward {fmt(at('time/forward_backward_s', last), '.3f')}, optimizer {fmt(at('time/optimizer_s', last), '.3f')})",
         "",
@@ -71,7 +74,12 @@ def summarize(run_dir: Path, rows: int = 20) -> str:
             f"{fmt(at('memory/worst_rank', step), '.0f'):>10}"
         )
     traces = load_traces(run_dir)
-    out += ["", f"memory traces ({memory_dir(run_dir)})" if traces else "no memory traces (trace.memory_steps)"]
+    out += [
+        "",
+        f"memory traces ({memory_dir(run_dir)})"
+        if traces
+        else "no memory traces (trace.memory_steps)",
+    ]
     for sidecar in traces:
         step = sidecar["step"]
         for data in sidecar["traces"]:
@@ -81,17 +89,22 @@ def summarize(run_dir: Path, rows: int = 20) -> str:
                 f"  step {step} rank {trace.rank} ({roles}): peak {trace.peak_bytes / MIB:.1f} MiB {trace.where_peak()}; "
                 f"image step_{step:08d}_rank{trace.rank}.png"
             )
-        peaks = sorted(((int(r), b) for r, b in sidecar["peak_bytes_by_rank"].items()), key=lambda rb: -rb[1])
+        peaks = sorted(
+            ((int(r), b) for r, b in sidecar["peak_bytes_by_rank"].items()), key=lambda rb: -rb[1]
+        )
         shown = ", ".join(f"rank {r} {b / MIB:.1f}" for r, b in peaks[:16])
         more = f" (+{len(peaks) - 16} lower)" if len(peaks) > 16 else ""
         out.append(f"  step {step} peak MiB by rank, highest first: {shown}{more}")
     snapshots = sorted(p.name for p in memory_dir(run_dir).glob("*.pickle"))
     if snapshots:
-        out.append("  PyTorch memory snapshots (open in https://pytorch.org/memory_viz): " + ", ".join(snapshots))
+        out.append(
+            "  PyTorch memory snapshots (open in https://pytorch.org/memory_viz): "
+            + ", ".join(snapshots)
+        )
     return "\n".join(out)
 
 
-def _spread(steps: List[int], rows: int) -> List[int]:
+def _spread(steps: list[int], rows: int) -> list[int]:
     """At most `rows` steps, evenly spread, always the first and the last."""
     if len(steps) <= rows:
         return steps
@@ -99,8 +112,10 @@ def _spread(steps: List[int], rows: int) -> List[int]:
     return sorted(picked)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slurm_autosp.traces", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m slurm_autosp.traces", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("run_dir", type=Path, help="the run directory, <output_root>/<run name>")
     parser.add_argument("--rows", type=int, default=20, help="most steps in the per-step table")
     args = parser.parse_args(argv)
@@ -108,8 +123,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if run_dir.name == "tensorboard":
         run_dir = run_dir.parent
     if not list(tensorboard_dir(run_dir).glob("events.out.tfevents.*")):
-        print(f"error: no TensorBoard events in {tensorboard_dir(run_dir)}: give a run directory "
-              "(<output_root>/<run name>) of a run with trace.tensorboard=true", file=sys.stderr)
+        print(
+            f"error: no TensorBoard events in {tensorboard_dir(run_dir)}: give a run directory "
+            "(<output_root>/<run name>) of a run with trace.tensorboard=true",
+            file=sys.stderr,
+        )
         return 1
     print(summarize(run_dir, max(args.rows, 2)))
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,9 +15,16 @@ from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.schedule import SaveSchedule, checkpoint_dir
 from slurm_autosp.checkpoint.signals import StopRequest
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
-from slurm_autosp.compile.chunked_loss import causal_lm_loss
-from slurm_autosp.compile import AutoSPBackend, compile_model, decoder_layers, prepare_sp_inputs, set_sp_group, tile_mlps
+from slurm_autosp.compile import (
+    AutoSPBackend,
+    compile_model,
+    decoder_layers,
+    prepare_sp_inputs,
+    set_sp_group,
+    tile_mlps,
+)
 from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile.offload import ActivationOffload
 from slurm_autosp.config import JobConfig
 from slurm_autosp.data import build_source, micro_batch
@@ -33,12 +40,16 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainResult:
     first_step: int  # steps done before this job started (resumed runs)
-    losses: List[float]  # one per step this job ran
+    losses: list[float]  # one per step this job ran
 
 
 def compile_for_sp(
-    model: torch.nn.Module, cfg: JobConfig, parallel: Parallel, spec: CheckpointSpec, tile_tokens: int = 0
-) -> Optional[AutoSPBackend]:
+    model: torch.nn.Module,
+    cfg: JobConfig,
+    parallel: Parallel,
+    spec: CheckpointSpec,
+    tile_tokens: int = 0,
+) -> AutoSPBackend | None:
     """Compile the model with the AutoSP backend over this rank's SP group (if enabled),
     checkpointing activations by `spec`, its MLPs in sequence tiles of `tile_tokens` (0: untiled)."""
     if not cfg.compile.enabled:
@@ -59,19 +70,27 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, ctx.device, choices.zero_stage)
     log.info("engine: %s (loss factor %g)", engine.name, engine.loss_scale)
-    backend = compile_for_sp(engine.module, cfg, parallel, choices.checkpointing, choices.tile_tokens)
+    backend = compile_for_sp(
+        engine.module, cfg, parallel, choices.checkpointing, choices.tile_tokens
+    )
     offload = None
     if choices.offload_activations:
         offload = ActivationOffload(ctx.device, layers=len(decoder_layers(engine.module)))
         log.info("activation offload: what backward keeps waits in host memory")
     source = build_source(cfg, _vocab_size(engine.module))
-    store = CheckpointStore(checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep)
+    store = CheckpointStore(
+        checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep
+    )
     store.check_writable()
     settings = run_settings(cfg, parallel.layout, choices.zero_stage)
     resumed = store.load_latest(engine, settings)
-    first_step = resumed.step if resumed else 0  # the store checked it is samples_consumed / global_batch
+    first_step = (
+        resumed.step if resumed else 0
+    )  # the store checked it is samples_consumed / global_batch
     schedule = SaveSchedule(cfg.checkpoint)
-    tracer = StepTracer(cfg, ctx.rank, ctx.world_size, ctx.device, engine.module, first_step, parallel.layout)
+    tracer = StepTracer(
+        cfg, ctx.rank, ctx.world_size, ctx.device, engine.module, first_step, parallel.layout
+    )
     losses = []
     try:
         for step in range(first_step, cfg.train.steps):
@@ -88,7 +107,9 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
                 store.save(engine, _trainer_state(cfg, ctx, parallel, engine, done, settings))
                 schedule.saved()
             if stop_now:
-                log.info("stopping at step %d on %s", done, stop.signal_name or "another rank's signal")
+                log.info(
+                    "stopping at step %d on %s", done, stop.signal_name or "another rank's signal"
+                )
                 tracer.close()
                 requeue_and_exit(ctx.rank, cfg.cluster.max_requeues)
     finally:
@@ -99,14 +120,19 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     return TrainResult(first_step=first_step, losses=losses)
 
 
-def _vocab_size(model: torch.nn.Module) -> Optional[int]:
+def _vocab_size(model: torch.nn.Module) -> int | None:
     """The vocabulary the model embeds (a pretrained checkpoint's, not the config's field)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return getattr(embedding, "num_embeddings", None)
 
 
 def _trainer_state(
-    cfg: JobConfig, ctx: DistContext, parallel: Parallel, engine: TrainEngine, done: int, settings: dict[str, Any]
+    cfg: JobConfig,
+    ctx: DistContext,
+    parallel: Parallel,
+    engine: TrainEngine,
+    done: int,
+    settings: dict[str, Any],
 ) -> TrainerState:
     return TrainerState(
         step=done,
@@ -118,7 +144,7 @@ def _trainer_state(
     )
 
 
-def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> Tuple[bool, bool]:
+def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> tuple[bool, bool]:
     """Any rank's reason to save or stop is every rank's: they must act at the same step."""
     flags = torch.tensor([int(save_due), int(stop_requested)], device=ctx.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -126,8 +152,14 @@ def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> Tuple[bool
 
 
 def optimizer_step(
-    engine: TrainEngine, cfg: JobConfig, ctx: DistContext, parallel: Parallel, source: Any, step: int,
-    phases: PhaseClock = UNTIMED, offload: Optional[ActivationOffload] = None,
+    engine: TrainEngine,
+    cfg: JobConfig,
+    ctx: DistContext,
+    parallel: Parallel,
+    source: Any,
+    step: int,
+    phases: PhaseClock = UNTIMED,
+    offload: ActivationOffload | None = None,
 ) -> float:
     """One optimizer step over `grad_accum` micro-batches; returns the step's global loss.
 
@@ -153,7 +185,9 @@ def optimizer_step(
     step_loss = torch.zeros((), device=ctx.device)
     for batch in batches:
         with phases("forward"), offload.saving() if offload else nullcontext():
-            loss = causal_lm_loss(engine, batch.model_kwargs(num_items), chunk_tokens=cfg.compile.loss_chunk_tokens)
+            loss = causal_lm_loss(
+                engine, batch.model_kwargs(num_items), chunk_tokens=cfg.compile.loss_chunk_tokens
+            )
         with phases("backward"):
             engine.backward(loss * engine.loss_scale)
         with phases("optimizer"):

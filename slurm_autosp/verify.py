@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -83,8 +83,8 @@ class Report:
     loss: float
     ref_loss: float
     token_error: float
-    mismatched_positions: List[int]  # sequence positions whose per-token loss differs
-    grad_errors: Dict[str, float] = field(default_factory=dict)  # parameter -> relative error
+    mismatched_positions: list[int]  # sequence positions whose per-token loss differs
+    grad_errors: dict[str, float] = field(default_factory=dict)  # parameter -> relative error
 
     @property
     def loss_error(self) -> float:
@@ -94,7 +94,7 @@ class Report:
 # ---------------------------------------------------------------------------- deciding logic
 
 
-def split_arguments(argv: List[str]) -> Tuple[List[str], List[str]]:
+def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
     """Separate job-config arguments from `verify.*` ones (`--dp N` is `verify.dp=N`)."""
     job, verify = [], []
     args = iter(argv)
@@ -105,54 +105,69 @@ def split_arguments(argv: List[str]) -> Tuple[List[str], List[str]]:
                 raise ConfigError("--dp needs a number of data-parallel replicas, e.g. --dp 2")
             verify.append(f"dp={value}")
         elif arg.startswith("--dp="):
-            verify.append(f"dp={arg[len('--dp='):]}")
+            verify.append(f"dp={arg[len('--dp=') :]}")
         elif arg.startswith("verify."):
-            verify.append(arg[len("verify."):])
+            verify.append(arg[len("verify.") :])
         else:
             job.append(arg)
     return job, verify
 
 
-def load_options(overrides: List[str]) -> VerifyOptions:
+def load_options(overrides: list[str]) -> VerifyOptions:
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(VerifyOptions), OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(
+            OmegaConf.structured(VerifyOptions), OmegaConf.from_dotlist(overrides)
+        )
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         known = ", ".join(f.name for f in dataclasses.fields(VerifyOptions))
-        raise ConfigError(f"verify.{key}: {str(err).splitlines()[0]} Known verify keys: {known}") from err
+        raise ConfigError(
+            f"verify.{key}: {str(err).splitlines()[0]} Known verify keys: {known}"
+        ) from err
     options = OmegaConf.to_object(merged)
     assert isinstance(options, VerifyOptions)
     for key in ("dp", "layers", "head_dim", "vocab_size", "rows"):
         if getattr(options, key) < 1:
             raise ConfigError(f"verify.{key}={getattr(options, key)} must be >= 1")
     if options.head_dim % 2:
-        raise ConfigError(f"verify.head_dim={options.head_dim} must be even (rotary embeddings pair dimensions)")
+        raise ConfigError(
+            f"verify.head_dim={options.head_dim} must be even (rotary embeddings pair dimensions)"
+        )
     if options.seq_len < 0:
         raise ConfigError(f"verify.seq_len={options.seq_len} must be >= 0 (0 picks one)")
     return options
 
 
-def _hf_config_of(model: ModelConfig) -> Dict[str, Any]:
+def _hf_config_of(model: ModelConfig) -> dict[str, Any]:
     """The model's HF config fields: from its local checkpoint, or from the job config."""
     if not model.pretrained_path:
         return {"model_type": model.model_type, **model.hf_fields()}
     from transformers import AutoConfig
 
     loaded = AutoConfig.from_pretrained(model.pretrained_path).to_dict()
-    keep_out = {"architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "auto_map"}
+    keep_out = {
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "_name_or_path",
+        "auto_map",
+    }
     return {key: value for key, value in loaded.items() if key not in keep_out}
 
 
 SPECIAL_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
-def _special_ids_within(fields: Dict[str, Any], vocab_size: int) -> Dict[str, Any]:
+def _special_ids_within(fields: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     """The model's pad/bos/eos ids (its own or its HF class's defaults, e.g. Phi-3's pad 32000)
     that fall outside the shrunk vocabulary, mapped to its last id: they would not embed."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(fields["model_type"], **{k: v for k, v in fields.items() if k != "model_type"})
-    moved: Dict[str, Any] = {}
+    config = AutoConfig.for_model(
+        fields["model_type"], **{k: v for k, v in fields.items() if k != "model_type"}
+    )
+    moved: dict[str, Any] = {}
     for key in SPECIAL_TOKEN_IDS:
         value = getattr(config, key, None)
         ids = value if isinstance(value, list) else [value]
@@ -172,7 +187,9 @@ def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConf
     fields = _hf_config_of(model)
     heads = fields.get("num_attention_heads")
     if not heads:
-        raise ConfigError("model.num_attention_heads is needed to shrink the model with the same head layout")
+        raise ConfigError(
+            "model.num_attention_heads is needed to shrink the model with the same head layout"
+        )
     kv_heads = fields.get("num_key_value_heads") or heads
     hidden = heads * options.head_dim
     shrunk = {
@@ -204,7 +221,7 @@ def verify_seq_len(sp_size: int, options: VerifyOptions) -> int:
     return options.seq_len or 32 * sp_size - 3
 
 
-def failures(report: Report, tolerance: float) -> List[str]:
+def failures(report: Report, tolerance: float) -> list[str]:
     """One line per figure above the tolerance, naming what differs and, where the pattern
     shows it, the likely cause."""
     problems = []
@@ -229,11 +246,13 @@ def failures(report: Report, tolerance: float) -> List[str]:
     if bad:
         worst = sorted(bad, key=lambda n: -bad[n] if math.isfinite(bad[n]) else -math.inf)[:3]
         named = ", ".join(f"{n} ({bad[n]:.1e})" for n in worst)
-        problems.append(f"gradients of {len(bad)} of {len(report.grad_errors)} parameters differ, worst: {named}")
+        problems.append(
+            f"gradients of {len(bad)} of {len(report.grad_errors)} parameters differ, worst: {named}"
+        )
     return problems
 
 
-def _short(values: List[int], limit: int = 8) -> str:
+def _short(values: list[int], limit: int = 8) -> str:
     shown = ", ".join(str(v) for v in values[:limit])
     return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
@@ -243,13 +262,20 @@ def format_report(report: Report, tolerance: float, worst: int = 5) -> str:
         verdict = "ok" if error <= tolerance else "MISMATCH"
         return f"  {what:<48} {value:>12} {error:>12.2e}  {verdict}"
 
-    ranked = sorted(report.grad_errors.items(), key=lambda item: -item[1] if math.isfinite(item[1]) else -math.inf)
+    ranked = sorted(
+        report.grad_errors.items(),
+        key=lambda item: -item[1] if math.isfinite(item[1]) else -math.inf,
+    )
     worst_grad = ranked[0][1] if ranked else 0.0
     lines = [
         report.description,
         f"  {'':<48} {'value':>12} {'error':>12}  (limit {tolerance:.0e})",
         f"  {'loss, single device fp32':<48} {report.ref_loss:>12.6f}",
-        row(f"loss, AutoSP sp_size={report.sp_size} (relative error)", f"{report.loss:.6f}", report.loss_error),
+        row(
+            f"loss, AutoSP sp_size={report.sp_size} (relative error)",
+            f"{report.loss:.6f}",
+            report.loss_error,
+        ),
         row("per-token loss, max |l - l_ref|", "", report.token_error),
         row(f"gradients, worst of {len(ranked)} parameters", "", worst_grad),
         "    max|g - g_ref| / max|g_ref|, worst parameters:",
@@ -278,7 +304,7 @@ def force_full_fp32() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-def make_batch(rows: int, seq_len: int, vocab_size: int, seed: int) -> Dict[str, Any]:
+def make_batch(rows: int, seq_len: int, vocab_size: int, seed: int) -> dict[str, Any]:
     """Random tokens, with ignored labels thinning out along the sequence (90% ignored at the
     start, none at the end), so SP shards hold very different numbers of valid labels."""
     import torch
@@ -304,7 +330,9 @@ def shift_labels_per_shard(labels: Any, sp_rank: int, sp_size: int) -> Any:
     padded = F.pad(labels, (0, -labels.shape[1] % sp_size), value=IGNORE_INDEX)
     shard = padded.shape[1] // sp_size
     local = padded[:, sp_rank * shard : (sp_rank + 1) * shard]
-    return torch.cat([local[:, 1:], torch.full_like(local[:, :1], IGNORE_INDEX)], dim=1).contiguous()
+    return torch.cat(
+        [local[:, 1:], torch.full_like(local[:, :1], IGNORE_INDEX)], dim=1
+    ).contiguous()
 
 
 def _per_token_loss(logits: Any, shift_labels: Any) -> Any:
@@ -313,7 +341,7 @@ def _per_token_loss(logits: Any, shift_labels: Any) -> Any:
     return F.cross_entropy(logits.detach().float().transpose(1, 2), shift_labels, reduction="none")
 
 
-def _reference(model: Any, batch: Dict[str, Any]) -> Tuple[float, Any, Dict[str, Any]]:
+def _reference(model: Any, batch: dict[str, Any]) -> tuple[float, Any, dict[str, Any]]:
     """The plain model on one device: loss, per-token losses [B, S], gradients."""
     import torch
 
@@ -328,23 +356,38 @@ def _reference(model: Any, batch: Dict[str, Any]) -> Tuple[float, Any, Dict[str,
 
 
 def run_rank(
-    rank: int, world_size: int, cfg: JobConfig, options: VerifyOptions, init_file: str, result_file: str
+    rank: int,
+    world_size: int,
+    cfg: JobConfig,
+    options: VerifyOptions,
+    init_file: str,
+    result_file: str,
 ) -> None:
     """One rank: an AutoSP step on its shard, gradients averaged over the world; rank 0 also
     runs the reference and writes the report."""
     import torch
     import torch.distributed as dist
 
-    from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs, set_sp_group
+    from slurm_autosp.compile import (
+        AutoSPBackend,
+        compile_model,
+        loss_scale,
+        prepare_sp_inputs,
+        set_sp_group,
+    )
     from slurm_autosp.model import build_model
 
     torch.set_num_threads(1)
     force_full_fp32()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
     try:
         sp_size = cfg.parallel.sp_size
         sp_rank, dp_rank = rank % sp_size, rank // sp_size
-        sp_groups = [dist.new_group(list(range(s, s + sp_size))) for s in range(0, world_size, sp_size)]
+        sp_groups = [
+            dist.new_group(list(range(s, s + sp_size))) for s in range(0, world_size, sp_size)
+        ]
         model_cfg = shrink_model_config(cfg.model, options)
         seq_len = verify_seq_len(sp_size, options)
         batch = make_batch(options.rows * options.dp, seq_len, model_cfg.vocab_size, options.seed)
@@ -358,7 +401,9 @@ def run_rank(
         shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size)
         if options.inject is Inject.per_shard_shift:
             buggy = shift_labels_per_shard(local["labels"], sp_rank, sp_size)
-            shard = dataclasses.replace(shard, shift_labels=buggy, valid_labels=int((buggy != -100).sum()))
+            shard = dataclasses.replace(
+                shard, shift_labels=buggy, valid_labels=int((buggy != -100).sum())
+            )
         count = torch.tensor(shard.valid_labels)
         dist.all_reduce(count)
 
@@ -384,10 +429,14 @@ def run_rank(
 
         ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch)
         # gathered[rank] is (dp_rank, sp_rank)'s [rows, shard]: rows by DP, sequence by SP
-        replicas = [torch.cat(gathered[d * sp_size : (d + 1) * sp_size], dim=1) for d in range(options.dp)]
+        replicas = [
+            torch.cat(gathered[d * sp_size : (d + 1) * sp_size], dim=1) for d in range(options.dp)
+        ]
         full = torch.cat(replicas, dim=0)
         token_diff = (full[:, :seq_len] - ref_per_token).abs()
-        mismatched = sorted({int(p) for p in (token_diff > options.tolerance).nonzero()[:, 1].tolist()})
+        mismatched = sorted(
+            {int(p) for p in (token_diff > options.tolerance).nonzero()[:, 1].tolist()}
+        )
         grad_errors = {}
         for name, reference in ref_grads.items():
             scale = reference.abs().max().clamp(min=1e-30)
@@ -409,14 +458,21 @@ def run_rank(
 
 
 def _short_name(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name
 
 
 def _describe(
-    cfg: JobConfig, model: ModelConfig, options: VerifyOptions, seq_len: int, count: int, batch: Dict[str, Any]
+    cfg: JobConfig,
+    model: ModelConfig,
+    options: VerifyOptions,
+    seq_len: int,
+    count: int,
+    batch: dict[str, Any],
 ) -> str:
     sp = cfg.parallel.sp_size
-    injected = f"; INJECTED BUG: {options.inject.value}" if options.inject is not Inject.none else ""
+    injected = (
+        f"; INJECTED BUG: {options.inject.value}" if options.inject is not Inject.none else ""
+    )
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     padded = seq_len + (-seq_len % sp)
     return (
@@ -442,11 +498,15 @@ def run_verify(cfg: JobConfig, options: VerifyOptions) -> Report:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="autosp_verify_") as tmp:
         result_file = os.path.join(tmp, "report.pt")
-        mp.spawn(run_rank, args=(world_size, cfg, options, os.path.join(tmp, "store"), result_file), nprocs=world_size)
+        mp.spawn(
+            run_rank,
+            args=(world_size, cfg, options, os.path.join(tmp, "store"), result_file),
+            nprocs=world_size,
+        )
         return Report(**torch.load(result_file, weights_only=False))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
         return 0
@@ -459,15 +519,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as err:
         return config_error(err)
     if cfg.parallel.sp_size == 1:
-        print("note: parallel.sp_size=1, so nothing is split; pass parallel.sp_size=N to check N-way SP", flush=True)
+        print(
+            "note: parallel.sp_size=1, so nothing is split; pass parallel.sp_size=N to check N-way SP",
+            flush=True,
+        )
     seq_len = verify_seq_len(cfg.parallel.sp_size, options)
     if cfg.parallel.sp_size > 1 and seq_len % cfg.parallel.sp_size == 0:
-        print(f"note: verify.seq_len={seq_len} divides by sp_size; the padding path is not exercised", flush=True)
+        print(
+            f"note: verify.seq_len={seq_len} divides by sp_size; the padding path is not exercised",
+            flush=True,
+        )
     start = time.perf_counter()
     try:
         report = run_verify(cfg, options)
     except Exception as err:  # a rank failed (torch.multiprocessing carries its traceback)
-        print(f"{err}\nerror: a verify rank failed: {str(err).strip().splitlines()[-1]}", file=sys.stderr)
+        print(
+            f"{err}\nerror: a verify rank failed: {str(err).strip().splitlines()[-1]}",
+            file=sys.stderr,
+        )
         return 2
     print(format_report(report, options.tolerance))
     print(f"({cfg.parallel.sp_size * options.dp} ranks, {time.perf_counter() - start:.1f} s)")

@@ -63,7 +63,10 @@ def _worker(rank: int, world_size: int, init_file: str, cache_dir: str, conn: Co
     # limit an error (never a silent eager fallback), so give the shared workers room.
     torch._dynamo.config.recompile_limit = 64
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
         timeout=_COLLECTIVE_TIMEOUT,
     )
     while (message := conn.recv()) is not None:
@@ -114,7 +117,9 @@ class DistPool:
             except (EOFError, OSError) as error:  # died, or hangs (TimeoutError is an OSError)
                 self.close()
                 raise RankError(f"rank {rank} gave no answer to {name}: {error!r}") from error
-        failures = [(rank, text) for rank, (status, text) in enumerate(replies) if status == "error"]
+        failures = [
+            (rank, text) for rank, (status, text) in enumerate(replies) if status == "error"
+        ]
         if failures:
             rank, text = failures[0]
             raise RankError(f"{name} failed on rank {rank} of {self.world_size}:\n{text}")

@@ -24,7 +24,9 @@ def final_result(run_dir: Path):
 
 
 def job_state(job_id: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def release_requeued(job_id: str, timeout_s: float = 120) -> None:
@@ -37,10 +39,14 @@ def release_requeued(job_id: str, timeout_s: float = 120) -> None:
             return
         # Each update moves StartTime again: update, then give the scheduler time to start it.
         if state == "PENDING" and time.monotonic() - released_at > 20:
-            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now+2"], capture_output=True)
+            subprocess.run(
+                ["scontrol", "update", f"jobid={job_id}", "StartTime=now+2"], capture_output=True
+            )
             released_at = time.monotonic()
         time.sleep(1)
-    raise AssertionError(f"job {job_id} did not run again within {timeout_s}s (state {job_state(job_id)!r})")
+    raise AssertionError(
+        f"job {job_id} did not run again within {timeout_s}s (state {job_state(job_id)!r})"
+    )
 
 
 class RunningSubmit:
@@ -48,7 +54,11 @@ class RunningSubmit:
 
     def __init__(self, *overrides):
         self.proc = subprocess.Popen(
-            submit_cmd(*overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            submit_cmd(*overrides),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         self.lines = []
         self.job_id = None

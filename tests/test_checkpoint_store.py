@@ -14,7 +14,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from slurm_autosp.checkpoint.identity import run_settings  # noqa: E402
 from slurm_autosp.checkpoint.manifest import FileRecord, hash_files, read_manifest, write_manifest  # noqa: E402
-from slurm_autosp.checkpoint.store import TRAINER_STATE, CheckpointError, CheckpointStore, TrainerState  # noqa: E402
+from slurm_autosp.checkpoint.store import (
+    TRAINER_STATE,
+    CheckpointError,
+    CheckpointStore,
+    TrainerState,
+)  # noqa: E402
 from slurm_autosp.config import load_config  # noqa: E402
 from slurm_autosp.engine import build_engine  # noqa: E402
 from slurm_autosp.launch.placement import plan_layout  # noqa: E402
@@ -29,7 +34,9 @@ def single_rank_group():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     saved = os.environ.get("LOCAL_RANK")
-    os.environ["LOCAL_RANK"] = "0"  # DeepSpeed insists on it; restored so later subprocesses don't inherit it
+    os.environ["LOCAL_RANK"] = (
+        "0"  # DeepSpeed insists on it; restored so later subprocesses don't inherit it
+    )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -40,7 +47,9 @@ def single_rank_group():
 
 
 def job_config(zero_stage, *overrides):
-    return load_config(["cluster.tasks_per_node=1", f"parallel.zero_stage={zero_stage}", *overrides])
+    return load_config(
+        ["cluster.tasks_per_node=1", f"parallel.zero_stage={zero_stage}", *overrides]
+    )
 
 
 @pytest.fixture(params=[1, 3], ids=["zero1", "fsdp2"])
@@ -57,15 +66,27 @@ def settings(engine_name, *overrides):
 
 def state(step, engine_name, world_size=1, samples_per_step=1):
     """A checkpoint's trainer state, written by the fixture's job (its global batch is 1)."""
-    return TrainerState(step=step, samples_consumed=step * samples_per_step, world_size=world_size, layout="",
-                        engine=engine_name, settings=settings(engine_name))
+    return TrainerState(
+        step=step,
+        samples_consumed=step * samples_per_step,
+        world_size=world_size,
+        layout="",
+        engine=engine_name,
+        settings=settings(engine_name),
+    )
 
 
 def rewrite_as_before_settings(checkpoint, **changes):
     """Make `checkpoint` look written by a version that recorded an opaque config hash instead of
     its settings (and these other `changes`), its manifest updated to match."""
-    old = {k: v for k, v in json.loads((checkpoint / TRAINER_STATE).read_text()).items() if k != "settings"}
-    (checkpoint / TRAINER_STATE).write_text(json.dumps({**old, "config_hash": "0123456789abcdef", **changes}))
+    old = {
+        k: v
+        for k, v in json.loads((checkpoint / TRAINER_STATE).read_text()).items()
+        if k != "settings"
+    }
+    (checkpoint / TRAINER_STATE).write_text(
+        json.dumps({**old, "config_hash": "0123456789abcdef", **changes})
+    )
     manifest = read_manifest(checkpoint)
     records = {name: FileRecord(**r) for name, r in manifest["files"].items()}
     records.update(hash_files(checkpoint, [TRAINER_STATE], fsync=False))
@@ -74,7 +95,10 @@ def rewrite_as_before_settings(checkpoint, **changes):
 
 def params(engine):
     """Copies: on one rank an FSDP2 parameter's full_tensor() is the parameter's own storage."""
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in engine.module.parameters()]
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for p in engine.module.parameters()
+    ]
 
 
 def perturb(engine):
@@ -101,7 +125,9 @@ def test_retention_keeps_the_newest_k(tmp_path, engine):
     assert [p.name for p in store.checkpoints()] == ["step_00000003", "step_00000002"]
 
 
-def test_save_that_dies_half_way_leaves_the_previous_checkpoint_in_use(tmp_path, engine, monkeypatch):
+def test_save_that_dies_half_way_leaves_the_previous_checkpoint_in_use(
+    tmp_path, engine, monkeypatch
+):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     store.save(engine, state(1, engine.name))
     good = params(engine)
@@ -153,7 +179,10 @@ def test_checkpoint_from_another_engine_is_refused(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     store.save(engine, state(1, engine.name))
     rewrite_as_before_settings(tmp_path / "step_00000001", engine="another_engine")
-    with pytest.raises(CheckpointError, match=f"written by the another_engine engine but this job uses {engine.name}"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"written by the another_engine engine but this job uses {engine.name}",
+    ):
         store.load_latest(engine, settings(engine.name))
 
 
@@ -161,7 +190,9 @@ def test_unwritable_checkpoint_directory_is_reported_before_training(tmp_path, s
     blocker = tmp_path / "checkpoints"
     blocker.write_text("a file where the directory should be")
     store = CheckpointStore(blocker, rank=0, world_size=1, keep=2)
-    with pytest.raises(CheckpointError, match=r"checkpoint directory .*checkpoints is not writable"):
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint directory .*checkpoints is not writable"
+    ):
         store.check_writable()
 
 
@@ -189,7 +220,8 @@ def test_half_written_saves_of_a_killed_job_are_removed_at_start(tmp_path, singl
 
 
 def test_a_checkpoint_directory_others_can_write_is_refused_and_a_group_writable_one_warned(
-        tmp_path, single_rank_group, caplog):
+    tmp_path, single_rank_group, caplog
+):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     tmp_path.chmod(0o777)
     with pytest.raises(CheckpointError, match="writable by every user.*chmod o-w"):
@@ -223,13 +255,23 @@ def test_checkpoint_of_another_run_is_refused_naming_every_key_that_differs(tmp_
     store.save(engine, state(3, engine.name))
     before = params(engine)
     perturb(engine)
-    changed = settings(engine.name, "model.hidden_size=96", "data.seq_len=128", "train.seed=7", "train.grad_accum=2")
+    changed = settings(
+        engine.name,
+        "model.hidden_size=96",
+        "data.seq_len=128",
+        "train.seed=7",
+        "train.grad_accum=2",
+    )
     with pytest.raises(CheckpointError) as refused:
         store.load_latest(engine, changed)
     message = str(refused.value)
-    for line in ["model.hidden_size: 64 in the checkpoint, 96 now", "data.seq_len: 256 in the checkpoint, 128 now",
-                 "train.seed: 0 in the checkpoint, 7 now", "train.grad_accum: 1 in the checkpoint, 2 now",
-                 "train.global_batch: 1 in the checkpoint, 2 now (set by train.micro_batch x train.grad_accum"]:
+    for line in [
+        "model.hidden_size: 64 in the checkpoint, 96 now",
+        "data.seq_len: 256 in the checkpoint, 128 now",
+        "train.seed: 0 in the checkpoint, 7 now",
+        "train.grad_accum: 1 in the checkpoint, 2 now",
+        "train.global_batch: 1 in the checkpoint, 2 now (set by train.micro_batch x train.grad_accum",
+    ]:
         assert line in message
     assert "(data.seq_len=256 model.hidden_size=64 train.grad_accum=1 train.seed=0)" in message
     assert "start a new run with another run.name (this job's is run.name=tiny)" in message
@@ -239,7 +281,10 @@ def test_checkpoint_of_another_run_is_refused_naming_every_key_that_differs(tmp_
 def test_checkpoint_of_another_zero_stage_or_layout_is_refused(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     store.save(engine, state(1, engine.name))
-    other = dict(settings(engine.name), **{"parallel.zero_stage": 4 - STAGES[engine.name], "parallel.layout": "other"})
+    other = dict(
+        settings(engine.name),
+        **{"parallel.zero_stage": 4 - STAGES[engine.name], "parallel.layout": "other"},
+    )
     with pytest.raises(CheckpointError, match=r"(?s)parallel\.layout: .*parallel\.zero_stage: "):
         store.load_latest(engine, other)
 
@@ -247,25 +292,42 @@ def test_checkpoint_of_another_zero_stage_or_layout_is_refused(tmp_path, engine)
 def test_harmless_changes_resume_and_are_logged(tmp_path, engine, caplog):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     store.save(engine, state(2, engine.name))
-    changed = settings(engine.name, "train.steps=200", "train.min_lr_ratio=0.5", "checkpoint.every_steps=5",
-                       "trace.memory_steps=[3]", "cluster.time_min=5")
+    changed = settings(
+        engine.name,
+        "train.steps=200",
+        "train.min_lr_ratio=0.5",
+        "checkpoint.every_steps=5",
+        "trace.memory_steps=[3]",
+        "cluster.time_min=5",
+    )
     with caplog.at_level("INFO"):
         assert store.load_latest(engine, changed) == state(2, engine.name)
-    assert ("resuming with changed settings: checkpoint.every_steps 0 -> 5; cluster.time_min 60 -> 5; "
-            "trace.memory_steps [2] -> [3]; train.min_lr_ratio 0.1 -> 0.5; train.steps 20 -> 200") in caplog.text
+    assert (
+        "resuming with changed settings: checkpoint.every_steps 0 -> 5; cluster.time_min 60 -> 5; "
+        "trace.memory_steps [2] -> [3]; train.min_lr_ratio 0.1 -> 0.5; train.steps 20 -> 200"
+    ) in caplog.text
 
 
 def test_changed_learning_rate_and_weight_decay_take_effect_on_resume(tmp_path, engine):
     """The optimizer and schedule states in the checkpoint carry the old values; the new config's win."""
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     store.save(engine, state(1, engine.name))
-    changes = ["train.lr=1e-3", "train.warmup_steps=4", "train.weight_decay=0.1", "train.betas=[0.8,0.9]"]
+    changes = [
+        "train.lr=1e-3",
+        "train.warmup_steps=4",
+        "train.weight_decay=0.1",
+        "train.betas=[0.8,0.9]",
+    ]
     cfg = job_config(STAGES[engine.name], *changes)
     resumed = build_engine(cfg, torch.device("cpu"), STAGES[engine.name])
     store.load_latest(resumed, settings(engine.name, *changes))
-    assert resumed.lr() == 1e-3 * lr_factor(0, cfg.train) == 2.5e-4  # its schedule has not stepped yet
+    assert (
+        resumed.lr() == 1e-3 * lr_factor(0, cfg.train) == 2.5e-4
+    )  # its schedule has not stepped yet
     optimizer = resumed.optimizer if engine.name == "fsdp2" else resumed._engine.optimizer
-    assert all(g["weight_decay"] == 0.1 and g["betas"] == (0.8, 0.9) for g in optimizer.param_groups)
+    assert all(
+        g["weight_decay"] == 0.1 and g["betas"] == (0.8, 0.9) for g in optimizer.param_groups
+    )
 
 
 def test_unchanged_learning_rate_resumes_bitwise(tmp_path, engine):
@@ -291,5 +353,7 @@ def test_data_position_that_the_global_batch_does_not_continue_is_refused(tmp_pa
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     store.save(engine, state(3, engine.name, samples_per_step=2))
     rewrite_as_before_settings(tmp_path / "step_00000003")
-    with pytest.raises(CheckpointError, match=r"is at sample 6 after 3 steps, but this job's global batch of 1"):
+    with pytest.raises(
+        CheckpointError, match=r"is at sample 6 after 3 steps, but this job's global batch of 1"
+    ):
         store.load_latest(engine, settings(engine.name))

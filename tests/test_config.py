@@ -16,8 +16,15 @@ def test_shipped_configs_load(path):
 def test_llama_configs_have_the_real_llama31_shapes():
     m8 = load_config(["cfg=configs/llama8b_32k.yaml"])
     m70 = load_config(["cfg=configs/llama70b_128k.yaml"])
-    shape = lambda c: (c.model.hidden_size, c.model.num_hidden_layers, c.model.num_attention_heads,
-                       c.model.num_key_value_heads, c.model.intermediate_size, c.model.vocab_size, c.data.seq_len)
+    shape = lambda c: (
+        c.model.hidden_size,
+        c.model.num_hidden_layers,
+        c.model.num_attention_heads,
+        c.model.num_key_value_heads,
+        c.model.intermediate_size,
+        c.model.vocab_size,
+        c.data.seq_len,
+    )
     assert shape(m8) == (4096, 32, 32, 8, 14336, 128256, 32768)
     assert shape(m70) == (8192, 80, 64, 8, 28672, 128256, 131072)
 
@@ -52,18 +59,27 @@ def test_bad_choice_lists_the_accepted_values():
 
 
 def test_sp_size_that_does_not_divide_heads_lists_the_sizes_that_would():
-    with pytest.raises(ConfigError, match=r"parallel\.sp_size=3 cannot split model\.num_attention_heads=4 / model\.num_key_value_heads=2 over SP ranks; choose one of 1, 2, 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel\.sp_size=3 cannot split model\.num_attention_heads=4 / model\.num_key_value_heads=2 over SP ranks; choose one of 1, 2, 4",
+    ):
         load_config(["parallel.sp_size=3", "cluster.tasks_per_node=3", "compile.enabled=true"])
 
 
 def test_zero_stage_2_is_refused_naming_the_stages_that_exist():
     with pytest.raises(ConfigError) as err:
         load_config(["parallel.zero_stage=2"])
-    assert "parallel.zero_stage=2 is not supported; use 1 (DeepSpeed ZeRO-1), 3 (FSDP2 parameter sharding) or null" in str(err.value)
+    assert (
+        "parallel.zero_stage=2 is not supported; use 1 (DeepSpeed ZeRO-1), 3 (FSDP2 parameter sharding) or null"
+        in str(err.value)
+    )
 
 
 def test_parameter_sharding_with_a_whole_model_graph_is_refused():
-    with pytest.raises(ConfigError, match=r"parallel\.zero_stage=3 with compile\.per_layer=false: .*set compile\.per_layer=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel\.zero_stage=3 with compile\.per_layer=false: .*set compile\.per_layer=true",
+    ):
         load_config(["parallel.zero_stage=3", "compile.enabled=true", "compile.per_layer=false"])
 
 
@@ -71,9 +87,17 @@ def test_auto_checkpointing_refuses_settings_it_chooses_itself():
     with pytest.raises(ConfigError) as err:
         load_config(["compile.activation_memory_budget=0.5", "compile.recompute_all_to_all=true"])
     assert "compile.activation_memory_budget=0.5 applies to sac only" in str(err.value)
-    assert "compile.recompute_all_to_all=true: compile.activation_checkpointing=auto decides" in str(err.value)
-    load_config(["compile.activation_checkpointing=sac", "compile.activation_memory_budget=0.5",
-                 "compile.recompute_all_to_all=true"])
+    assert (
+        "compile.recompute_all_to_all=true: compile.activation_checkpointing=auto decides"
+        in str(err.value)
+    )
+    load_config(
+        [
+            "compile.activation_checkpointing=sac",
+            "compile.activation_memory_budget=0.5",
+            "compile.recompute_all_to_all=true",
+        ]
+    )
 
 
 def test_sp_size_must_divide_the_world():
@@ -115,17 +139,23 @@ def test_defaults_are_the_tiny_cpu_job():
     assert cfg.precision.value == "fp32"
 
 
-@pytest.mark.parametrize("override, named", [
-    ("checkpoint.keep=0", "checkpoint.keep=0 must be >= 1 (keep=0 would delete every checkpoint"),
-    ("checkpoint.keep=-1", "checkpoint.keep=-1 must be >= 1"),
-    ("checkpoint.write_gb_per_s=0", "checkpoint.write_gb_per_s=0.0 must be > 0"),
-    ("data.seq_len=1", "data.seq_len=1 leaves no label to predict"),
-    ("cluster.max_requeues=-1", "cluster.max_requeues=-1 must be >= 0"),
-    ("cluster.mem_gb=-4", "cluster.mem_gb=-4 must be >= 0"),
-    ("cluster.signal_delay_s=0", "cluster.signal_delay_s=0 must be >= 1"),
-    ("cluster.collective_timeout_min=-1", "cluster.collective_timeout_min=-1.0 must be > 0"),
-    ("cluster.env={A=B: 1}", "cluster.env keys ['A=B'] are not variable names"),
-])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        (
+            "checkpoint.keep=0",
+            "checkpoint.keep=0 must be >= 1 (keep=0 would delete every checkpoint",
+        ),
+        ("checkpoint.keep=-1", "checkpoint.keep=-1 must be >= 1"),
+        ("checkpoint.write_gb_per_s=0", "checkpoint.write_gb_per_s=0.0 must be > 0"),
+        ("data.seq_len=1", "data.seq_len=1 leaves no label to predict"),
+        ("cluster.max_requeues=-1", "cluster.max_requeues=-1 must be >= 0"),
+        ("cluster.mem_gb=-4", "cluster.mem_gb=-4 must be >= 0"),
+        ("cluster.signal_delay_s=0", "cluster.signal_delay_s=0 must be >= 1"),
+        ("cluster.collective_timeout_min=-1", "cluster.collective_timeout_min=-1.0 must be > 0"),
+        ("cluster.env={A=B: 1}", "cluster.env keys ['A=B'] are not variable names"),
+    ],
+)
 def test_values_that_would_fail_later_or_lose_data_are_refused_naming_the_key(override, named):
     with pytest.raises(ConfigError) as err:
         load_config(["cfg=configs/tiny_cpu.yaml", override])
@@ -141,8 +171,10 @@ def test_run_name_must_be_a_plain_directory_name(name):
 def test_a_newline_in_any_value_rendered_into_the_job_script_is_refused(tmp_path):
     """A newline would end the #SBATCH block: the directives after it dropped, the line run as shell."""
     path = tmp_path / "evil.yaml"
-    path.write_text('cluster:\n  account: "proj\\n#SBATCH --foo"\n  sbatch_extra:\n    mail-user: "x\\ntouch /tmp/p"\n'
-                    '  srun_args: ["--x\\ty"]\n')
+    path.write_text(
+        'cluster:\n  account: "proj\\n#SBATCH --foo"\n  sbatch_extra:\n    mail-user: "x\\ntouch /tmp/p"\n'
+        '  srun_args: ["--x\\ty"]\n'
+    )
     with pytest.raises(ConfigError) as err:
         load_config([f"cfg={path}"])
     message = str(err.value)
@@ -151,5 +183,8 @@ def test_a_newline_in_any_value_rendered_into_the_job_script_is_refused(tmp_path
 
 
 def test_a_value_yaml_cannot_read_is_named_with_how_to_quote_it():
-    with pytest.raises(ConfigError, match=r"cluster\.constraint on the command line: cannot read the value '`id`'.*quote it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster\.constraint on the command line: cannot read the value '`id`'.*quote it",
+    ):
         load_config(["cfg=configs/tiny_cpu.yaml", "cluster.constraint=`id`"])

@@ -6,10 +6,16 @@ import sys
 import numpy as np
 import pytest
 import torch
+from slurm_helpers import REPO
 
 from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.data import SyntheticSource, TokenFileSource, check_token_file, micro_batch, write_token_file
-from slurm_helpers import REPO
+from slurm_autosp.data import (
+    SyntheticSource,
+    TokenFileSource,
+    check_token_file,
+    micro_batch,
+    write_token_file,
+)
 
 
 def test_synthetic_samples_are_deterministic_and_distinct():
@@ -60,7 +66,9 @@ def test_micro_batches_cover_each_step_without_overlap():
     src = SyntheticSource(256, 8, seed=0)
     seen = [
         micro_batch(src, cfg, step, m, r)
-        for step in range(2) for m in range(2) for r in range(cfg.dp_size)
+        for step in range(2)
+        for m in range(2)
+        for r in range(cfg.dp_size)
     ]
     rows = torch.cat(seen)
     assert rows.shape == (2 * 2 * 2 * 2, 8)
@@ -80,9 +88,13 @@ def test_the_token_file_is_checked_against_the_vocabulary_of_the_model_trained(t
     """A pretrained checkpoint's vocabulary, not the config's field, is what embeds the ids."""
     path = tmp_path / "toks.bin"
     write_token_file(path, np.arange(64), vocab_size=300)
-    cfg = load_config(["cfg=configs/tiny_cpu.yaml", "data.source=tokens", f"data.path={path}", "data.seq_len=16"])
+    cfg = load_config(
+        ["cfg=configs/tiny_cpu.yaml", "data.source=tokens", f"data.path={path}", "data.seq_len=16"]
+    )
     check_token_file(cfg, 512)
-    with pytest.raises(ConfigError, match=rf"data.path={path}: .*vocabulary of 300 but model.vocab_size=256"):
+    with pytest.raises(
+        ConfigError, match=rf"data.path={path}: .*vocabulary of 300 but model.vocab_size=256"
+    ):
         check_token_file(cfg, 256)
 
 
@@ -91,9 +103,19 @@ def test_submit_refuses_a_truncated_token_file_before_any_rank_starts(tmp_path):
     write_token_file(path, np.arange(4096) % 256, vocab_size=256)
     path.write_bytes(path.read_bytes()[:-4])
     proc = subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.submit", "cfg=configs/tiny_cpu.yaml", "data.source=tokens",
-         f"data.path={path}", f"run.output_root={tmp_path / 'runs'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "slurm_autosp.submit",
+            "cfg=configs/tiny_cpu.yaml",
+            "data.source=tokens",
+            f"data.path={path}",
+            f"run.output_root={tmp_path / 'runs'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"data.path={path}: {path}: truncated" in proc.stderr

@@ -4,26 +4,40 @@ import subprocess
 import sys
 
 import pytest
+from slurm_helpers import REPO
 
 from slurm_autosp.config import load_config
 from slurm_autosp.launch.placement import TopologyMismatch, check_detected_topology
-from slurm_autosp.launch.topology import NodeTopology, nvlink_domains_from_links, parse_nvidia_smi_topo
-from slurm_helpers import REPO
+from slurm_autosp.launch.topology import (
+    NodeTopology,
+    nvlink_domains_from_links,
+    parse_nvidia_smi_topo,
+)
 
 FIXTURES = REPO / "tests" / "fixtures"
 
 
 def submit(*args):
-    return subprocess.run([sys.executable, "-m", "slurm_autosp.submit", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "slurm_autosp.submit", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
     proc = submit("cfg=configs/llama70b_128k.yaml", "dry_run=true", f"run.output_root={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for line in ("#SBATCH --nodes=8", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8",
-                 "#SBATCH --signal=USR2@120", "#SBATCH --requeue"):
+    for line in (
+        "#SBATCH --nodes=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --signal=USR2@120",
+        "#SBATCH --requeue",
+    ):
         assert line in out
     assert "TORCH_NCCL_AVOID_RECORD_STREAMS=1" in out and "NCCL_IB_TIMEOUT=" in out
     assert "ParallelLayout(world_size 64 = sp 8 x dp 8" in out
@@ -31,16 +45,24 @@ def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
     assert "nothing submitted" in out
     assert "zero_stage: 3" in out  # the stage the plan chose, fixed in the config the job runs with
     assert "ZeRO-3 (FSDP2; chosen: does not fit under ZeRO-1)" in out and "verdict: fits" in out
-    assert "warning: cluster.signal_delay_s" not in out  # each rank writes 1/64 of the sharded state: 13.2 GB
+    assert (
+        "warning: cluster.signal_delay_s" not in out
+    )  # each rank writes 1/64 of the sharded state: 13.2 GB
     assert not (tmp_path / "llama70b_128k").exists()
 
 
 def test_signal_delay_too_short_for_a_save_is_warned_about(tmp_path):
-    proc = submit("cfg=configs/llama70b_128k.yaml", "dry_run=true", "checkpoint.write_gb_per_s=0.1",
-                  f"run.output_root={tmp_path}")
+    proc = submit(
+        "cfg=configs/llama70b_128k.yaml",
+        "dry_run=true",
+        "checkpoint.write_gb_per_s=0.1",
+        f"run.output_root={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr
-    assert ("warning: cluster.signal_delay_s=120 may not cover one step plus one save: rank 0 writes 13.2 GB, "
-            "about 132 s at checkpoint.write_gb_per_s=0.1") in proc.stdout
+    assert (
+        "warning: cluster.signal_delay_s=120 may not cover one step plus one save: rank 0 writes 13.2 GB, "
+        "about 132 s at checkpoint.write_gb_per_s=0.1"
+    ) in proc.stdout
 
 
 def test_sp_larger_than_an_nvlink_domain_is_refused_with_the_valid_sizes():
@@ -51,8 +73,12 @@ def test_sp_larger_than_an_nvlink_domain_is_refused_with_the_valid_sizes():
 
 
 def test_crossing_domains_on_request_is_allowed():
-    proc = submit("cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16", "parallel.allow_cross_domain=true",
-                  "dry_run=true")
+    proc = submit(
+        "cfg=configs/llama70b_128k.yaml",
+        "parallel.sp_size=16",
+        "parallel.allow_cross_domain=true",
+        "dry_run=true",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "SP groups span NVLink domains" in proc.stdout
 
@@ -75,7 +101,9 @@ def test_detected_topology_matching_the_profile_passes():
 def test_detected_topology_that_disagrees_with_the_profile_stops_the_job_naming_both():
     cfg = load_config(["cfg=configs/llama8b_32k.yaml"])
     with pytest.raises(TopologyMismatch) as err:
-        check_detected_topology(cfg, [detected_node("nvidia_smi_topo_pcie_8x_rtx4090.txt")] + [None] * 7)
+        check_detected_topology(
+            cfg, [detected_node("nvidia_smi_topo_pcie_8x_rtx4090.txt")] + [None] * 7
+        )
     message = str(err.value)
     assert "cluster.nvlink_domain_size=8" in message
     assert "NVLink domains: expected 1 x 8 GPUs, detected 8 x 1 GPUs" in message

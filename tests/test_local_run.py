@@ -15,8 +15,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 def submit(*overrides, env=None, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.submit", "cfg=configs/tiny_cpu.yaml", "cluster.backend=local", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
+        [
+            sys.executable,
+            "-m",
+            "slurm_autosp.submit",
+            "cfg=configs/tiny_cpu.yaml",
+            "cluster.backend=local",
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -30,7 +41,11 @@ def tiny_run(tmp_path_factory):
 
 def test_two_rank_run_prints_falling_losses(tiny_run):
     _, stdout = tiny_run
-    losses = [float(line.split("loss ")[1].split()[0]) for line in stdout.splitlines() if "| loss " in line]
+    losses = [
+        float(line.split("loss ")[1].split()[0])
+        for line in stdout.splitlines()
+        if "| loss " in line
+    ]
     assert len(losses) == 30
     assert losses[-1] < losses[0] - 1.0, losses
 
@@ -45,11 +60,14 @@ def test_run_directory_holds_config_logs_and_events(tiny_run):
     loss = events.Scalars("train/loss")
     assert [e.step for e in loss] == list(range(1, 31))
     assert loss[-1].value < loss[0].value
-    assert {"train/lr", "train/grad_norm", "throughput/tokens_per_s", "memory/peak_mib"} <= set(events.Tags()["scalars"])
+    assert {"train/lr", "train/grad_norm", "throughput/tokens_per_s", "memory/peak_mib"} <= set(
+        events.Tags()["scalars"]
+    )
 
 
 def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):
-    (tmp_path / "broken_model.py").write_text(textwrap.dedent("""
+    (tmp_path / "broken_model.py").write_text(
+        textwrap.dedent("""
         import submitit
         from slurm_autosp.model import build_model
         from dataclasses import replace
@@ -58,9 +76,12 @@ def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):
             if submitit.JobEnvironment().global_rank == 1:
                 raise RuntimeError("rank one cannot build its model")
             return build_model(replace(cfg, builder=None))
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = submit(f"run.output_root={tmp_path}", "model.builder=broken_model:build", env=env, timeout=300)
+    proc = submit(
+        f"run.output_root={tmp_path}", "model.builder=broken_model:build", env=env, timeout=300
+    )
     assert proc.returncode == 1
     assert "rank 1 failed" in proc.stderr
     assert "rank one cannot build its model" in proc.stderr
@@ -71,13 +92,23 @@ def test_tiled_and_offloaded_run_trains_the_same_steps(tiny_run, tmp_path):
     tiles (48 tokens: 3 per rank's 128, the last one short) and the losses are the untiled,
     resident run's (tile order changes only the summation order)."""
     run_dir, _ = tiny_run
-    proc = submit(f"run.output_root={tmp_path}", "train.steps=30", "train.log_every=1", "compile.tile_tokens=48",
-                  "compile.offload_activations=true")
+    proc = submit(
+        f"run.output_root={tmp_path}",
+        "train.steps=30",
+        "train.log_every=1",
+        "compile.tile_tokens=48",
+        "compile.offload_activations=true",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = next((tmp_path / "tiny_cpu" / "submitit").glob("*_0_log.out")).read_text()
     assert "MLP tiles of 48 tokens" in log and "activation offload:" in log
-    reference, tiled = (pickle_load(sorted((d / "submitit").glob("*_0_result.pkl"))[-1])[1].losses
-                        for d in (run_dir, tmp_path / "tiny_cpu"))
+    reference, tiled = (
+        pickle_load(sorted((d / "submitit").glob("*_0_result.pkl"))[-1])[1].losses
+        for d in (run_dir, tmp_path / "tiny_cpu")
+    )
     assert len(tiled) == 30
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(tiled[:3], reference[:3])), (tiled[:3], reference[:3])
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(tiled[:3], reference[:3])), (
+        tiled[:3],
+        reference[:3],
+    )
     assert tiled[-1] < tiled[0] - 1.0

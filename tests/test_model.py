@@ -63,11 +63,15 @@ def test_an_export_killed_half_way_leaves_the_previous_model_whole(tmp_path):
 
 def test_a_pretrained_path_without_a_config_is_named(tmp_path):
     cfg = load_config(["cfg=configs/tiny_cpu.yaml", f"model.pretrained_path={tmp_path}"])
-    with pytest.raises(ConfigError, match=rf"model.pretrained_path={tmp_path}: no config.json there"):
+    with pytest.raises(
+        ConfigError, match=rf"model.pretrained_path={tmp_path}: no config.json there"
+    ):
         refuse_unsupported_attention(cfg)
 
 
 def test_a_model_transformers_cannot_run_with_sdpa_gets_our_message():
     cfg = load_config(["cfg=configs/tiny_cpu.yaml", "model.model_type=gemma2"])
-    with pytest.raises(ConfigError, match=r'cannot run Gemma2ForCausalLM with attn_implementation="sdpa"'):
+    with pytest.raises(
+        ConfigError, match=r'cannot run Gemma2ForCausalLM with attn_implementation="sdpa"'
+    ):
         refuse_unsupported_attention(cfg)

@@ -8,17 +8,32 @@ import sys
 
 import pytest
 import torch
+from slurm_helpers import REPO
 
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.config import load_config
 from slurm_autosp.plan import (
-    AUTO_CANDIDATES, build_plan, checkpoint_spec_for, plan_verdict, render, verdict, zero_stage_for,
+    AUTO_CANDIDATES,
+    build_plan,
+    checkpoint_spec_for,
+    plan_verdict,
+    render,
+    verdict,
+    zero_stage_for,
 )
 from slurm_autosp.plan.policies import Rung, ladder, spec_label, tile_tokens_for
-from slurm_helpers import REPO
 
-TERMS = ("parameters", "gradients", "optimizer_shard", "activations", "logits_and_loss", "communication",
-         "recompute_working", "fragmentation_margin", "total")
+TERMS = (
+    "parameters",
+    "gradients",
+    "optimizer_shard",
+    "activations",
+    "logits_and_loss",
+    "communication",
+    "recompute_working",
+    "fragmentation_margin",
+    "total",
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +51,9 @@ def llama8b_plan():
     return build_plan(load_config(["cfg=configs/llama8b_32k.yaml"]))
 
 
-def test_llama70b_under_zero1_does_not_fit_because_of_full_weights_and_gradients(llama70b_zero1_plan):
+def test_llama70b_under_zero1_does_not_fit_because_of_full_weights_and_gradients(
+    llama70b_zero1_plan,
+):
     text, fits, reason = verdict(llama70b_zero1_plan)
     assert not fits and llama70b_zero1_plan.zero_stage == 1
     assert "parameters" in reason and "282 GB" in reason, reason
@@ -54,8 +71,13 @@ def test_llama70b_128k_fits_under_zero3_chosen_by_the_plan(llama70b_plan):
 
 
 def test_plan_command_exits_0_for_llama70b_128k():
-    proc = subprocess.run([sys.executable, "-m", "slurm_autosp.plan", "cfg=configs/llama70b_128k.yaml"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slurm_autosp.plan", "cfg=configs/llama70b_128k.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: fits" in proc.stdout and "under ZeRO-3" in proc.stdout, proc.stdout
 
@@ -83,11 +105,25 @@ def test_plan_tile_is_the_largest_power_of_two_within_256_mib_of_mlp_intermediat
 def test_ladder_ends_with_tiling_then_offload_of_the_least_memory_policies():
     rungs = ladder(load_config(["cfg=configs/llama8b_32k.yaml"]))
     assert [r.spec for r in rungs[: len(AUTO_CANDIDATES)]] == list(AUTO_CANDIDATES)
-    tail = [(spec_label(r.spec), r.tiled, r.offload) for r in rungs[len(AUTO_CANDIDATES):]]
-    assert tail == [("sac (budget 0, all-to-all recomputed)", True, False), ("full (all-to-all recomputed)", True, False),
-                    ("sac (budget 0, all-to-all recomputed)", True, True), ("full (all-to-all recomputed)", True, True)]
-    fixed = ladder(load_config(["cfg=configs/llama8b_32k.yaml", "compile.tile_tokens=0", "compile.offload_activations=false"]))
-    assert [r.spec for r in fixed] == list(AUTO_CANDIDATES) and not any(r.tiled or r.offload for r in fixed)
+    tail = [(spec_label(r.spec), r.tiled, r.offload) for r in rungs[len(AUTO_CANDIDATES) :]]
+    assert tail == [
+        ("sac (budget 0, all-to-all recomputed)", True, False),
+        ("full (all-to-all recomputed)", True, False),
+        ("sac (budget 0, all-to-all recomputed)", True, True),
+        ("full (all-to-all recomputed)", True, True),
+    ]
+    fixed = ladder(
+        load_config(
+            [
+                "cfg=configs/llama8b_32k.yaml",
+                "compile.tile_tokens=0",
+                "compile.offload_activations=false",
+            ]
+        )
+    )
+    assert [r.spec for r in fixed] == list(AUTO_CANDIDATES) and not any(
+        r.tiled or r.offload for r in fixed
+    )
 
 
 def test_tiling_and_offload_extend_the_longest_sequence_llama8b(llama8b_plan):
@@ -96,12 +132,19 @@ def test_tiling_and_offload_extend_the_longest_sequence_llama8b(llama8b_plan):
     full_a2a = CheckpointSpec(Policy.full, recompute_all_to_all=True)
     untiled, tiled = memories[Rung(full_a2a)], memories[Rung(full_a2a, tiled=True)]
     offloaded = memories[Rung(full_a2a, tiled=True, offload=True)]
-    assert tiled.trace.tiled and tiled.tile_tokens == 4096  # the local sequence, 32,768 / 8: shorter than a tile
+    assert (
+        tiled.trace.tiled and tiled.tile_tokens == 4096
+    )  # the local sequence, 32,768 / 8: shorter than a tile
     assert llama8b_plan.longest_seq(offloaded) > llama8b_plan.longest_seq(untiled)
-    t = offloaded.trace  # on the GPU: the layer being written out or in use, and the one fetched ahead
+    t = (
+        offloaded.trace
+    )  # on the GPU: the layer being written out or in use, and the one fetched ahead
     assert offloaded.terms["activations"] == pytest.approx(2 * t.activation_bytes + t.shared_bytes)
-    assert offloaded.host_bytes == pytest.approx(32 * t.activation_bytes + offloaded.terms["logits_and_loss"] * 0
-                                                 + t.tokens * (4096 * 4 + 4 + 4096 * 2 + 8))
+    assert offloaded.host_bytes == pytest.approx(
+        32 * t.activation_bytes
+        + offloaded.terms["logits_and_loss"] * 0
+        + t.tokens * (4096 * 4 + 4 + 4096 * 2 + 8)
+    )
     assert offloaded.host_bytes > 0 and untiled.host_bytes == 0
 
 
@@ -112,18 +155,29 @@ def test_zero3_terms_are_fsdp2_fp32_shards_plus_gathered_bf16_layers(llama70b_pl
     m = load_config(["cfg=configs/llama70b_128k.yaml"]).model
     world = 64
     head_dim = m.hidden_size // m.num_attention_heads
-    layer = (2 * m.hidden_size * m.num_attention_heads * head_dim + 2 * m.hidden_size * m.num_key_value_heads * head_dim
-             + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size)
+    layer = (
+        2 * m.hidden_size * m.num_attention_heads * head_dim
+        + 2 * m.hidden_size * m.num_key_value_heads * head_dim
+        + 3 * m.hidden_size * m.intermediate_size
+        + 2 * m.hidden_size
+    )
     head = m.vocab_size * m.hidden_size
     root = 2 * head + m.hidden_size
     params = layer * m.num_hidden_layers + root
     assert llama70b_plan.parameters == params
-    zero3, zero1 = llama70b_plan.configured.terms, llama70b_plan.memories[1][llama70b_plan.configured.rung].terms
+    zero3, zero1 = (
+        llama70b_plan.configured.terms,
+        llama70b_plan.memories[1][llama70b_plan.configured.rung].terms,
+    )
     assert zero3["parameters"] == zero3["gradients"] == 4 * params / world
     assert zero3["optimizer_shard"] == 8 * params / world
-    assert zero3["parameters"] + zero3["gradients"] + zero3["optimizer_shard"] == pytest.approx(16 * params / world)
+    assert zero3["parameters"] + zero3["gradients"] + zero3["optimizer_shard"] == pytest.approx(
+        16 * params / world
+    )
     assert zero3["gathered_weights"] == 2 * (root + 2 * layer + head) + (2 + 4) * layer
-    assert zero1["communication"] - zero3["communication"] == 2 * 5e8 * 2  # no DeepSpeed buckets under ZeRO-3
+    assert (
+        zero1["communication"] - zero3["communication"] == 2 * 5e8 * 2
+    )  # no DeepSpeed buckets under ZeRO-3
     assert "gathered_weights" not in zero1
 
 
@@ -131,7 +185,13 @@ def test_plan_prints_every_term_and_the_longest_sequence_per_policy(llama70b_pla
     text = render(llama70b_plan)
     for term in (*TERMS, "gathered_weights"):
         assert term in text, term
-    for policy in ("none", "torch_default", "full", "full (all-to-all recomputed)", "sac (budget 0)"):
+    for policy in (
+        "none",
+        "torch_default",
+        "full",
+        "full (all-to-all recomputed)",
+        "sac (budget 0)",
+    ):
         assert f"  {policy} " in text, policy
 
 
@@ -172,7 +232,9 @@ def _forward_rss(seqs, budget, queue):
     from slurm_autosp.model import build_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['PLAN_TEST_STORE']}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.environ['PLAN_TEST_STORE']}", rank=0, world_size=1
+    )
     set_sp_group(dist.group.WORLD)
     cfg = load_config(["model.num_hidden_layers=4"])
     model = build_model(cfg.model)
@@ -205,8 +267,12 @@ def test_predicted_activation_memory_is_within_15_percent_of_measured_on_cpu(tmp
 
     context = mp.get_context("spawn")
     queue = context.Queue()
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536", "PLAN_TEST_STORE": str(tmp_path / "store"), "OMP_NUM_THREADS": "1",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "PLAN_TEST_STORE": str(tmp_path / "store"),
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -220,10 +286,19 @@ def test_predicted_activation_memory_is_within_15_percent_of_measured_on_cpu(tmp
     cfg = load_config(["model.num_hidden_layers=4"])
     hidden, layers = cfg.model.hidden_size, cfg.model.num_hidden_layers
     for seq in SEQS:
-        (trace,) = trace_decoder_layer(cfg.model, local_seq=seq, sp_size=1, dtype=torch.float32,
-                                       specs=[CheckpointSpec("sac", budget=budget)])
+        (trace,) = trace_decoder_layer(
+            cfg.model,
+            local_seq=seq,
+            sp_size=1,
+            dtype=torch.float32,
+            specs=[CheckpointSpec("sac", budget=budget)],
+        )
         final_norm_and_loss = hidden * 4 + 4 + hidden * 4 + 8 + 8
         predicted = layers * trace.activation_bytes + trace.shared_bytes + final_norm_and_loss * seq
         error = (predicted - measured[seq]) / measured[seq]
-        print(f"budget {budget} seq {seq}: predicted {predicted / 2**20:.2f} MiB, measured {measured[seq] / 2**20:.2f} MiB ({error:+.1%})")
-        assert abs(error) <= 0.15, f"seq {seq}: predicted {predicted} B, measured {measured[seq]} B ({error:+.1%})"
+        print(
+            f"budget {budget} seq {seq}: predicted {predicted / 2**20:.2f} MiB, measured {measured[seq] / 2**20:.2f} MiB ({error:+.1%})"
+        )
+        assert abs(error) <= 0.15, (
+            f"seq {seq}: predicted {predicted} B, measured {measured[seq]} B ({error:+.1%})"
+        )

@@ -17,20 +17,50 @@ from slurm_autosp.submit import prepare_run_dir
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("key", [
-    "model.hidden_size", "model.vocab_size", "model.pretrained_path", "model.extra.rope_theta", "data.source",
-    "data.path", "data.seq_len", "train.seed", "train.micro_batch", "train.grad_accum", "train.global_batch",
-    "train.precision", "parallel.sp_size", "parallel.zero_stage", "parallel.layout", "cluster.world_size",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.hidden_size",
+        "model.vocab_size",
+        "model.pretrained_path",
+        "model.extra.rope_theta",
+        "data.source",
+        "data.path",
+        "data.seq_len",
+        "train.seed",
+        "train.micro_batch",
+        "train.grad_accum",
+        "train.global_batch",
+        "train.precision",
+        "parallel.sp_size",
+        "parallel.zero_stage",
+        "parallel.layout",
+        "cluster.world_size",
+    ],
+)
 def test_keys_that_define_the_run_are_its_identity(key):
     assert is_identity(key)
 
 
-@pytest.mark.parametrize("key", [
-    "train.steps", "train.lr", "train.lr_schedule", "train.min_lr_ratio", "train.warmup_steps", "train.log_every",
-    "checkpoint.every_steps", "checkpoint.keep", "trace.memory_steps", "cluster.time_min", "cluster.partition",
-    "cluster.nvlink_domain_size", "compile.activation_checkpointing", "run.output_root",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "train.steps",
+        "train.lr",
+        "train.lr_schedule",
+        "train.min_lr_ratio",
+        "train.warmup_steps",
+        "train.log_every",
+        "checkpoint.every_steps",
+        "checkpoint.keep",
+        "trace.memory_steps",
+        "cluster.time_min",
+        "cluster.partition",
+        "cluster.nvlink_domain_size",
+        "compile.activation_checkpointing",
+        "run.output_root",
+    ],
+)
 def test_keys_a_resumed_run_may_change_are_not(key):
     assert not is_identity(key)
 
@@ -56,7 +86,9 @@ def test_a_key_one_side_lacks_differs_only_when_the_other_sets_it():
 
 def test_each_submission_keeps_its_config(tmp_path):
     for steps in (10, 20, 30):
-        prepare_run_dir(load_config([f"run.output_root={tmp_path}", "run.name=r", f"train.steps={steps}"]))
+        prepare_run_dir(
+            load_config([f"run.output_root={tmp_path}", "run.name=r", f"train.steps={steps}"])
+        )
     run_dir = tmp_path / "r"
     assert "steps: 30" in (run_dir / "config.yaml").read_text()
     kept = sorted((run_dir / "configs").iterdir())
@@ -73,14 +105,29 @@ def test_kept_configs_are_never_overwritten(tmp_path):
     prepare_run_dir(cfg)
     assert (cfg.run.dir / "configs" / "config.0002.yaml").read_text() == "kept by hand"
     assert sorted(p.name for p in (cfg.run.dir / "configs").iterdir()) == [
-        "config.0002.yaml", "config.0003.yaml", "config.0004.yaml"]
+        "config.0002.yaml",
+        "config.0003.yaml",
+        "config.0004.yaml",
+    ]
 
 
 def submit(root, *overrides):
     return subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.submit", "cfg=configs/tiny_cpu.yaml", "cluster.backend=local",
-         "train.log_every=1", f"run.output_root={root}", "run.name=r", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "slurm_autosp.submit",
+            "cfg=configs/tiny_cpu.yaml",
+            "cluster.backend=local",
+            "train.log_every=1",
+            f"run.output_root={root}",
+            "run.name=r",
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -91,17 +138,25 @@ def test_resubmission_with_another_model_is_refused_and_with_more_steps_continue
     other_model = submit(tmp_path, "train.steps=2", "model.hidden_size=96")
     assert other_model.returncode == 1
     assert "model.hidden_size: 64 in the checkpoint, 96 now" in other_model.stderr
-    assert "resume it with the values it was written with (model.hidden_size=64)" in other_model.stderr
+    assert (
+        "resume it with the values it was written with (model.hidden_size=64)" in other_model.stderr
+    )
     assert "| loss " not in other_model.stdout
 
     longer = submit(tmp_path, "train.steps=3")
     assert longer.returncode == 0, longer.stderr
     assert "resuming with changed settings: train.steps 2 -> 3" in longer.stdout
-    assert f"resumed from {tmp_path / 'r' / 'checkpoints' / 'step_00000002'} at step 2" in longer.stdout
+    assert (
+        f"resumed from {tmp_path / 'r' / 'checkpoints' / 'step_00000002'} at step 2"
+        in longer.stdout
+    )
     results = (tmp_path / "r" / "submitit").glob("*_0_result.pkl")
     outcome, result = pickle_load(max(results, key=lambda p: p.stat().st_mtime))
     assert outcome == "success" and result.first_step == 2 and len(result.losses) == 1
 
     kept = sorted((tmp_path / "r" / "configs").iterdir())
-    assert ["hidden_size: 64" in kept[0].read_text(), "hidden_size: 96" in kept[1].read_text()] == [True, True]
+    assert ["hidden_size: 64" in kept[0].read_text(), "hidden_size: 96" in kept[1].read_text()] == [
+        True,
+        True,
+    ]
     assert "steps: 3" in (tmp_path / "r" / "config.yaml").read_text()

@@ -5,7 +5,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,12 +15,24 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 160
-ARGS = ["cfg=configs/tiny_cpu.yaml", "cluster.backend=local", f"train.steps={STEPS}", "train.log_every=1"]
+ARGS = [
+    "cfg=configs/tiny_cpu.yaml",
+    "cluster.backend=local",
+    f"train.steps={STEPS}",
+    "train.log_every=1",
+]
 
 
 def submit_cmd(root, name, zero_stage=1):
-    return [sys.executable, "-m", "slurm_autosp.submit", *ARGS, f"parallel.zero_stage={zero_stage}",
-            f"run.output_root={root}", f"run.name={name}"]
+    return [
+        sys.executable,
+        "-m",
+        "slurm_autosp.submit",
+        *ARGS,
+        f"parallel.zero_stage={zero_stage}",
+        f"run.output_root={root}",
+        f"run.name={name}",
+    ]
 
 
 def final_result(run_dir):
@@ -49,8 +60,13 @@ def uninterrupted(tmp_path_factory):
     def run(zero_stage):
         if zero_stage not in runs:
             root = tmp_path_factory.mktemp(f"ref_stage{zero_stage}")
-            proc = subprocess.run(submit_cmd(root, "ref", zero_stage), cwd=REPO, capture_output=True, text=True,
-                                  timeout=600)
+            proc = subprocess.run(
+                submit_cmd(root, "ref", zero_stage),
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             assert proc.returncode == 0, proc.stderr
             runs[zero_stage] = root / "ref"
         return runs[zero_stage]
@@ -60,8 +76,13 @@ def uninterrupted(tmp_path_factory):
 
 def interrupt_after_step(root, name, step, send, zero_stage):
     """Run a job and call `send()` once rank 0 has logged `step`; returns submit's stdout."""
-    proc = subprocess.Popen(submit_cmd(root, name, zero_stage), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        submit_cmd(root, name, zero_stage),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -74,26 +95,47 @@ def interrupt_after_step(root, name, step, send, zero_stage):
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
-def test_signalled_run_requeues_and_resumes_with_identical_losses(tmp_path, uninterrupted, zero_stage):
+def test_signalled_run_requeues_and_resumes_with_identical_losses(
+    tmp_path, uninterrupted, zero_stage
+):
     folder = tmp_path / "resumed" / "submitit"
     stdout = interrupt_after_step(
-        tmp_path, "resumed", 7,
-        lambda: subprocess.run(["pkill", f"-{signal.SIGUSR2.name}", "-f", f"submitit.core._submit {folder}"], check=True),
+        tmp_path,
+        "resumed",
+        7,
+        lambda: subprocess.run(
+            ["pkill", f"-{signal.SIGUSR2.name}", "-f", f"submitit.core._submit {folder}"],
+            check=True,
+        ),
         zero_stage,
     )
     uninterrupted = uninterrupted(zero_stage)
     stopped = int(re.search(r"stopping at step (\d+) on SIGUSR2", stdout).group(1))
     assert 7 <= stopped < STEPS
-    assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in stdout
+    assert (
+        f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}"
+        in stdout
+    )
 
     reference, resumed = final_result(uninterrupted), final_result(tmp_path / "resumed")
     assert resumed.first_step == stopped
     assert resumed.losses == reference.losses[stopped:]  # bitwise: same floats after the resume
 
-    status = subprocess.run([sys.executable, "-m", "slurm_autosp.status", str(tmp_path / "resumed")],
-                            capture_output=True, text=True, check=True).stdout
-    assert f"steps done: {STEPS} of {STEPS}" in status and "requeues: 1" in status and "not running" in status
-    assert f"last good checkpoint: {tmp_path / 'resumed' / 'checkpoints' / f'step_{STEPS:08d}'}" in status
+    status = subprocess.run(
+        [sys.executable, "-m", "slurm_autosp.status", str(tmp_path / "resumed")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert (
+        f"steps done: {STEPS} of {STEPS}" in status
+        and "requeues: 1" in status
+        and "not running" in status
+    )
+    assert (
+        f"last good checkpoint: {tmp_path / 'resumed' / 'checkpoints' / f'step_{STEPS:08d}'}"
+        in status
+    )
     assert f"engine {'fsdp2' if zero_stage == 3 else 'deepspeed_zero1'}, 2 ranks" in status
 
     curve = tensorboard_losses(tmp_path / "resumed")
@@ -109,7 +151,13 @@ def test_unwritable_checkpoint_directory_fails_before_training(tmp_path):
     run_dir = tmp_path / "blocked"
     run_dir.mkdir()
     (run_dir / "checkpoints").write_text("a file where the checkpoint directory should be")
-    proc = subprocess.run(submit_cmd(tmp_path, "blocked"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        submit_cmd(tmp_path, "blocked"), cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 1
-    assert re.search(r"rank 0 failed:.*checkpoint directory .*blocked/checkpoints is not writable", proc.stderr, re.S)
+    assert re.search(
+        r"rank 0 failed:.*checkpoint directory .*blocked/checkpoints is not writable",
+        proc.stderr,
+        re.S,
+    )
     assert "| loss " not in proc.stdout

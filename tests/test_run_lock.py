@@ -20,7 +20,9 @@ def test_second_live_job_on_the_same_run_is_refused_naming_the_holder(tmp_path):
     cfg = load_config([f"run.output_root={tmp_path}", "run.name=busy"])
     cfg.run.dir.mkdir(parents=True)
     write_lock(cfg.run.dir, str(os.getpid()), "local")
-    with pytest.raises(ConfigError, match=rf"run\.name=busy: .*busy is being trained by job {os.getpid()} \(local"):
+    with pytest.raises(
+        ConfigError, match=rf"run\.name=busy: .*busy is being trained by job {os.getpid()} \(local"
+    ):
         prepare_run_dir(cfg)
 
 

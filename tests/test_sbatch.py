@@ -5,16 +5,18 @@ import subprocess
 import time
 
 import pytest
+from slurm_helpers import REPO, job_state
 
 from slurm_autosp.config import ClusterConfig, load_config
 from slurm_autosp.launch.executor import sbatch_script
-from slurm_helpers import REPO, job_state
 
 SCRIPT = (REPO / "sbatch" / "train.sbatch").read_text()
 
 
 def directives(text):
-    return {m.group(1): m.group(2) for m in re.finditer(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M)}
+    return {
+        m.group(1): m.group(2) for m in re.finditer(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,9 @@ def test_resource_defaults_match_the_shipped_8_gpu_profile(generated):
 
 
 def test_both_run_every_task_through_srun_into_the_same_training_job(generated):
-    assert "export SUBMITIT_EXECUTOR=slurm" in SCRIPT and "export SUBMITIT_EXECUTOR=slurm" in generated
+    assert (
+        "export SUBMITIT_EXECUTOR=slurm" in SCRIPT and "export SUBMITIT_EXECUTOR=slurm" in generated
+    )
     assert re.search(r"^srun --unbuffered .*-m slurm_autosp\.run \"\$@\"$", SCRIPT, re.M)
     assert re.search(r"^srun --unbuffered .*-m submitit\.core\._submit ", generated, re.M)
     run_module = (REPO / "slurm_autosp" / "run.py").read_text()
@@ -47,10 +51,23 @@ def test_both_run_every_task_through_srun_into_the_same_training_job(generated):
 @pytest.mark.usefixtures("slurm_cluster")
 def test_hand_submitted_script_trains_on_slurm(tmp_path):
     submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--chdir={REPO}", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
-         "--time=10", f"--output={tmp_path}/slurm-%j.out", str(REPO / "sbatch" / "train.sbatch"),
-         "cfg=configs/tiny_cpu.yaml", f"run.output_root={tmp_path}", "train.steps=4"],
-        capture_output=True, text=True, check=True,
+        [
+            "sbatch",
+            "--parsable",
+            f"--chdir={REPO}",
+            "--ntasks-per-node=2",
+            "--gpus-per-node=0",
+            "--cpus-per-task=1",
+            "--time=10",
+            f"--output={tmp_path}/slurm-%j.out",
+            str(REPO / "sbatch" / "train.sbatch"),
+            "cfg=configs/tiny_cpu.yaml",
+            f"run.output_root={tmp_path}",
+            "train.steps=4",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     job_id = submitted.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 300

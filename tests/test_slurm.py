@@ -5,7 +5,6 @@ import re
 import subprocess
 
 import pytest
-
 from slurm_helpers import REPO, RunningSubmit, final_result, release_requeued, submit_cmd
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -19,7 +18,10 @@ def reference_losses(tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
     proc = subprocess.run(
         submit_cmd("cluster.backend=local", f"run.output_root={root}", *TRAIN),
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     return final_result(root / "tiny_cpu").losses
@@ -28,9 +30,16 @@ def reference_losses(tmp_path_factory):
 @pytest.mark.parametrize("tasks", [2, 4])
 def test_tiny_cpu_trains_through_sbatch_and_leaves_a_complete_run_directory(tasks, tmp_path):
     proc = subprocess.run(
-        submit_cmd("cluster.backend=slurm", f"cluster.tasks_per_node={tasks}", f"run.output_root={tmp_path}",
-                   "train.steps=6"),
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        submit_cmd(
+            "cluster.backend=slurm",
+            f"cluster.tasks_per_node={tasks}",
+            f"run.output_root={tmp_path}",
+            "train.steps=6",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = re.search(r"submitted job (\d+) \(slurm, (\d+) ranks", proc.stdout)
@@ -49,14 +58,19 @@ def test_tiny_cpu_trains_through_sbatch_and_leaves_a_complete_run_directory(task
 def test_slurm_run_matches_the_local_run_bit_for_bit(tmp_path, reference_losses):
     proc = subprocess.run(
         submit_cmd("cluster.backend=slurm", f"run.output_root={tmp_path}", *TRAIN),
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     assert final_result(tmp_path / "tiny_cpu").losses == reference_losses
 
 
 def _interrupted_run(tmp_path, reference_losses, interrupt, expect_signal):
-    run = RunningSubmit("cluster.backend=slurm", "cluster.partition=debug", f"run.output_root={tmp_path}", *TRAIN)
+    run = RunningSubmit(
+        "cluster.backend=slurm", "cluster.partition=debug", f"run.output_root={tmp_path}", *TRAIN
+    )
     run.wait_for_line(f"step 10/{STEPS} ")
     interrupt(run.job_id)
     stopping = run.wait_for_line("stopping at step")
@@ -65,7 +79,10 @@ def _interrupted_run(tmp_path, reference_losses, interrupt, expect_signal):
     out = run.finish()
     stopped = int(re.search(r"stopping at step (\d+)", stopping).group(1))
     assert 10 <= stopped < STEPS
-    assert f"resumed from {tmp_path / 'tiny_cpu' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in out
+    assert (
+        f"resumed from {tmp_path / 'tiny_cpu' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}"
+        in out
+    )
     result = final_result(tmp_path / "tiny_cpu")
     assert result.first_step == stopped
     assert result.losses == reference_losses[stopped:]
@@ -74,14 +91,27 @@ def _interrupted_run(tmp_path, reference_losses, interrupt, expect_signal):
 def test_preempted_run_saves_requeues_and_resumes_with_identical_losses(tmp_path, reference_losses):
     def preempt(job_id):
         subprocess.run(
-            ["sbatch", "-p", "urgent", "-n", "8", "--job-name=urgent", "--output=/dev/null", "--wrap", "sleep 2"],
-            check=True, capture_output=True,
+            [
+                "sbatch",
+                "-p",
+                "urgent",
+                "-n",
+                "8",
+                "--job-name=urgent",
+                "--output=/dev/null",
+                "--wrap",
+                "sleep 2",
+            ],
+            check=True,
+            capture_output=True,
         )
 
     _interrupted_run(tmp_path, reference_losses, preempt, "SIGTERM")
 
 
-def test_pre_timeout_signal_saves_requeues_and_resumes_with_identical_losses(tmp_path, reference_losses):
+def test_pre_timeout_signal_saves_requeues_and_resumes_with_identical_losses(
+    tmp_path, reference_losses
+):
     def pre_timeout_signal(job_id):
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
 

@@ -7,37 +7,57 @@ import sys
 from pathlib import Path
 
 import pytest
+from slurm_helpers import REPO
 
 from slurm_autosp.config import Backend, load_config
 from slurm_autosp.launch.executor import build_executor, sbatch_script
-from slurm_helpers import REPO
 
-NO_SLURM_PATH = str(Path(sys.executable).parent)  # the interpreter alone: Slurm may be in /usr/bin (the Slurm tests install it)
+NO_SLURM_PATH = str(
+    Path(sys.executable).parent
+)  # the interpreter alone: Slurm may be in /usr/bin (the Slurm tests install it)
 
 
 def submit_without_slurm(*args):
-    assert shutil.which("srun", path=NO_SLURM_PATH) is None and shutil.which("sbatch", path=NO_SLURM_PATH) is None
-    return subprocess.run([sys.executable, "-m", "slurm_autosp.submit", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PATH": NO_SLURM_PATH})
+    assert (
+        shutil.which("srun", path=NO_SLURM_PATH) is None
+        and shutil.which("sbatch", path=NO_SLURM_PATH) is None
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "slurm_autosp.submit", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": NO_SLURM_PATH},
+    )
 
 
 def test_dry_run_renders_the_sbatch_script_without_slurm(tmp_path):
-    proc = submit_without_slurm("cfg=configs/llama70b_128k.yaml", "dry_run=true", f"run.output_root={tmp_path}")
+    proc = submit_without_slurm(
+        "cfg=configs/llama70b_128k.yaml", "dry_run=true", f"run.output_root={tmp_path}"
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[:2] == ["# sbatch script (submitit would submit exactly this)", "#!/bin/bash"]
     assert f"#SBATCH --output={tmp_path}/llama70b_128k/submitit/%j_0_log.out" in lines
     assert "#SBATCH --nodes=8" in lines and "#SBATCH --job-name=llama70b_128k" in lines
     assert "export SUBMITIT_EXECUTOR=slurm" in lines
-    assert any(line.startswith("srun --unbuffered --output ") and "-m submitit.core._submit" in line for line in lines)
+    assert any(
+        line.startswith("srun --unbuffered --output ") and "-m submitit.core._submit" in line
+        for line in lines
+    )
     assert "# dry run: nothing submitted (64 ranks, backend slurm)" in lines
     assert list(tmp_path.iterdir()) == []
 
 
 def test_slurm_submit_without_slurm_fails_naming_the_backend_before_writing_anything(tmp_path):
-    proc = submit_without_slurm("cfg=configs/tiny_cpu.yaml", "cluster.backend=slurm", f"run.output_root={tmp_path}")
+    proc = submit_without_slurm(
+        "cfg=configs/tiny_cpu.yaml", "cluster.backend=slurm", f"run.output_root={tmp_path}"
+    )
     assert proc.returncode == 2, proc.stderr
-    assert "error: cluster.backend=slurm: sbatch and srun not found on PATH" in proc.stderr, proc.stderr
+    assert "error: cluster.backend=slurm: sbatch and srun not found on PATH" in proc.stderr, (
+        proc.stderr
+    )
     assert "run on a login node of the cluster, or use cluster.backend=local" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert list(tmp_path.iterdir()) == []
@@ -56,9 +76,17 @@ def stub_slurm_tools(tmp_path, monkeypatch):
 
 @pytest.mark.usefixtures("stub_slurm_tools")
 def test_dry_run_script_is_the_one_the_slurm_executor_submits(tmp_path):
-    cfg = load_config(["cfg=configs/llama70b_128k.yaml", f"run.output_root={tmp_path}", "cluster.mem_gb=480",
-                       "cluster.partition=gpu", "cluster.account=proj", "cluster.exclusive=true",
-                       "cluster.container_image=nvcr.io/nvidia/pytorch:24.05-py3"])
+    cfg = load_config(
+        [
+            "cfg=configs/llama70b_128k.yaml",
+            f"run.output_root={tmp_path}",
+            "cluster.mem_gb=480",
+            "cluster.partition=gpu",
+            "cluster.account=proj",
+            "cluster.exclusive=true",
+            "cluster.container_image=nvcr.io/nvidia/pytorch:24.05-py3",
+        ]
+    )
     slurm = build_executor(cfg, Backend.slurm)._executor
     submitted = slurm._make_submission_file_text(slurm._submitit_command_str, uid="job")
     assert sbatch_script(cfg) == submitted

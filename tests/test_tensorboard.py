@@ -23,9 +23,21 @@ MIB = 2**20
 
 def submit(root, *overrides):
     proc = subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.submit", "cfg=configs/tiny_cpu.yaml", "cluster.backend=local",
-         f"run.output_root={root}", "checkpoint.every_steps=3", "trace.memory_steps=[2,5]", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "slurm_autosp.submit",
+            "cfg=configs/tiny_cpu.yaml",
+            "cluster.backend=local",
+            f"run.output_root={root}",
+            "checkpoint.every_steps=3",
+            "trace.memory_steps=[2,5]",
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -67,8 +79,19 @@ def tensorboard(run_dir, tmp_path_factory):
     port = free_port()
     log = (tmp_path_factory.mktemp("tensorboard") / "log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(run_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     board = TensorBoard(f"http://127.0.0.1:{port}")
     try:
@@ -76,7 +99,9 @@ def tensorboard(run_dir, tmp_path_factory):
         while True:  # up, and done loading the images of the last trace
             assert server.poll() is None, f"tensorboard exited with {server.returncode}"
             try:
-                images = board.json("/data/plugin/images/images", run="tensorboard", tag="memory_trace/rank_0")
+                images = board.json(
+                    "/data/plugin/images/images", run="tensorboard", tag="memory_trace/rank_0"
+                )
                 if [i["step"] for i in images] == [2, 5]:
                     break
             except OSError:
@@ -95,25 +120,49 @@ def tensorboard(run_dir, tmp_path_factory):
 
 
 def scalar_steps(tensorboard, tag):
-    return [step for _, step, _ in tensorboard.json("/data/plugin/scalars/scalars", run="tensorboard", tag=tag)]
+    return [
+        step
+        for _, step, _ in tensorboard.json(
+            "/data/plugin/scalars/scalars", run="tensorboard", tag=tag
+        )
+    ]
 
 
 def test_tensorboard_lists_loss_throughput_and_memory_scalars(tensorboard):
     assert tensorboard.json("/data/runs") == ["tensorboard"]
     tags = set(tensorboard.json("/data/plugin/scalars/tags")["tensorboard"])
     assert {
-        "train/loss", "train/lr", "train/grad_norm",
-        "throughput/tokens_per_s", "throughput/tokens_per_s_per_device", "throughput/tflops_per_device",
-        "time/step_s", "time/data_wait_s", "time/forward_backward_s", "time/optimizer_s",
-        "memory/peak_rss_mib/min", "memory/peak_rss_mib/max", "memory/peak_rss_mib/mean", "memory/worst_rank",
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "throughput/tokens_per_s",
+        "throughput/tokens_per_s_per_device",
+        "throughput/tflops_per_device",
+        "time/step_s",
+        "time/data_wait_s",
+        "time/forward_backward_s",
+        "time/optimizer_s",
+        "memory/peak_rss_mib/min",
+        "memory/peak_rss_mib/max",
+        "memory/peak_rss_mib/mean",
+        "memory/worst_rank",
     } <= tags
     assert "throughput/mfu_pct" not in tags  # CPU: no peak FLOP/s to divide by
     loss = tensorboard.json("/data/plugin/scalars/scalars", run="tensorboard", tag="train/loss")
     assert loss[-1][2] < loss[0][2]
-    low, high = (tensorboard.json("/data/plugin/scalars/scalars", run="tensorboard", tag=f"memory/peak_rss_mib/{s}") for s in ("min", "max"))
-    assert all(50 < lo[2] <= hi[2] < 64 * 1024 for lo, hi in zip(low, high))  # MiB of a 2-rank CPU run
-    split = [tensorboard.json("/data/plugin/scalars/scalars", run="tensorboard", tag=f"time/{t}")[-1][2]
-             for t in ("data_wait_s", "forward_backward_s", "optimizer_s", "step_s")]
+    low, high = (
+        tensorboard.json(
+            "/data/plugin/scalars/scalars", run="tensorboard", tag=f"memory/peak_rss_mib/{s}"
+        )
+        for s in ("min", "max")
+    )
+    assert all(
+        50 < lo[2] <= hi[2] < 64 * 1024 for lo, hi in zip(low, high)
+    )  # MiB of a 2-rank CPU run
+    split = [
+        tensorboard.json("/data/plugin/scalars/scalars", run="tensorboard", tag=f"time/{t}")[-1][2]
+        for t in ("data_wait_s", "forward_backward_s", "optimizer_s", "step_s")
+    ]
     # the split is the mean over ranks, the step rank 0's own wall time: a slower rank 1 lifts the mean a little
     assert 0 < sum(split[:3]) <= 1.1 * split[3]
 
@@ -131,7 +180,9 @@ def test_memory_traces_are_images_with_text_in_tensorboard(tensorboard):
         assert [e["step"] for e in entries] == [2, 5]  # the re-traced step 5 once
         png = tensorboard.get("/data/plugin/images/individualImage?" + entries[-1]["query"])
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000
-    texts = tensorboard.json("/data/plugin/text/text", run="tensorboard", tag="memory_trace/rank_0/text_summary")
+    texts = tensorboard.json(
+        "/data/plugin/text/text", run="tensorboard", tag="memory_trace/rank_0/text_summary"
+    )
     assert [t["step"] for t in texts] == [2, 5]
     assert "peak" in texts[-1]["text"] and "MiB resident (RSS)" in texts[-1]["text"]
     for phase in ("data", "forward", "backward", "optimizer"):
@@ -140,11 +191,19 @@ def test_memory_traces_are_images_with_text_in_tensorboard(tensorboard):
 
 def test_run_text_holds_config_layout_environment_and_flop_formula(tensorboard):
     tags = set(tensorboard.json("/data/plugin/text/tags")["tensorboard"])
-    assert {"run/config/text_summary", "run/layout/text_summary", "run/environment/text_summary",
-            "run/throughput_accounting/text_summary"} <= tags
-    config = tensorboard.json("/data/plugin/text/text", run="tensorboard", tag="run/config/text_summary")
+    assert {
+        "run/config/text_summary",
+        "run/layout/text_summary",
+        "run/environment/text_summary",
+        "run/throughput_accounting/text_summary",
+    } <= tags
+    config = tensorboard.json(
+        "/data/plugin/text/text", run="tensorboard", tag="run/config/text_summary"
+    )
     assert "sp_size: 2" in config[0]["text"]
-    flops = tensorboard.json("/data/plugin/text/text", run="tensorboard", tag="run/throughput_accounting/text_summary")
+    flops = tensorboard.json(
+        "/data/plugin/text/text", run="tensorboard", tag="run/throughput_accounting/text_summary"
+    )
     assert "S^2" in flops[0]["text"] and "no MFU" in flops[0]["text"]
 
 
@@ -158,8 +217,13 @@ def test_memory_trace_files_sit_next_to_the_events(run_dir):
 
 
 def test_terminal_summary_shows_last_loss_throughput_and_peaks(run_dir):
-    proc = subprocess.run([sys.executable, "-m", "slurm_autosp.traces", str(run_dir)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slurm_autosp.traces", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "steps 1-8 logged" in out and "last step 8: loss " in out and "tok/s" in out

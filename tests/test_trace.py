@@ -27,8 +27,14 @@ def tiny_llama(layers=2):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", use_cache=False,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+        use_cache=False,
     )
     return LlamaForCausalLM(config)
 
@@ -60,7 +66,9 @@ def test_flop_count_is_six_n_per_token_plus_causal_attention():
     model = tiny_llama()
     flops = count_flops(model, seq_len=256, sequences_per_step=4)
     per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64  # q, o; k, v; mlp; two norms
-    dense = 2 * per_layer + 64 + 256 * 64  # final norm, lm_head (the input embedding is not a matmul)
+    dense = (
+        2 * per_layer + 64 + 256 * 64
+    )  # final norm, lm_head (the input embedding is not a matmul)
     assert flops.dense_params == dense
     assert flops.per_sequence == 6 * dense * 256 + 6 * 2 * 64 * 256**2  # causal: half of 12*L*d*S^2
     assert flops.per_step == 4 * flops.per_sequence
@@ -68,11 +76,16 @@ def test_flop_count_is_six_n_per_token_plus_causal_attention():
 
 def test_cpu_has_no_peak_flops_unless_configured():
     assert peak_tflops(None, torch.device("cpu"), bf16=False)[0] is None
-    assert peak_tflops(400.0, torch.device("cpu"), bf16=False) == (400.0, "trace.peak_tflops_per_gpu")
+    assert peak_tflops(400.0, torch.device("cpu"), bf16=False) == (
+        400.0,
+        "trace.peak_tflops_per_gpu",
+    )
 
 
 def test_cpu_timeline_keeps_a_peak_that_falls_between_samples():
-    timeline = MemoryTimeline(MemoryReader(torch.device("cpu")), rank=0, step=1, interval_s=0, model=None)
+    timeline = MemoryTimeline(
+        MemoryReader(torch.device("cpu")), rank=0, step=1, interval_s=0, model=None
+    )
     timeline.start()
     timeline.phase_start("forward")
     block = torch.ones(32 * MIB // 4)  # 32 MiB, written, so resident; freed before the next sample
@@ -86,7 +99,9 @@ def test_cpu_timeline_keeps_a_peak_that_falls_between_samples():
 
 
 def test_memory_trace_image_shades_phases_and_marks_the_peak():
-    timeline = MemoryTimeline(MemoryReader(torch.device("cpu")), rank=3, step=7, interval_s=0, model=None)
+    timeline = MemoryTimeline(
+        MemoryReader(torch.device("cpu")), rank=3, step=7, interval_s=0, model=None
+    )
     timeline.start()
     for phase in ("data", "forward", "backward", "optimizer"):
         timeline.phase_start(phase)
@@ -124,10 +139,14 @@ def run_steps(tracer, model, optimizer, steps, during_step=lambda: None):
 
 
 def test_step_tracer_writes_scalars_and_traces_only_traced_steps(tmp_path, one_rank_group):
-    cfg = load_config([f"run.output_root={tmp_path}", "run.name=unit", "trace.memory_steps=[2]", "train.steps=3"])
+    cfg = load_config(
+        [f"run.output_root={tmp_path}", "run.name=unit", "trace.memory_steps=[2]", "train.steps=3"]
+    )
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tracer = StepTracer(cfg, 0, 1, torch.device("cpu"), model, first_step=0, layout="layout: 1 rank")
+    tracer = StepTracer(
+        cfg, 0, 1, torch.device("cpu"), model, first_step=0, layout="layout: 1 rank"
+    )
     seen = {}
 
     def record_hooks_and_threads():
@@ -147,12 +166,20 @@ def test_step_tracer_writes_scalars_and_traces_only_traced_steps(tmp_path, one_r
     events.Reload()
     tags = events.Tags()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
-    assert {"memory/peak_rss_mib/max", "memory/worst_rank", "time/forward_backward_s", "throughput/tflops_per_device"} <= set(tags["scalars"])
+    assert {
+        "memory/peak_rss_mib/max",
+        "memory/worst_rank",
+        "time/forward_backward_s",
+        "throughput/tflops_per_device",
+    } <= set(tags["scalars"])
     assert "throughput/mfu_pct" not in tags["scalars"]  # CPU: no peak FLOP/s
     assert {"memory_trace/rank_0", "memory_trace/worst_rank"} <= set(tags["images"])
     assert [e.step for e in events.Images("memory_trace/rank_0")] == [2]
     assert decode_png(events.Images("memory_trace/rank_0")[0].encoded_image_string).shape[2] == 3
-    assert sorted(p.name for p in memory_dir(cfg.run.dir).iterdir()) == ["step_00000002.json", "step_00000002_rank0.png"]
+    assert sorted(p.name for p in memory_dir(cfg.run.dir).iterdir()) == [
+        "step_00000002.json",
+        "step_00000002_rank0.png",
+    ]
 
 
 def test_traced_step_leaves_compiled_layers_alone(tmp_path, one_rank_group):
@@ -161,12 +188,21 @@ def test_traced_step_leaves_compiled_layers_alone(tmp_path, one_rank_group):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    cfg = load_config([f"run.output_root={tmp_path}", "run.name=compiled", "trace.memory_steps=[2]", "train.steps=3"])
+    cfg = load_config(
+        [
+            f"run.output_root={tmp_path}",
+            "run.name=compiled",
+            "trace.memory_steps=[2]",
+            "train.steps=3",
+        ]
+    )
     model = tiny_llama()
     for layer in model.model.layers:
         layer.compile(backend="eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tracer = StepTracer(cfg, 0, 1, torch.device("cpu"), model, first_step=0, layout="layout: 1 rank")
+    tracer = StepTracer(
+        cfg, 0, 1, torch.device("cpu"), model, first_step=0, layout="layout: 1 rank"
+    )
     run_steps(tracer, model, optimizer, [1])
     compiled_after_first_step = dict(counters["frames"])
     run_steps(tracer, model, optimizer, [2, 3])
@@ -174,5 +210,10 @@ def test_traced_step_leaves_compiled_layers_alone(tmp_path, one_rank_group):
     assert dict(counters["frames"]) == compiled_after_first_step
     trace = json.loads((memory_dir(cfg.run.dir) / "step_00000002.json").read_text())["traces"][0]
     labels = {label for _, label in trace["marks"]}
-    assert {"model.embed_tokens forward", "lm_head forward", "lm_head backward", "model.embed_tokens backward"} <= labels
+    assert {
+        "model.embed_tokens forward",
+        "lm_head forward",
+        "lm_head backward",
+        "model.embed_tokens backward",
+    } <= labels
     assert not any(label.startswith("model.layers") for label in labels)

@@ -9,8 +9,6 @@ moments, all ranks at once.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from slurm_autosp.config import JobConfig, Precision
 
 _ADAM_BYTES = 12  # fp32 master weights, first and second moments, per parameter
@@ -23,7 +21,7 @@ def rank0_checkpoint_bytes(cfg: JobConfig, parameters: int, zero_stage: int) -> 
     return weights + parameters * _ADAM_BYTES / cfg.cluster.world_size
 
 
-def signal_delay_warning(cfg: JobConfig, parameters: int, zero_stage: int) -> Optional[str]:
+def signal_delay_warning(cfg: JobConfig, parameters: int, zero_stage: int) -> str | None:
     """A warning when the signal delay cannot cover one save (plus a step), else None."""
     size = rank0_checkpoint_bytes(cfg, parameters, zero_stage)
     seconds = size / (cfg.checkpoint.write_gb_per_s * 1e9)

@@ -7,7 +7,6 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -19,7 +18,9 @@ def hf_export_dir(run_dir: Path) -> Path:
     return run_dir / "hf"
 
 
-def export_hf(model: nn.Module, run_dir: Path, weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
+def export_hf(
+    model: nn.Module, run_dir: Path, weights: dict[str, torch.Tensor] | None = None
+) -> None:
     """Rank 0 calls this. `weights`: the gathered full state dict when the model holds only
     shards (parameter sharding); None when it holds the whole model (ZeRO-1)."""
     if not hasattr(model, "save_pretrained"):
@@ -29,7 +30,9 @@ def export_hf(model: nn.Module, run_dir: Path, weights: Optional[Dict[str, torch
     partial, previous = target.with_name(".hf.partial"), target.with_name(".hf.previous")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True, state_dict=weights)
-    if target.exists():  # a killed export leaves the old model or the new one in hf/, never half of one
+    if (
+        target.exists()
+    ):  # a killed export leaves the old model or the new one in hf/, never half of one
         shutil.rmtree(previous, ignore_errors=True)
         os.rename(target, previous)
     os.rename(partial, target)

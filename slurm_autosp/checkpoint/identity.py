@@ -21,11 +21,22 @@ from slurm_autosp.config import JobConfig
 from slurm_autosp.launch.layout import ParallelLayout
 
 IDENTITY_PREFIXES = ("model.",)
-IDENTITY_KEYS = frozenset({
-    "data.source", "data.path", "data.seq_len",
-    "train.seed", "train.micro_batch", "train.grad_accum", "train.global_batch", "train.precision",
-    "parallel.sp_size", "parallel.zero_stage", "parallel.layout", "cluster.world_size",
-})
+IDENTITY_KEYS = frozenset(
+    {
+        "data.source",
+        "data.path",
+        "data.seq_len",
+        "train.seed",
+        "train.micro_batch",
+        "train.grad_accum",
+        "train.global_batch",
+        "train.precision",
+        "parallel.sp_size",
+        "parallel.zero_stage",
+        "parallel.layout",
+        "cluster.world_size",
+    }
+)
 # keys no config sets directly, and what sets them
 DERIVED = {
     "train.global_batch": "train.micro_batch x train.grad_accum x data-parallel ranks",
@@ -76,15 +87,21 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Differen
     """Every key whose value differs, by key; a key one side lacks (a config field added or
     removed since, an `extra` entry) counts as null there."""
     keys = sorted(saved.keys() | current.keys())
-    return [Difference(k, saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)]
+    return [
+        Difference(k, saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)
+    ]
 
 
 def refusal(checkpoint: Path, refused: list[Difference], run_name: str) -> str:
     """Why `checkpoint` cannot be resumed: each identity key that differs, and both ways out."""
-    lines = [f"checkpoint {checkpoint} belongs to a different run than this job's config describes:"]
+    lines = [
+        f"checkpoint {checkpoint} belongs to a different run than this job's config describes:"
+    ]
     for d in refused:
         derived = f" (set by {DERIVED[d.key]})" if d.key in DERIVED else ""
-        lines.append(f"  {d.key}: {_text(d.saved)} in the checkpoint, {_text(d.current)} now{derived}")
+        lines.append(
+            f"  {d.key}: {_text(d.saved)} in the checkpoint, {_text(d.current)} now{derived}"
+        )
     restore = " ".join(f"{d.key}={_text(d.saved)}" for d in refused if d.key not in DERIVED)
     lines.append(
         f"resume it with the values it was written with{f' ({restore})' if restore else ''}, or start a new "

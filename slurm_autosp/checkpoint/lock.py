@@ -10,7 +10,6 @@ import socket
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 LOCK = "job.lock"
 
@@ -25,7 +24,7 @@ class RunLock:
         return f"job {self.job_id} ({self.backend} on {self.host})"
 
 
-def read_lock(run_dir: Path) -> Optional[RunLock]:
+def read_lock(run_dir: Path) -> RunLock | None:
     try:
         return RunLock(**json.loads((run_dir / LOCK).read_text()))
     except (OSError, ValueError, TypeError):
@@ -44,7 +43,7 @@ def release_lock(run_dir: Path, job_id: str) -> None:
         (run_dir / LOCK).unlink(missing_ok=True)
 
 
-def live_holder(run_dir: Path) -> Optional[RunLock]:
+def live_holder(run_dir: Path) -> RunLock | None:
     """The job holding the run, if it is still alive."""
     lock = read_lock(run_dir)
     if lock is None:
@@ -56,7 +55,10 @@ def _alive(lock: RunLock) -> bool:
     if lock.backend == "slurm":
         try:
             state = subprocess.run(
-                ["squeue", "-h", "-j", lock.job_id, "-o", "%T"], capture_output=True, text=True, timeout=30
+                ["squeue", "-h", "-j", lock.job_id, "-o", "%T"],
+                capture_output=True,
+                text=True,
+                timeout=30,
             )
         except (OSError, subprocess.TimeoutExpired):
             return True  # cannot tell: refusing is safer than two writers

@@ -12,7 +12,6 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List
 
 MANIFEST = "manifest.json"
 _CHUNK = 8 * 2**20
@@ -24,18 +23,20 @@ class FileRecord:
     sha256: str
 
 
-def list_files(directory: Path) -> List[str]:
+def list_files(directory: Path) -> list[str]:
     """Every regular file below `directory`, as sorted relative paths (the manifest excluded)."""
     return sorted(
-        str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != MANIFEST
     )
 
 
-def my_share(files: List[str], rank: int, world_size: int) -> List[str]:
+def my_share(files: list[str], rank: int, world_size: int) -> list[str]:
     return files[rank::world_size]
 
 
-def hash_files(directory: Path, files: List[str], fsync: bool) -> Dict[str, FileRecord]:
+def hash_files(directory: Path, files: list[str], fsync: bool) -> dict[str, FileRecord]:
     """Size and sha256 of each file; with `fsync`, also force it to stable storage."""
     records = {}
     for name in files:
@@ -50,7 +51,9 @@ def hash_files(directory: Path, files: List[str], fsync: bool) -> Dict[str, File
     return records
 
 
-def write_manifest(directory: Path, records: Dict[str, FileRecord], meta: Dict[str, object]) -> None:
+def write_manifest(
+    directory: Path, records: dict[str, FileRecord], meta: dict[str, object]
+) -> None:
     body = {"meta": meta, "files": {name: asdict(r) for name, r in sorted(records.items())}}
     path = directory / MANIFEST
     with open(path, "w") as f:
@@ -59,7 +62,7 @@ def write_manifest(directory: Path, records: Dict[str, FileRecord], meta: Dict[s
         os.fsync(f.fileno())
 
 
-def read_manifest(directory: Path) -> Dict[str, object]:
+def read_manifest(directory: Path) -> dict[str, object]:
     """The manifest's contents; raises ValueError when it is missing or unreadable."""
     path = directory / MANIFEST
     try:
@@ -70,9 +73,11 @@ def read_manifest(directory: Path) -> Dict[str, object]:
         raise ValueError(f"{path}: unreadable ({err})") from err
 
 
-def verify_share(directory: Path, manifest: Dict[str, object], rank: int, world_size: int) -> List[str]:
+def verify_share(
+    directory: Path, manifest: dict[str, object], rank: int, world_size: int
+) -> list[str]:
     """Problems found in this rank's share of the manifest's files (empty: all good)."""
-    files: Dict[str, dict] = manifest["files"]  # type: ignore[assignment]
+    files: dict[str, dict] = manifest["files"]  # type: ignore[assignment]
     problems = []
     present = set(list_files(directory))
     missing = sorted(set(files) - present)

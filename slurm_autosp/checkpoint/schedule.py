@@ -20,7 +20,10 @@ class SaveSchedule:
 
     def due(self, step: int) -> bool:
         by_steps = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
-        by_time = self.cfg.every_minutes > 0 and self.clock() - self.last_save >= 60 * self.cfg.every_minutes
+        by_time = (
+            self.cfg.every_minutes > 0
+            and self.clock() - self.last_save >= 60 * self.cfg.every_minutes
+        )
         return by_steps or by_time
 
     def saved(self) -> None:

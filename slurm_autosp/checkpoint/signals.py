@@ -9,17 +9,16 @@ boundary, save together and requeue.
 from __future__ import annotations
 
 import signal
-from typing import Optional
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
 class StopRequest:
     def __init__(self) -> None:
-        self.signal_name: Optional[str] = None
+        self.signal_name: str | None = None
 
     @classmethod
-    def install(cls) -> "StopRequest":
+    def install(cls) -> StopRequest:
         """Replace submitit's handlers, which would checkpoint from inside the handler on rank 0 only."""
         request = cls()
         for signum in STOP_SIGNALS:

@@ -19,7 +19,7 @@ import shutil
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,8 +55,12 @@ class TrainerState:
     samples_consumed: int  # the data position: global sample index of the next sample
     world_size: int
     layout: str
-    engine: str = "deepspeed_zero1"  # the engine whose format `engine/` is in (before FSDP2: ZeRO-1)
-    settings: dict[str, Any] | None = None  # the run's resolved config (identity.run_settings); None: older
+    engine: str = (
+        "deepspeed_zero1"  # the engine whose format `engine/` is in (before FSDP2: ZeRO-1)
+    )
+    settings: dict[str, Any] | None = (
+        None  # the run's resolved config (identity.run_settings); None: older
+    )
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainerState:
@@ -73,12 +77,16 @@ class CheckpointStore:
 
     def __init__(self, root: Path, rank: int, world_size: int, keep: int):
         if keep < 1:
-            raise CheckpointError(f"checkpoint.keep={keep}: at least the checkpoint just written must be kept")
+            raise CheckpointError(
+                f"checkpoint.keep={keep}: at least the checkpoint just written must be kept"
+            )
         self.root = root
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
-        self._failed: set[Path] = set()  # checkpoints that failed verification: never kept in place of good ones
+        self._failed: set[Path] = (
+            set()
+        )  # checkpoints that failed verification: never kept in place of good ones
 
     def check_writable(self) -> None:
         """Fail before training, not at the first save an hour later."""
@@ -90,7 +98,9 @@ class CheckpointStore:
                 probe.write_bytes(b"ok")
                 probe.unlink()
             except OSError as err:
-                problem = f"checkpoint directory {self.root} is not writable ({err.strerror or err})"
+                problem = (
+                    f"checkpoint directory {self.root} is not writable ({err.strerror or err})"
+                )
             if not problem:
                 problem = self._permission_problem()
             if not problem:
@@ -104,11 +114,15 @@ class CheckpointStore:
         one the group can write (teams share runs that way) is warned about."""
         mode = self.root.stat().st_mode
         if mode & stat.S_IWOTH:
-            return (f"checkpoint directory {self.root} is writable by every user, and resuming loads files from it; "
-                    f"chmod o-w {self.root}")
+            return (
+                f"checkpoint directory {self.root} is writable by every user, and resuming loads files from it; "
+                f"chmod o-w {self.root}"
+            )
         if mode & stat.S_IWGRP:
-            log.warning("checkpoint directory %s is writable by its group: anyone in it can change what a resume loads",
-                        self.root)
+            log.warning(
+                "checkpoint directory %s is writable by its group: anyone in it can change what a resume loads",
+                self.root,
+            )
         return ""
 
     def _remove_stale_partials(self) -> None:
@@ -130,8 +144,10 @@ class CheckpointStore:
             (partial / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
         dist.barrier()
         files = list_files(partial)
-        records: Dict[str, FileRecord] = {}
-        for share in _all_gather(hash_files(partial, my_share(files, self.rank, self.world_size), fsync=True)):
+        records: dict[str, FileRecord] = {}
+        for share in _all_gather(
+            hash_files(partial, my_share(files, self.rank, self.world_size), fsync=True)
+        ):
             records.update(share)
         if self.rank == 0:
             write_manifest(partial, records, asdict(state))
@@ -154,11 +170,15 @@ class CheckpointStore:
         log.info("checkpoint %s saved (%.1f MiB)", final, size / 2**20)
         good = [c for c in self.checkpoints() if c not in self._failed]
         for old in [*good[self.keep :], *self._failed]:
-            log.info("removing checkpoint %s (%s)", old, "failed verification" if old in self._failed else "retention")
+            log.info(
+                "removing checkpoint %s (%s)",
+                old,
+                "failed verification" if old in self._failed else "retention",
+            )
             shutil.rmtree(old, ignore_errors=True)
         self._failed.clear()
 
-    def checkpoints(self) -> List[Path]:
+    def checkpoints(self) -> list[Path]:
         """Committed checkpoints, newest first (the `latest` pointer's target leading)."""
         if not self.root.is_dir():
             return []
@@ -171,7 +191,7 @@ class CheckpointStore:
                 found.insert(0, target)
         return found
 
-    def load_latest(self, engine: Any, settings: dict[str, Any]) -> Optional[TrainerState]:
+    def load_latest(self, engine: Any, settings: dict[str, Any]) -> TrainerState | None:
         """Resume from the newest checkpoint that verifies (skip and name the others), if it
         belongs to the run this job's `settings` (identity.run_settings) describe."""
         for candidate in self.checkpoints():
@@ -196,20 +216,27 @@ class CheckpointStore:
                     "a new run (run.name=...)"
                 )
             engine.load(candidate / ENGINE_TAG)
-            _set_rng_state(torch.load(candidate / "rng" / f"rank_{self.rank:05d}.pt", weights_only=True))
+            _set_rng_state(
+                torch.load(candidate / "rng" / f"rank_{self.rank:05d}.pt", weights_only=True)
+            )
             if self.rank == 0:
                 log.info("resumed from %s at step %d", candidate, state.step)
             return state
         return None
 
-    def _check_same_run(self, candidate: Path, state: TrainerState, settings: dict[str, Any]) -> None:
+    def _check_same_run(
+        self, candidate: Path, state: TrainerState, settings: dict[str, Any]
+    ) -> None:
         """Refuse a checkpoint of another run, naming every identity key that differs; name the
         harmless changes. The data position continues from `samples_consumed`: it must be
         where this job's step count and global batch put it, or samples would be skipped or repeated."""
         if state.settings is None:
             if self.rank == 0:
-                log.warning("checkpoint %s records no run settings (written by an older version): whether it "
-                            "belongs to this run's model, data and layout is not checked", candidate)
+                log.warning(
+                    "checkpoint %s records no run settings (written by an older version): whether it "
+                    "belongs to this run's model, data and layout is not checked",
+                    candidate,
+                )
         else:
             changed = differences(state.settings, settings)
             refused = [d for d in changed if is_identity(d.key)]
@@ -226,7 +253,7 @@ class CheckpointStore:
                 f"with, or start a new run with another run.name"
             )
 
-    def _verify(self, candidate: Path) -> List[str]:
+    def _verify(self, candidate: Path) -> list[str]:
         try:
             manifest = read_manifest(candidate)
             problems = verify_share(candidate, manifest, self.rank, self.world_size)
@@ -235,8 +262,8 @@ class CheckpointStore:
         return sorted({p for share in _all_gather(problems) for p in share})
 
 
-def _all_gather(obj: Any) -> List[Any]:
-    gathered: List[Any] = [None] * dist.get_world_size()
+def _all_gather(obj: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
 
@@ -255,11 +282,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _rng_state() -> Dict[str, Any]:
+def _rng_state() -> dict[str, Any]:
     """Every generator's state as tensors, ints and strings only, so it loads with weights_only=True."""
     version, mt, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: Dict[str, Any] = {
+    state: dict[str, Any] = {
         "python": [version, list(mt), gauss],
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
@@ -269,7 +296,7 @@ def _rng_state() -> Dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any]) -> None:
     version, mt, gauss = state["python"]
     random.setstate((version, tuple(mt), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]

@@ -1,7 +1,12 @@
 """AutoSP: a torch.compile backend that makes single-device transformer training
 DeepSpeed-Ulysses sequence parallel."""
 
-from slurm_autosp.compile.all_to_all import current_sp_group, set_sp_group, sp_all_to_all, sp_group_context
+from slurm_autosp.compile.all_to_all import (
+    current_sp_group,
+    set_sp_group,
+    sp_all_to_all,
+    sp_group_context,
+)
 from slurm_autosp.compile.backend import (
     AutoSPBackend,
     AutoSPCompileError,

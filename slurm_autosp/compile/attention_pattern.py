@@ -49,7 +49,10 @@ def _layer_types(config: PretrainedConfig) -> list[str]:
     layers = int(getattr(config, "num_hidden_layers", 1) or 1)
     if getattr(config, "attention_chunk_size", None):
         return ["chunked_attention"] * layers
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
+    if (
+        getattr(config, "sliding_window", None)
+        and getattr(config, "use_sliding_window", True) is not False
+    ):
         return ["sliding_attention"] * layers
     return [FULL] * layers
 
@@ -70,12 +73,16 @@ def unsupported_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
                     f"tokens farther apart than {window} would attend to each other (data.seq_len <= {window} is exact)"
                 )
         elif layer_type != FULL:
-            problems.append(f"{layer_type} ({where}) mixes tokens along the sequence outside attention")
+            problems.append(
+                f"{layer_type} ({where}) mixes tokens along the sequence outside attention"
+            )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         problems.append(f"attention logit soft-capping (attn_logit_softcapping={softcap})")
     if getattr(config, "use_bidirectional_attention", None):
-        problems.append("bidirectional attention (use_bidirectional_attention=true): AutoSP is causal only")
+        problems.append(
+            "bidirectional attention (use_bidirectional_attention=true): AutoSP is causal only"
+        )
     return problems
 
 
@@ -94,14 +101,21 @@ def check_attention_call(module: torch.nn.Module, kwargs: dict[str, Any]) -> Non
             "does not support this model yet"
         )
     if kwargs.get("position_bias") is not None:
-        raise UnsupportedAttention(f"{name} adds a position bias to the attention scores, which AutoSP's attention does not apply")
+        raise UnsupportedAttention(
+            f"{name} adds a position bias to the attention scores, which AutoSP's attention does not apply"
+        )
     is_causal = kwargs.get("is_causal")
     if (getattr(module, "is_causal", True) if is_causal is None else is_causal) is False:
-        raise UnsupportedAttention(f"{name} is not causal; AutoSP supports causal self-attention only")
+        raise UnsupportedAttention(
+            f"{name} is not causal; AutoSP supports causal self-attention only"
+        )
 
 
 def check_mask_request(
-    mask_function: Callable[..., Any] | None, local_size: int | None, seq_len: int | torch.SymInt, config: PretrainedConfig | None
+    mask_function: Callable[..., Any] | None,
+    local_size: int | None,
+    seq_len: int | torch.SymInt,
+    config: PretrainedConfig | None,
 ) -> None:
     """Refuse a mask the model asks for that is more than causal over `seq_len` tokens (the whole,
     padded sequence, not this rank's shard): a window or chunk shorter than it, or no causality."""
@@ -121,4 +135,6 @@ def check_mask_request(
             f"Train with sequences of at most {local_size} tokens, or without sequence parallelism"
         )
     if mask_function is bidirectional_mask_function:
-        raise UnsupportedAttention(f"{model} asks for bidirectional attention; AutoSP supports causal self-attention only")
+        raise UnsupportedAttention(
+            f"{model} asks for bidirectional attention; AutoSP supports causal self-attention only"
+        )

@@ -14,13 +14,21 @@ import torch
 import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 
+import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy, inductor_config_patches
 from slurm_autosp.heads import valid_sp_sizes
 
-import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
-
 _SDPA = torch.nn.functional.scaled_dot_product_attention
-_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_PARAMS = (
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+)
 _HEAD_DIM, _SEQ_DIM = 1, 2
 _ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
 
@@ -115,7 +123,9 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
 
     def scatter_heads(tensor: fx.Node, repeat: int) -> fx.Node:
         if repeat > 1:
-            tensor = graph.call_function(torch.repeat_interleave, (tensor, repeat), {"dim": _HEAD_DIM})
+            tensor = graph.call_function(
+                torch.repeat_interleave, (tensor, repeat), {"dim": _HEAD_DIM}
+            )
         return graph.call_function(_ALL_TO_ALL, (tensor, _HEAD_DIM, _SEQ_DIM, sp_size))
 
     with graph.inserting_before(node):
@@ -146,7 +156,9 @@ def rewrite_sdpa_for_sp(gm: fx.GraphModule, sp_size: int) -> int:
 
 
 def compile_with_inductor(
-    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], checkpointing: CheckpointSpec | None = None
+    gm: fx.GraphModule,
+    example_inputs: Sequence[torch.Tensor],
+    checkpointing: CheckpointSpec | None = None,
 ) -> Callable:
     """Compile a rewritten graph to code with inductor, partitioning forward and backward under
     `checkpointing` (None: torch's default partitioner heuristics)."""
@@ -176,7 +188,9 @@ class AutoSPBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
         rewritten = rewrite_sdpa_for_sp(gm, self.sp_size)
         compiled = compile_with_inductor(gm, example_inputs, self.checkpointing)
-        self.sdpa_calls_rewritten += rewritten  # only now: inductor may make Dynamo retrace and call again
+        self.sdpa_calls_rewritten += (
+            rewritten  # only now: inductor may make Dynamo retrace and call again
+        )
         return compiled
 
     def require_sdpa_found(self) -> None:

@@ -126,7 +126,10 @@ def _shapes(arg: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return torch.Size(_hint(s) for s in value.shape)
         if isinstance(value, (tuple, list)):
-            return type(value)(torch.Size(_hint(s) for s in v.shape) if isinstance(v, torch.Tensor) else v for v in value)
+            return type(value)(
+                torch.Size(_hint(s) for s in v.shape) if isinstance(v, torch.Tensor) else v
+                for v in value
+            )
         return value
     if isinstance(arg, (list, tuple)):
         return type(arg)(_shapes(a) for a in arg)
@@ -180,11 +183,20 @@ def node_flops(node: fx.Node) -> int:
     if packet in flop_registry:
         formula = flop_registry[packet]
         try:  # registry formulas are wrapped to turn tensors into shapes; we pass shapes already
-            return int(formula.__wrapped__(*_shapes(list(node.args)), out_shape=_shapes(node),
-                                           **{k: _shapes(v) for k, v in node.kwargs.items()}))
+            return int(
+                formula.__wrapped__(
+                    *_shapes(list(node.args)),
+                    out_shape=_shapes(node),
+                    **{k: _shapes(v) for k, v in node.kwargs.items()},
+                )
+            )
         except Exception:  # noqa: BLE001 - an unusual signature: count it as elementwise
             pass
-    return sum(_hint(v.numel()) for v in torch.utils._pytree.tree_leaves(_val(node)) if isinstance(v, torch.Tensor))
+    return sum(
+        _hint(v.numel())
+        for v in torch.utils._pytree.tree_leaves(_val(node))
+        if isinstance(v, torch.Tensor)
+    )
 
 
 # ----------------------------------------------------------------------------- tagging
@@ -209,20 +221,27 @@ def split_joint_graph(graph: fx.Graph) -> tuple[list[fx.Node], set[fx.Node]]:
 
 def is_view(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
-                and not schema.returns[0].alias_info.is_write)
+    return bool(
+        schema
+        and schema.returns
+        and schema.returns[0].alias_info is not None
+        and not schema.returns[0].alias_info.is_write
+    )
 
 
 def _is_random(node: fx.Node) -> bool:
     return hasattr(node.target, "tags") and torch.Tag.nondeterministic_seeded in node.target.tags
 
 
-def _reaches(node: fx.Node, backward: set[fx.Node], saved: set[fx.Node], memo: dict[fx.Node, bool]) -> bool:
+def _reaches(
+    node: fx.Node, backward: set[fx.Node], saved: set[fx.Node], memo: dict[fx.Node, bool]
+) -> bool:
     """Whether the backward depends on `node` other than through the `saved` tensors (then it
     must be saved or recomputed)."""
     if node not in memo:
         memo[node] = any(
-            u in backward or (u not in saved and _reaches(u, backward, saved, memo)) for u in node.users
+            u in backward or (u not in saved and _reaches(u, backward, saved, memo))
+            for u in node.users
         )
     return memo[node]
 
@@ -236,11 +255,15 @@ def recompute_flops(node: fx.Node, kept: set[fx.Node]) -> int:
         if current in chain:
             continue
         chain.add(current)
-        stack.extend(i for i in current.all_input_nodes if i.op == "call_function" and i not in kept)
+        stack.extend(
+            i for i in current.all_input_nodes if i.op == "call_function" and i not in kept
+        )
     return sum(node_flops(n) for n in chain)
 
 
-def _choose_kept(candidates: list[fx.Node], kept: set[fx.Node], budget_bytes: float) -> set[fx.Node]:
+def _choose_kept(
+    candidates: list[fx.Node], kept: set[fx.Node], budget_bytes: float
+) -> set[fx.Node]:
     """Greedy: keep the candidate dearest to recompute per byte (given what is kept so far)
     while it fits the budget; a candidate that does not fit is recomputed."""
     chosen: set[fx.Node] = set()
@@ -300,7 +323,11 @@ def tag_joint_graph(graph: fx.Graph, spec: CheckpointSpec) -> dict[str, int]:
         for user in node.users:  # getitems of a multi-output node share its decision
             if user.target is operator.getitem:
                 user.meta["recompute"] = decision
-        if node.target not in ATTENTION_OPS and node.target is not ALL_TO_ALL and not _is_random(node):
+        if (
+            node.target not in ATTENTION_OPS
+            and node.target is not ALL_TO_ALL
+            and not _is_random(node)
+        ):
             counts["kept" if decision is save else "recomputed"] += 1
     return counts
 

@@ -20,8 +20,11 @@ from torch.utils.checkpoint import checkpoint
 
 from slurm_autosp.compile.inputs import IGNORE_INDEX
 
-
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # a scale of 1 is no transform
+LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+)  # a scale of 1 is no transform
 
 
 def unsupported_logits(config: Any) -> list[str]:
@@ -35,7 +38,9 @@ def unsupported_logits(config: Any) -> list[str]:
     ]
 
 
-def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+def _chunk_loss_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
+) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -65,7 +70,12 @@ def chunked_cross_entropy(
             total = total + _chunk_loss_sum(hidden, weight, bias, labels)
         else:
             total = total + checkpoint(
-                _chunk_loss_sum, hidden[start:end], weight, bias, labels[start:end], use_reentrant=False
+                _chunk_loss_sum,
+                hidden[start:end],
+                weight,
+                bias,
+                labels[start:end],
+                use_reentrant=False,
             )
     return total / torch.as_tensor(num_items_in_batch, device=total.device)
 
@@ -99,15 +109,26 @@ def causal_lm_loss(model: Any, batch_kwargs: dict[str, Any], *, chunk_tokens: in
     module = getattr(model, "module", model)
     problems = unsupported_logits(getattr(module, "config", None))
     if chunk_tokens > 0 and problems:
-        raise ValueError("; ".join(problems) + "; compute the loss unchunked (chunk_tokens=0, compile.loss_chunk_tokens=0)")
+        raise ValueError(
+            "; ".join(problems)
+            + "; compute the loss unchunked (chunk_tokens=0, compile.loss_chunk_tokens=0)"
+        )
     if chunk_tokens <= 0:
         return model(**batch_kwargs).loss
-    kwargs = {k: v for k, v in batch_kwargs.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
+    kwargs = {
+        k: v
+        for k, v in batch_kwargs.items()
+        if k not in ("labels", "shift_labels", "num_items_in_batch")
+    }
     with _output_embedding_as_identity(module) as head:
         if head is None:
             return model(**batch_kwargs).loss
         hidden = model(**kwargs).logits
     return chunked_cross_entropy(
-        hidden, head.weight, batch_kwargs["shift_labels"], batch_kwargs["num_items_in_batch"],
-        chunk_tokens=chunk_tokens, bias=head.bias,
+        hidden,
+        head.weight,
+        batch_kwargs["shift_labels"],
+        batch_kwargs["num_items_in_batch"],
+        chunk_tokens=chunk_tokens,
+        bias=head.bias,
     )

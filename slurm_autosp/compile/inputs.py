@@ -61,7 +61,9 @@ def _drop_trailing_padding(labels: torch.Tensor, attention_mask: torch.Tensor) -
     return labels.masked_fill(~valid, IGNORE_INDEX)
 
 
-def _check_single_sequence_rows(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+def _check_single_sequence_rows(
+    position_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> None:
     steps = position_ids[:, 1:] - position_ids[:, :-1]
     if attention_mask is not None:
         steps = steps.masked_fill(~attention_mask[:, 1:].bool(), 1)

@@ -30,8 +30,12 @@ class OffloadStats:
 
     to_host_bytes: int = 0
     to_device_bytes: int = 0
-    kept_bytes: int = 0  # saved non-parameter tensors left in place: small, not dense, or on another device
-    resident_bytes: int = 0  # device copies of offloaded tensors alive now: prefetched, or in the backward's hands
+    kept_bytes: int = (
+        0  # saved non-parameter tensors left in place: small, not dense, or on another device
+    )
+    resident_bytes: int = (
+        0  # device copies of offloaded tensors alive now: prefetched, or in the backward's hands
+    )
     peak_resident_bytes: int = 0
 
 
@@ -55,7 +59,9 @@ def _dense(tensor: torch.Tensor) -> bool:
     with the same strides is the same size, and the compiled backward, which may assert the
     strides of what it reads, gets them unchanged."""
     expected = 1
-    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1)
+    dims = sorted(
+        (stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1
+    )
     for stride, size in dims:
         if stride != expected:
             return False
@@ -69,8 +75,12 @@ def _on(stream: torch.cuda.Stream | None) -> AbstractContextManager:
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
-def _strided_like(tensor: torch.Tensor, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
-    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device, pin_memory=pin_memory)
+def _strided_like(
+    tensor: torch.Tensor, device: torch.device, pin_memory: bool = False
+) -> torch.Tensor:
+    return torch.empty_strided(
+        tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device, pin_memory=pin_memory
+    )
 
 
 class ActivationOffload:
@@ -81,12 +91,18 @@ class ActivationOffload:
     backward run whenever the caller likes, once (retain_graph is not supported).
     """
 
-    def __init__(self, device: torch.device | str, *, layers: int, min_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, device: torch.device | str, *, layers: int, min_bytes: int = 1 << 20
+    ) -> None:
         if layers < 1:
-            raise ValueError(f"layers={layers}: pass the model's number of decoder layers (at least 1)")
+            raise ValueError(
+                f"layers={layers}: pass the model's number of decoder layers (at least 1)"
+            )
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())  # saved tensors name their GPU's index
+            device = torch.device(
+                "cuda", torch.cuda.current_device()
+            )  # saved tensors name their GPU's index
         self.device = device
         self.layers = layers
         self.min_bytes = min_bytes
@@ -156,7 +172,9 @@ class _Session:
         self._records: list[_Offloaded] = []
         self._packed_bytes = 0
         self._ahead_bytes = 0  # fetched, not yet handed to the backward
-        self._cursor: int | None = None  # the next record the prefetch looks at; None before the backward
+        self._cursor: int | None = (
+            None  # the next record the prefetch looks at; None before the backward
+        )
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Offloaded:
         if _is_parameter(tensor):

@@ -29,7 +29,9 @@ MLP_ATTRIBUTE = "mlp"
 
 def _tiles(length: int, tile_tokens: int) -> list[slice]:
     """Slices of the sequence dim (dim 1 of the MLP's [batch, sequence, hidden] input)."""
-    return [slice(start, min(start + tile_tokens, length)) for start in range(0, length, tile_tokens)]
+    return [
+        slice(start, min(start + tile_tokens, length)) for start in range(0, length, tile_tokens)
+    ]
 
 
 def _untiled(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +44,9 @@ class _TiledMLP(torch.autograd.Function):
     they do: their gradients go into .grad by the tiles' own backward, never through this node."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mlp: torch.nn.Module, tile_tokens: int, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, mlp: torch.nn.Module, tile_tokens: int, *params: torch.Tensor
+    ) -> torch.Tensor:
         ctx.mlp, ctx.tile_tokens = mlp, tile_tokens
         ctx.save_for_backward(x)
         out = None
@@ -80,7 +84,9 @@ class SequenceTiled(torch.nn.Module):
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
-            raise ValueError(f"a sequence-tiled MLP takes [batch, sequence, hidden] inputs, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"a sequence-tiled MLP takes [batch, sequence, hidden] inputs, got shape {tuple(x.shape)}"
+            )
         params = [p for p in self.parameters() if p.requires_grad]
         return _TiledMLP.apply(x, self, self.tile_tokens, *params)
 
@@ -106,7 +112,13 @@ def _mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
             "its MLPs untiled (tile_tokens=0)"
         ) from err
     mlps = [getattr(layer, MLP_ATTRIBUTE, None) for layer in layers]
-    missing = sorted({type(layer).__name__ for layer, mlp in zip(layers, mlps) if not isinstance(mlp, torch.nn.Module)})
+    missing = sorted(
+        {
+            type(layer).__name__
+            for layer, mlp in zip(layers, mlps)
+            if not isinstance(mlp, torch.nn.Module)
+        }
+    )
     if missing:
         raise AutoSPCompileError(
             f"cannot tile the MLPs of {type(model).__name__}: its decoder layers {missing} have no "

@@ -29,5 +29,7 @@ def build_engine(cfg: JobConfig, device: torch.device, zero_stage: int) -> Train
         return FSDP2Engine(build_model(cfg.model), cfg, device)
     engine = FSDP2Engine(build_skeleton(cfg.model), cfg, device)
     if cfg.model.pretrained_path:
-        engine.load_full_weights(build_model(cfg.model).state_dict() if dist.get_rank() == 0 else {})
+        engine.load_full_weights(
+            build_model(cfg.model).state_dict() if dist.get_rank() == 0 else {}
+        )
     return engine

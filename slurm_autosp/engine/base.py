@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ class TrainEngine(Protocol):
     def load(self, path: Path) -> None:
         """Collective: restore what `save` wrote."""
 
-    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the whole model's weights on rank 0 when the module holds only shards;
         None when every rank's module holds them whole, and on the other ranks."""
 

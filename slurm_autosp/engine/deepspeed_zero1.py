@@ -4,7 +4,7 @@ every rank holds the whole model. The engine for models that fit one GPU whole."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 
 
-def deepspeed_config(cfg: JobConfig) -> Dict[str, Any]:
+def deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
     """DeepSpeed's config for this job.
 
     `sequence_parallel_size` is deliberately absent: DeepSpeed then treats every rank as
@@ -77,7 +77,7 @@ class ZeRO1Engine:
             raise CheckpointError(f"DeepSpeed could not load its checkpoint {path}")
         apply_hyperparameters(self._engine.optimizer, self._engine.lr_scheduler, self._train)
 
-    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return None
 
     def close(self) -> None:

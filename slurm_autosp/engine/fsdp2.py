@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,9 @@ class FSDP2Engine:
             materialize(model, device)
         # HF returns its logits as a slice of the hidden states (a view); the loss only reads
         # it, never in place, which is what FSDP2 warns about on every forward
-        warnings.filterwarnings("ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning)
+        warnings.filterwarnings(
+            "ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning
+        )
         self.module = model
         self.optimizer = build_optimizer(model, cfg.train)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
@@ -99,17 +102,20 @@ class FSDP2Engine:
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
-            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
         )
         self.scheduler.load_state_dict(torch.load(path / SCHEDULE_FILE, weights_only=True))
         apply_hyperparameters(self.optimizer, self.scheduler, self._train)
 
-    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gathered one tensor at a time and cast to the compute dtype as it arrives (bf16 runs
         export bf16, as DeepSpeed's module does), so rank 0's host holds one copy, not two."""
         rank0 = dist.get_rank() == 0
-        first_name: Dict[int, str] = {}  # tied parameters are gathered once, on every rank alike
-        weights: Dict[str, torch.Tensor] = {}
+        first_name: dict[int, str] = {}  # tied parameters are gathered once, on every rank alike
+        weights: dict[str, torch.Tensor] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             if id(tensor) in first_name:
                 if rank0:
@@ -121,7 +127,7 @@ class FSDP2Engine:
                 weights[name] = whole.detach().to(self._compute_dtype).cpu()
         return weights if rank0 else None
 
-    def load_full_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+    def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Collective: rank 0's whole-model `weights` (a pretrained checkpoint) into every
         rank's shards; the other ranks pass an empty dict."""
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -160,9 +166,13 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             "(model.builder) or from model.pretrained_path"
         )
     for module in _post_order(model):
-        sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+        sharded = {
+            name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)
+        }
         for name, p in sharded.items():
-            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))
+            module._parameters[name] = nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device=device)
+            )
         init(module)
         for name, p in sharded.items():
             _copy_slice(p, module._parameters[name].data)

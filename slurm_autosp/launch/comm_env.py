@@ -29,18 +29,21 @@ class EnvSetting:
 # Set for NCCL and RCCL alike (PyTorch drives both through ProcessGroupNCCL).
 _GPU_COLLECTIVES = (
     EnvSetting(
-        "TORCH_NCCL_AVOID_RECORD_STREAMS", "1",
+        "TORCH_NCCL_AVOID_RECORD_STREAMS",
+        "1",
         "free collective buffers when the op completes instead of through record_stream, "
         "which holds memory longer and raises the peak (torchtitan sets it)",
     ),
     EnvSetting(
-        "TORCH_NCCL_TRACE_BUFFER_SIZE", "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "2000",
         "keep the flight recorder's ring of the last 2000 collectives so a hang or timeout "
         "can be diagnosed after the fact",
         aliases=("TORCH_FR_BUFFER_SIZE",),
     ),
     EnvSetting(
-        "TORCH_NCCL_DUMP_ON_TIMEOUT", "1",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "1",
         "write the flight recorder's trace when a collective times out, instead of only "
         "aborting: the dump names the collective each rank was stuck in",
     ),
@@ -48,7 +51,8 @@ _GPU_COLLECTIVES = (
 
 _NVIDIA = (
     EnvSetting(
-        "CUDA_DEVICE_ORDER", "PCI_BUS_ID",
+        "CUDA_DEVICE_ORDER",
+        "PCI_BUS_ID",
         "number CUDA devices as nvidia-smi does, so the local GPU indices our SP groups were "
         "derived from (nvidia-smi topo -m) are the ones each rank opens",
     ),
@@ -56,7 +60,8 @@ _NVIDIA = (
 
 _AMD = (
     EnvSetting(
-        "HSA_FORCE_FINE_GRAIN_PCIE", "1",
+        "HSA_FORCE_FINE_GRAIN_PCIE",
+        "1",
         "fine-grained PCIe memory, which RCCL needs for GPU-direct network transfers; RCCL "
         "warns at start without it",
     ),
@@ -65,69 +70,82 @@ _AMD = (
 _FABRIC = {
     "infiniband": (
         EnvSetting(
-            "NCCL_IB_TIMEOUT", "22",
+            "NCCL_IB_TIMEOUT",
+            "22",
             "InfiniBand retry timeout 4.096us * 2^22 (about 17 s): large jobs ride out "
             "congestion and link flaps instead of failing",
         ),
     ),
     "roce": (
         EnvSetting(
-            "NCCL_IB_GID_INDEX", "3",
+            "NCCL_IB_GID_INDEX",
+            "3",
             "use the RoCEv2 GID (index 3 on Mellanox/ConnectX setups); index 0 is RoCEv1 and "
             "does not route across subnets. Check `show_gids` and override if different",
         ),
         EnvSetting(
-            "NCCL_IB_TIMEOUT", "22",
+            "NCCL_IB_TIMEOUT",
+            "22",
             "RoCE retry timeout about 17 s: ride out congestion instead of failing",
         ),
     ),
     "efa": (
         EnvSetting("FI_PROVIDER", "efa", "make libfabric use EFA, never fall back to TCP sockets"),
         EnvSetting(
-            "FI_EFA_USE_DEVICE_RDMA", "1",
+            "FI_EFA_USE_DEVICE_RDMA",
+            "1",
             "GPUDirect RDMA over EFA on instances that support it (p4d, p5)",
         ),
         EnvSetting(
-            "FI_EFA_SET_CUDA_SYNC_MEMOPS", "0",
+            "FI_EFA_SET_CUDA_SYNC_MEMOPS",
+            "0",
             "skip setting CU_POINTER_ATTRIBUTE_SYNC_MEMOPS on registered buffers: fewer memory "
             "synchronisations, higher throughput (torchtitan's and AWS's scripts)",
         ),
         EnvSetting(
-            "FI_EFA_FORK_SAFE", "1",
+            "FI_EFA_FORK_SAFE",
+            "1",
             "data-loader workers fork after EFA memory is registered; keep libfabric fork-safe",
         ),
         EnvSetting(
-            "NCCL_P2P_NET_CHUNKSIZE", "524288",
+            "NCCL_P2P_NET_CHUNKSIZE",
+            "524288",
             "larger chunks for point-to-point traffic over EFA (AWS's recommended value)",
         ),
     ),
     "slingshot": (
         EnvSetting(
-            "NCCL_SOCKET_IFNAME", "hsn",
+            "NCCL_SOCKET_IFNAME",
+            "hsn",
             "bootstrap over the high-speed network interfaces (hsn0, hsn1, ...); on the "
             "management Ethernet NCCL hangs or crawls",
         ),
         EnvSetting(
-            "NCCL_IB_DISABLE", "1",
+            "NCCL_IB_DISABLE",
+            "1",
             "Slingshot is reached through libfabric (aws-ofi-nccl/rccl), not InfiniBand verbs",
         ),
         EnvSetting(
-            "NCCL_CROSS_NIC", "1",
+            "NCCL_CROSS_NIC",
+            "1",
             "let rings use different NICs at each end: Slingshot's dragonfly is not rail-optimised",
         ),
         EnvSetting(
-            "FI_CXI_DISABLE_HOST_REGISTER", "1",
+            "FI_CXI_DISABLE_HOST_REGISTER",
+            "1",
             "stop the CXI provider registering host memory, which deadlocks with CUDA/HIP allocations",
         ),
         EnvSetting(
-            "FI_MR_CACHE_MONITOR", "userfaultfd",
+            "FI_MR_CACHE_MONITOR",
+            "userfaultfd",
             "monitor the memory-registration cache with userfaultfd, the setting the HPE "
             "Slingshot sites recommend for GPU jobs",
         ),
     ),
     "tcp": (
         EnvSetting(
-            "NCCL_IB_DISABLE", "1",
+            "NCCL_IB_DISABLE",
+            "1",
             "no RDMA fabric: do not probe InfiniBand/RoCE devices, use TCP sockets directly",
         ),
     ),
@@ -160,16 +178,19 @@ def collective_env_settings(
     if fabric not in FABRICS:
         raise ValueError(f"fabric={fabric!r} is not one of {', '.join(FABRICS)}")
     cache_dir = node_local_cache_dir or os.path.join(
-        user_env.get("SLURM_TMPDIR") or user_env.get("TMPDIR") or "/tmp", f"slurm_autosp_cache_{os.getuid()}"
+        user_env.get("SLURM_TMPDIR") or user_env.get("TMPDIR") or "/tmp",
+        f"slurm_autosp_cache_{os.getuid()}",
     )
     settings = [
         EnvSetting(
-            "TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"),
+            "TORCHINDUCTOR_CACHE_DIR",
+            os.path.join(cache_dir, "inductor"),
             "Inductor's compile cache on node-local disk: shared filesystems hit inode quotas "
             "and stale handles",
         ),
         EnvSetting(
-            "TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"),
+            "TRITON_CACHE_DIR",
+            os.path.join(cache_dir, "triton"),
             "Triton's kernel cache on node-local disk, for the same reason",
         ),
     ]
@@ -178,7 +199,8 @@ def collective_env_settings(
     settings += _GPU_COLLECTIVES
     settings.append(
         EnvSetting(
-            "TORCH_FR_DUMP_TEMP_FILE", os.path.join(run_dir, "flight_recorder", "rank_"),
+            "TORCH_FR_DUMP_TEMP_FILE",
+            os.path.join(run_dir, "flight_recorder", "rank_"),
             "where the flight recorder writes each rank's trace on a timeout: the run directory, "
             "so it survives the job",
             aliases=("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",),

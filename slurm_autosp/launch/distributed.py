@@ -43,4 +43,6 @@ def init_distributed(use_gpus: bool, timeout_min: float) -> DistContext:
         device_id=device if use_gpus else None,
     )
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
-    return DistContext(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device=device)
+    return DistContext(
+        rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device=device
+    )

@@ -109,5 +109,7 @@ def sbatch_script(cfg: JobConfig) -> str:
     """The exact script submitit would hand to sbatch (a dry run prints it), rendered by submitit
     from the parameters build_executor gives it, the way AutoExecutor translates them."""
     slurm = _ScriptOnlySlurmExecutor(submitit_dir(cfg.run.dir))
-    slurm.update_parameters(**slurm._convert_parameters(_shared_parameters(cfg)), **_slurm_parameters(cfg.cluster))
+    slurm.update_parameters(
+        **slurm._convert_parameters(_shared_parameters(cfg)), **_slurm_parameters(cfg.cluster)
+    )
     return slurm._make_submission_file_text(slurm._submitit_command_str, uid="dry-run")

@@ -7,7 +7,7 @@ import os
 import socket
 import stat
 import sys
-from typing import Dict, Mapping
+from collections.abc import Mapping
 
 import submitit
 import torch
@@ -44,7 +44,9 @@ class TrainingJob:
         rank = job_env.global_rank
         _configure_process(cfg, rank)
         applied = _apply_collective_env(cfg)
-        from slurm_autosp.train import train  # after the environment: inductor reads its cache dir on import
+        from slurm_autosp.train import (
+            train,
+        )  # after the environment: inductor reads its cache dir on import
 
         ctx = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)
         try:
@@ -52,7 +54,10 @@ class TrainingJob:
             parallel = build_parallel(cfg)
             if ctx.rank == 0:
                 log.info("%s", parallel.layout)
-                log.info("collective environment: %s", " ".join(f"{k}={v}" for k, v in sorted(applied.items())))
+                log.info(
+                    "collective environment: %s",
+                    " ".join(f"{k}={v}" for k, v in sorted(applied.items())),
+                )
             result = train(cfg, ctx, parallel, stop)
             if ctx.rank == 0:
                 release_lock(cfg.run.dir, job_env.job_id)
@@ -61,7 +66,7 @@ class TrainingJob:
             torch.distributed.destroy_process_group()
 
 
-def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> Dict[str, str]:
+def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str, str]:
     """The NCCL/RCCL settings for this job's vendor and fabric; `cluster.env` and anything in
     `inherited` (the job's own environment) win over ours."""
     from slurm_autosp.launch.comm_env import collective_env
@@ -79,7 +84,7 @@ def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> Dict[str
     return env
 
 
-def _apply_collective_env(cfg: JobConfig) -> Dict[str, str]:
+def _apply_collective_env(cfg: JobConfig) -> dict[str, str]:
     """Export the settings before the process group starts (NCCL reads them at init)."""
     env = collective_env_for(cfg, os.environ)
     for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
@@ -113,7 +118,9 @@ def _configure_process(cfg: JobConfig, rank: int) -> None:
     torch.set_num_threads(cfg.cluster.cpus_per_task)
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
-        logging.Formatter(f"%(asctime)s [rank {rank} on {socket.gethostname()}] %(message)s", "%H:%M:%S")
+        logging.Formatter(
+            f"%(asctime)s [rank {rank} on {socket.gethostname()}] %(message)s", "%H:%M:%S"
+        )
     )
     logger = logging.getLogger("slurm_autosp")
     logger.handlers[:] = [handler]

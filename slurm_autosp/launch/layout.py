@@ -41,13 +41,17 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         if self.sp_size < 1 or self.dp_size < 1:
-            raise LayoutError(f"sp_size={self.sp_size} and dp_size={self.dp_size} must be at least 1")
+            raise LayoutError(
+                f"sp_size={self.sp_size} and dp_size={self.dp_size} must be at least 1"
+            )
         if self.sp_size * self.dp_size != self.world_size:
             raise LayoutError(
                 f"sp_size({self.sp_size}) * dp_size({self.dp_size}) = {self.sp_size * self.dp_size} "
                 f"!= world_size({self.world_size})"
             )
-        if len(self.sp_groups) != self.dp_size or any(len(g) != self.sp_size for g in self.sp_groups):
+        if len(self.sp_groups) != self.dp_size or any(
+            len(g) != self.sp_size for g in self.sp_groups
+        ):
             raise LayoutError(
                 f"sp_groups must be dp_size({self.dp_size}) groups of sp_size({self.sp_size}) ranks; "
                 f"got {len(self.sp_groups)} groups of sizes {sorted({len(g) for g in self.sp_groups})}"
@@ -62,7 +66,9 @@ class ParallelLayout:
                         f"rank {rank} (in group {group_index}) is {problem}"
                     )
                 slot[rank] = (group_index, position)
-        expected_dp = tuple(tuple(group[j] for group in self.sp_groups) for j in range(self.sp_size))
+        expected_dp = tuple(
+            tuple(group[j] for group in self.sp_groups) for j in range(self.sp_size)
+        )
         if self.dp_groups != expected_dp:
             got = list(self.dp_groups[0][:8]) if self.dp_groups else []
             raise LayoutError(
@@ -101,12 +107,16 @@ class ParallelLayout:
 
     def _slot(self, rank: int) -> tuple[int, int]:
         if not 0 <= rank < self.world_size:
-            raise LayoutError(f"rank {rank} is outside world_size {self.world_size} (0..{self.world_size - 1})")
+            raise LayoutError(
+                f"rank {rank} is outside world_size {self.world_size} (0..{self.world_size - 1})"
+            )
         return self._sp_slot[rank]
 
     def __repr__(self) -> str:
-        placement = "SP groups span NVLink domains (allow_cross_domain)" if self.cross_domain else (
-            "SP groups inside NVLink domains"
+        placement = (
+            "SP groups span NVLink domains (allow_cross_domain)"
+            if self.cross_domain
+            else ("SP groups inside NVLink domains")
         )
         return (
             f"ParallelLayout(world_size {self.world_size} = sp {self.sp_size} x dp {self.dp_size}; "
@@ -128,7 +138,11 @@ def _groups_text(groups: tuple[tuple[int, ...], ...], show: int = 2) -> str:
 def _ranks_text(ranks: tuple[int, ...], show: int = 4) -> str:
     if len(ranks) > 1 and all(b == a + 1 for a, b in zip(ranks, ranks[1:])):
         return f"{ranks[0]}-{ranks[-1]}"
-    if len(ranks) > 1 and len(set(b - a for a, b in zip(ranks, ranks[1:]))) == 1 and len(ranks) > show:
+    if (
+        len(ranks) > 1
+        and len(set(b - a for a, b in zip(ranks, ranks[1:]))) == 1
+        and len(ranks) > show
+    ):
         step = ranks[1] - ranks[0]
         return f"{ranks[0]},{ranks[1]},...,{ranks[-1]} (step {step})"
     if len(ranks) > show:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import List, Optional
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig
-from slurm_autosp.launch.layout import LayoutError, ParallelLayout, build_process_groups, derive_parallel_layout
+from slurm_autosp.launch.layout import (
+    LayoutError,
+    ParallelLayout,
+    build_process_groups,
+    derive_parallel_layout,
+)
 from slurm_autosp.launch.topology import (
     ClusterTopology,
     NodeTopology,
@@ -49,27 +53,32 @@ def plan_layout(cfg: JobConfig) -> ParallelLayout:
     """The layout this config gets, or a ConfigError naming the keys to change."""
     try:
         topology = expected_topology(cfg.cluster)
-        return derive_parallel_layout(topology, cfg.parallel.sp_size, cfg.parallel.allow_cross_domain)
+        return derive_parallel_layout(
+            topology, cfg.parallel.sp_size, cfg.parallel.allow_cross_domain
+        )
     except TopologyError as err:
         raise ConfigError(f"cluster.nvlink_domain_size / cluster.gpus_per_node: {err}") from err
     except LayoutError as err:
         raise ConfigError(f"parallel.sp_size={cfg.parallel.sp_size}: {err}") from err
 
 
-def check_detected_topology(cfg: JobConfig, reports: List[Optional[NodeTopology]]) -> None:
+def check_detected_topology(cfg: JobConfig, reports: list[NodeTopology | None]) -> None:
     """Compare what each node found (one report per node, others None) with the profile."""
     nodes = tuple(r for r in reports if r is not None)
     c = cfg.cluster
     if not c.uses_gpus:
         if len(nodes) != c.nodes:
-            raise TopologyMismatch(f"cluster.nodes={c.nodes} but the job runs on {len(nodes)} nodes")
+            raise TopologyMismatch(
+                f"cluster.nodes={c.nodes} but the job runs on {len(nodes)} nodes"
+            )
         return
     problems = compare_topology(expected_topology(c), ClusterTopology(nodes))
     if problems:
         raise TopologyMismatch(
             "the nodes differ from the cluster profile (cluster.gpus_per_node="
             f"{c.gpus_per_node}, cluster.nvlink_domain_size={c.nvlink_domain_size or c.gpus_per_node}, "
-            f"cluster.vendor={c.vendor.value}):\n  " + "\n  ".join(problems)
+            f"cluster.vendor={c.vendor.value}):\n  "
+            + "\n  ".join(problems)
             + "\nfix the profile to match the machines, or request the machines it describes"
         )
 
@@ -78,7 +87,7 @@ def verify_topology(cfg: JobConfig, local_rank: int) -> None:
     """Each node's first rank detects its GPUs; rank 0 checks them all; every rank learns the
     verdict, so a mismatch stops the whole job before the model loads."""
     report = detect_node_topology() if local_rank == 0 else None
-    reports: List[Optional[NodeTopology]] = [None] * dist.get_world_size()
+    reports: list[NodeTopology | None] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     verdict = [""]
     if dist.get_rank() == 0:
@@ -103,6 +112,8 @@ class Parallel:
 def build_parallel(cfg: JobConfig) -> Parallel:
     layout = plan_layout(cfg)
     if layout.cross_domain:
-        log.warning("parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)")
+        log.warning(
+            "parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)"
+        )
     sp_group, dp_group = build_process_groups(layout)
     return Parallel(layout, sp_group, dp_group)

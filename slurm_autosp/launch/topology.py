@@ -31,7 +31,9 @@ class TopologyError(ValueError):
 class LinkMatrix:
     """GPU-to-GPU link types as a vendor tool reports them, plus the node's network devices."""
 
-    links: tuple[tuple[str, ...], ...]  # links[i][j]: "X"/"0" on the diagonal, "NV18", "SYS", "XGMI", ...
+    links: tuple[
+        tuple[str, ...], ...
+    ]  # links[i][j]: "X"/"0" on the diagonal, "NV18", "SYS", "XGMI", ...
     network_devices: tuple[str, ...] = ()
 
     @property
@@ -56,7 +58,7 @@ class FabricState:
 
     @property
     def clique(self) -> str | None:
-        """"<ClusterUUID>/<CliqueId>" when the GPU is registered in a multi-node NVLink domain.
+        """ "<ClusterUUID>/<CliqueId>" when the GPU is registered in a multi-node NVLink domain.
 
         H100 nodes report State Completed with an all-zero ClusterUUID: that is no domain, and
         treating it as one would put every H100 node of a job into the same "rack".
@@ -118,7 +120,9 @@ class ClusterTopology:
 
     def __repr__(self) -> str:
         sizes = self.domain_sizes
-        shape = f"{len(sizes)} of {sizes[0]} GPUs" if len(set(sizes)) == 1 else f"sizes {list(sizes)}"
+        shape = (
+            f"{len(sizes)} of {sizes[0]} GPUs" if len(set(sizes)) == 1 else f"sizes {list(sizes)}"
+        )
         return (
             f"ClusterTopology({len(self.nodes)} nodes, {self.world_size} GPUs, "
             f"NVLink domains: {shape if sizes else 'none'})"
@@ -247,7 +251,9 @@ def nvlink_domains_from_links(matrix: LinkMatrix) -> tuple[tuple[int, ...], ...]
     while unplaced:
         group = [unplaced.pop(0)]
         for gpu in list(unplaced):
-            if all(matrix.fast_link(gpu, member) and matrix.fast_link(member, gpu) for member in group):
+            if all(
+                matrix.fast_link(gpu, member) and matrix.fast_link(member, gpu) for member in group
+            ):
                 group.append(gpu)
                 unplaced.remove(gpu)
         domains.append(tuple(group))
@@ -326,7 +332,11 @@ def topology_from_profile(
     return ClusterTopology(
         tuple(
             NodeTopology(
-                f"node{n}", gpu_vendor, gpus_per_node, whole_node, fabric_clique=f"rack{n // nodes_per_rack}"
+                f"node{n}",
+                gpu_vendor,
+                gpus_per_node,
+                whole_node,
+                fabric_clique=f"rack{n // nodes_per_rack}",
             )
             for n in range(nodes)
         )
@@ -348,13 +358,12 @@ def compare_topology(expected: ClusterTopology, detected: ClusterTopology) -> li
                 f"node {n} ({got.hostname}): GPUs expected {want.gpu_count}, detected {got.gpu_count}"
             )
     if expected.nvlink_domains != detected.nvlink_domains:
-        want_sizes, got_sizes = _sizes_text(expected.domain_sizes), _sizes_text(detected.domain_sizes)
+        want_sizes, got_sizes = (
+            _sizes_text(expected.domain_sizes),
+            _sizes_text(detected.domain_sizes),
+        )
         first = next(
-            (
-                (w, g)
-                for w, g in zip(expected.nvlink_domains, detected.nvlink_domains)
-                if w != g
-            ),
+            ((w, g) for w, g in zip(expected.nvlink_domains, detected.nvlink_domains) if w != g),
             None,
         )
         detail = (
@@ -363,9 +372,7 @@ def compare_topology(expected: ClusterTopology, detected: ClusterTopology) -> li
             if first
             else ""
         )
-        problems.append(
-            f"NVLink domains: expected {want_sizes}, detected {got_sizes}{detail}"
-        )
+        problems.append(f"NVLink domains: expected {want_sizes}, detected {got_sizes}{detail}")
     return problems
 
 

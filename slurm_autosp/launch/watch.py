@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 import submitit
 from submitit.core.utils import pickle_load
@@ -35,7 +36,7 @@ class _LogFollower:
 
 def wait_for_job(
     job: submitit.Job, echo: Callable[[str], None] = print, poll_s: float = 0.5
-) -> List[Any]:
+) -> list[Any]:
     """Every rank's result, in rank order; raises JobFailed naming the first rank that failed."""
     tasks = [job.task(i) for i in range(job.num_tasks)]
     follower = _LogFollower(tasks[0].paths.stdout)
@@ -65,23 +66,41 @@ def _ended(job: submitit.Job) -> bool:
         return job.done()
     try:
         state = subprocess.run(
-            ["squeue", "-h", "-j", str(job.job_id), "-o", "%T"], capture_output=True, text=True, timeout=30
+            ["squeue", "-h", "-j", str(job.job_id), "-o", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=30,
         ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return False
     return state not in _LIVE_STATES
 
 
-_LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED", "PREEMPTED", "STOPPED", "SIGNALING", "STAGE_OUT"}
+_LIVE_STATES = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SUSPENDED",
+    "PREEMPTED",
+    "STOPPED",
+    "SIGNALING",
+    "STAGE_OUT",
+}
 
 
-def _first_failure(tasks: List[submitit.Job]) -> Optional[JobFailed]:
+def _first_failure(tasks: list[submitit.Job]) -> JobFailed | None:
     for rank, task in enumerate(tasks):
         if not task.paths.result_pickle.exists():
             continue
         outcome, payload = pickle_load(task.paths.result_pickle)
         if outcome == "error":
-            return JobFailed(f"rank {rank} failed:\n{str(payload).rstrip()}\n" + _log_tail(task, rank))
+            return JobFailed(
+                f"rank {rank} failed:\n{str(payload).rstrip()}\n" + _log_tail(task, rank)
+            )
     return None
 
 
@@ -90,7 +109,9 @@ def _log_tail(task: submitit.Job, rank: int, lines: int = 30) -> str:
     for path in (task.paths.stdout, task.paths.stderr):
         if path.exists():
             tail = path.read_text(errors="replace").splitlines()[-lines:]
-            parts.append(f"--- last {len(tail)} lines of rank {rank}'s {path} ---\n" + "\n".join(tail))
+            parts.append(
+                f"--- last {len(tail)} lines of rank {rank}'s {path} ---\n" + "\n".join(tail)
+            )
     return "\n".join(parts) or f"(rank {rank} wrote no log under {task.paths.folder})"
 
 

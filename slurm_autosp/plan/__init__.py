@@ -1,12 +1,34 @@
 """The memory plan: whether a job fits its GPUs, per term, before any GPU time is spent."""
 
-from slurm_autosp.plan.choose import TrainingChoices, build_plan, checkpoint_spec_for, training_choices, zero_stage_for
+from slurm_autosp.plan.choose import (
+    TrainingChoices,
+    build_plan,
+    checkpoint_spec_for,
+    training_choices,
+    zero_stage_for,
+)
 from slurm_autosp.plan.memory import MemoryPlan, ModelSize, PolicyMemory, model_size
 from slurm_autosp.plan.policies import AUTO_CANDIDATES
 from slurm_autosp.plan.render import PlanVerdict, plan_verdict, render
 from slurm_autosp.plan.trace import LayerTrace, SavedTensor, trace_decoder_layer
 from slurm_autosp.plan.verdict import verdict
 
-__all__ = ["AUTO_CANDIDATES", "LayerTrace", "MemoryPlan", "ModelSize", "PlanVerdict", "PolicyMemory", "build_plan",
-           "checkpoint_spec_for", "model_size", "plan_verdict", "render", "SavedTensor", "trace_decoder_layer",
-           "TrainingChoices", "training_choices", "verdict", "zero_stage_for"]
+__all__ = [
+    "AUTO_CANDIDATES",
+    "LayerTrace",
+    "MemoryPlan",
+    "ModelSize",
+    "PlanVerdict",
+    "PolicyMemory",
+    "build_plan",
+    "checkpoint_spec_for",
+    "model_size",
+    "plan_verdict",
+    "render",
+    "SavedTensor",
+    "trace_decoder_layer",
+    "TrainingChoices",
+    "training_choices",
+    "verdict",
+    "zero_stage_for",
+]

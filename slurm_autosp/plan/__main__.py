@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from typing import List, Optional
 
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.model import refuse_unsupported_attention
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
         return 0
@@ -38,7 +37,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if not cfg.cluster.uses_gpus:
         cfg.cluster.gpus_per_node = cfg.cluster.ranks_per_node  # plan as if each rank had a GPU
-        print(f"(CPU config: planned as {cfg.cluster.gpus_per_node} GPUs per node of {cfg.cluster.gpu_memory_gb:g} GB)")
+        print(
+            f"(CPU config: planned as {cfg.cluster.gpus_per_node} GPUs per node of {cfg.cluster.gpu_memory_gb:g} GB)"
+        )
     plan = build_plan(cfg)
     print(render(plan))
     return 0 if verdict(plan)[1] else 1

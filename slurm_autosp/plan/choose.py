@@ -15,7 +15,13 @@ import torch
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.config import ActivationCheckpointing, JobConfig, Precision
 from slurm_autosp.plan.memory import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
-from slurm_autosp.plan.policies import Rung, checkpoint_candidates, ladder, policy_from_plan, traced_specs
+from slurm_autosp.plan.policies import (
+    Rung,
+    checkpoint_candidates,
+    ladder,
+    policy_from_plan,
+    traced_specs,
+)
 from slurm_autosp.plan.trace import trace_decoder_layer
 
 
@@ -66,20 +72,30 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
     for tiled in sorted({r.tiled for r in rungs}):
         specs = list(dict.fromkeys(r.spec for r in rungs if r.tiled == tiled))
         layer_traces = trace_decoder_layer(
-            cfg.model, local_seq=local_seq, sp_size=sp, specs=specs, micro_batch=cfg.train.micro_batch, dtype=dtype,
+            cfg.model,
+            local_seq=local_seq,
+            sp_size=sp,
+            specs=specs,
+            micro_batch=cfg.train.micro_batch,
+            dtype=dtype,
             tiled=tiled,
         )
         traces.update({(spec, tiled): t for spec, t in zip(specs, layer_traces)})
     size = model_size(cfg)
     gpu_bytes = cfg.cluster.gpu_memory_gb * GB
     memories = {
-        stage: {r: policy_memory(cfg, traces[r.spec, r.tiled], size, stage, r) for r in dict.fromkeys(rungs)}
+        stage: {
+            r: policy_memory(cfg, traces[r.spec, r.tiled], size, stage, r)
+            for r in dict.fromkeys(rungs)
+        }
         for stage in (1, 3)
     }
     zero1_rung, _ = _choose_rung(cfg, memories[1], gpu_bytes)
     stage, stage_note = _choose_stage(cfg, memories[1][zero1_rung].fits(gpu_bytes))
     rung, policy_note = _choose_rung(cfg, memories[stage], gpu_bytes)
-    return MemoryPlan(cfg, size.total, gpu_bytes, stage, memories[stage][rung], memories, stage_note, policy_note)
+    return MemoryPlan(
+        cfg, size.total, gpu_bytes, stage, memories[stage][rung], memories, stage_note, policy_note
+    )
 
 
 def _has_plan(cfg: JobConfig) -> bool:
@@ -108,7 +124,9 @@ class TrainingChoices:
 def _plan_decides(cfg: JobConfig) -> bool:
     c = cfg.compile
     open_choice = cfg.parallel.zero_stage is None or policy_from_plan(cfg)
-    return _has_plan(cfg) and (open_choice or c.tile_tokens is None or c.offload_activations is None)
+    return _has_plan(cfg) and (
+        open_choice or c.tile_tokens is None or c.offload_activations is None
+    )
 
 
 def training_choices(cfg: JobConfig) -> TrainingChoices:
@@ -118,9 +136,14 @@ def training_choices(cfg: JobConfig) -> TrainingChoices:
     if _plan_decides(cfg):
         plan = build_plan(cfg)
         memory = plan.configured
-        return TrainingChoices(plan.zero_stage, memory.spec, memory.tile_tokens, memory.rung.offload)
+        return TrainingChoices(
+            plan.zero_stage, memory.spec, memory.tile_tokens, memory.rung.offload
+        )
     return TrainingChoices(
-        zero_stage_for(cfg), checkpoint_spec_for(cfg), cfg.compile.tile_tokens or 0, bool(cfg.compile.offload_activations)
+        zero_stage_for(cfg),
+        checkpoint_spec_for(cfg),
+        cfg.compile.tile_tokens or 0,
+        bool(cfg.compile.offload_activations),
     )
 
 
@@ -133,4 +156,6 @@ def checkpoint_spec_for(cfg: JobConfig) -> CheckpointSpec:
     if _has_plan(cfg):
         return build_plan(cfg).configured.spec
     budget = 1.0 if not cfg.cluster.uses_gpus else 0.0
-    return CheckpointSpec(Policy.sac, budget=budget, recompute_all_to_all=cfg.compile.recompute_all_to_all)
+    return CheckpointSpec(
+        Policy.sac, budget=budget, recompute_all_to_all=cfg.compile.recompute_all_to_all
+    )

@@ -37,18 +37,24 @@ from dataclasses import dataclass
 
 from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.config import JobConfig, Precision
-from slurm_autosp.plan.policies import Rung, rung_label, tile_tokens_for
 from slurm_autosp.model import hf_config
+from slurm_autosp.plan.policies import Rung, rung_label, tile_tokens_for
 from slurm_autosp.plan.trace import LayerTrace, hf_layer_classes
 
 GB = 1e9
 ZERO_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size and allgather_bucket_size
 ZERO1_OPTIMIZER_BYTES = 16  # fp32 master + Adam m + Adam v + fp32 gradient partition
-FSDP2_STATE_BYTES = {"parameters": 4, "gradients": 4, "optimizer_shard": 8}  # fp32 shard, fp32 grad, Adam m + v
+FSDP2_STATE_BYTES = {
+    "parameters": 4,
+    "gradients": 4,
+    "optimizer_shard": 8,
+}  # fp32 shard, fp32 grad, Adam m + v
 REDUCE_BYTES = 4  # FSDP2 reduce_dtype: fp32
 MARGIN_FRACTION = 0.10
 RUNTIME_RESERVE = 2**30
-HOST_USABLE = 0.8  # of a node's host memory, for offloaded activations (the rest: OS, data, pinned staging)
+HOST_USABLE = (
+    0.8  # of a node's host memory, for offloaded activations (the rest: OS, data, pinned staging)
+)
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,9 @@ def model_size(cfg: JobConfig) -> ModelSize:
         layer = sum(p.numel() for p in layer_class(config, 0).parameters())
     embedding = config.vocab_size * config.hidden_size
     head = 0 if getattr(config, "tie_word_embeddings", False) else embedding
-    return ModelSize(int(layer), config.num_hidden_layers, embedding + head + config.hidden_size, embedding)
+    return ModelSize(
+        int(layer), config.num_hidden_layers, embedding + head + config.hidden_size, embedding
+    )
 
 
 @dataclass
@@ -157,7 +165,11 @@ def _state_terms(cfg: JobConfig, size: ModelSize, zero_stage: int) -> dict[str, 
     b, world, params = _bytes_per_element(cfg), cfg.cluster.world_size, size.total
     if zero_stage == 3:
         return {name: nbytes * params / world for name, nbytes in FSDP2_STATE_BYTES.items()}
-    return {"parameters": b * params, "gradients": b * params, "optimizer_shard": ZERO1_OPTIMIZER_BYTES * params / world}
+    return {
+        "parameters": b * params,
+        "gradients": b * params,
+        "optimizer_shard": ZERO1_OPTIMIZER_BYTES * params / world,
+    }
 
 
 def _gathered_weights(cfg: JobConfig, size: ModelSize) -> float:
@@ -167,7 +179,9 @@ def _gathered_weights(cfg: JobConfig, size: ModelSize) -> float:
     return b * (size.root + 2 * size.layer + size.head) + (b + REDUCE_BYTES) * size.layer
 
 
-def policy_memory(cfg: JobConfig, trace: LayerTrace, size: ModelSize, zero_stage: int, rung: Rung) -> PolicyMemory:
+def policy_memory(
+    cfg: JobConfig, trace: LayerTrace, size: ModelSize, zero_stage: int, rung: Rung
+) -> PolicyMemory:
     """One rung's terms under one ZeRO stage, and the bytes per token of those that grow with the sequence.
 
     Offload moves the layers' saved tensors and the loss's saved inputs to host memory: on the
@@ -180,7 +194,9 @@ def policy_memory(cfg: JobConfig, trace: LayerTrace, size: ModelSize, zero_stage
     hidden, vocab = hf.hidden_size, hf.vocab_size
     chunk = min(tokens, cfg.compile.loss_chunk_tokens or tokens)
     layers_saved = size.layers * trace.activation_bytes / tokens
-    loss_saved = hidden * 4 + 4 + hidden * b + 8  # final norm: its fp32 input and rsqrt; the lm_head input; the labels
+    loss_saved = (
+        hidden * 4 + 4 + hidden * b + 8
+    )  # final norm: its fp32 input and rsqrt; the lm_head input; the labels
     resident_layers = min(2, size.layers) if rung.offload else size.layers
     per_token = {
         "activations": (resident_layers * trace.activation_bytes + trace.shared_bytes) / tokens,
@@ -201,8 +217,12 @@ def policy_memory(cfg: JobConfig, trace: LayerTrace, size: ModelSize, zero_stage
         "communication": per_token["communication_all_to_all"] * tokens + buckets,
         "recompute_working": per_token["recompute_working"] * tokens + tile_working,
     }
-    growing = sum(per_token.values()) + (vocab * (b + 8) if not cfg.compile.loss_chunk_tokens else 0)
+    growing = sum(per_token.values()) + (
+        vocab * (b + 8) if not cfg.compile.loss_chunk_tokens else 0
+    )
     fixed = sum(terms.values()) - growing * tokens
     host_per_token = layers_saved + loss_saved if rung.offload else 0.0
     host_per_rank = cfg.cluster.host_memory_gb * GB * HOST_USABLE / cfg.cluster.ranks_per_node
-    return PolicyMemory(rung_label(rung), rung, terms, growing, fixed, trace, host_per_token, host_per_rank, tile)
+    return PolicyMemory(
+        rung_label(rung), rung, terms, growing, fixed, trace, host_per_token, host_per_rank, tile
+    )

@@ -14,7 +14,9 @@ from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 
 SAC_BUDGETS = (1.0, 0.75, 0.5, 0.25, 0.0)
-TILE_BYTES = 2**28  # the plan's tile: the most tokens whose MLP intermediate fits in 256 MiB (a power of two)
+TILE_BYTES = (
+    2**28
+)  # the plan's tile: the most tokens whose MLP intermediate fits in 256 MiB (a power of two)
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,10 @@ class Rung:
 
 
 def _sac_candidates(recompute_all_to_all: bool) -> tuple[CheckpointSpec, ...]:
-    return tuple(CheckpointSpec(Policy.sac, budget=x, recompute_all_to_all=recompute_all_to_all) for x in SAC_BUDGETS)
+    return tuple(
+        CheckpointSpec(Policy.sac, budget=x, recompute_all_to_all=recompute_all_to_all)
+        for x in SAC_BUDGETS
+    )
 
 
 # What `auto` chooses from, least recomputation first.
@@ -39,8 +44,10 @@ AUTO_CANDIDATES = (
 )
 
 
-_LEAST_MEMORY = (CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True),
-                 CheckpointSpec(Policy.full, recompute_all_to_all=True))
+_LEAST_MEMORY = (
+    CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True),
+    CheckpointSpec(Policy.full, recompute_all_to_all=True),
+)
 
 
 def ladder(cfg: JobConfig) -> tuple[Rung, ...]:
@@ -52,13 +59,23 @@ def ladder(cfg: JobConfig) -> tuple[Rung, ...]:
     rungs = [Rung(spec) for spec in candidates]
     if tiling is None or offload is None:
         tail = [spec for spec in candidates if spec in _LEAST_MEMORY] or [candidates[-1]]
-        rungs += [Rung(spec, tiled=True) for spec in tail] + [Rung(spec, tiled=True, offload=True) for spec in tail]
-    fixed = [Rung(r.spec, r.tiled if tiling is None else tiling > 0, r.offload if offload is None else offload)
-             for r in rungs]
+        rungs += [Rung(spec, tiled=True) for spec in tail] + [
+            Rung(spec, tiled=True, offload=True) for spec in tail
+        ]
+    fixed = [
+        Rung(
+            r.spec,
+            r.tiled if tiling is None else tiling > 0,
+            r.offload if offload is None else offload,
+        )
+        for r in rungs
+    ]
     return tuple(dict.fromkeys(fixed))
 
 
-def tile_tokens_for(cfg: JobConfig, intermediate_size: int, bytes_per_element: int, local_tokens: int) -> int:
+def tile_tokens_for(
+    cfg: JobConfig, intermediate_size: int, bytes_per_element: int, local_tokens: int
+) -> int:
     """The configured tile, or the plan's: a power of two whose MLP intermediate fits TILE_BYTES,
     at most the local sequence."""
     if cfg.compile.tile_tokens:
@@ -69,14 +86,19 @@ def tile_tokens_for(cfg: JobConfig, intermediate_size: int, bytes_per_element: i
 
 def rung_label(rung: Rung) -> str:
     """e.g. "full (all-to-all recomputed) + tiling + offload"."""
-    return spec_label(rung.spec) + (" + tiling" if rung.tiled else "") + (" + offload" if rung.offload else "")
+    return (
+        spec_label(rung.spec)
+        + (" + tiling" if rung.tiled else "")
+        + (" + offload" if rung.offload else "")
+    )
 
 
 def policy_from_plan(cfg: JobConfig) -> bool:
     """Whether the plan chooses the checkpointing: `auto`, or `sac` with its budget left null."""
     c = cfg.compile
     return c.activation_checkpointing is ActivationCheckpointing.auto or (
-        c.activation_checkpointing is ActivationCheckpointing.sac and c.activation_memory_budget is None
+        c.activation_checkpointing is ActivationCheckpointing.sac
+        and c.activation_memory_budget is None
     )
 
 
@@ -108,7 +130,11 @@ def traced_specs(cfg: JobConfig) -> list[CheckpointSpec]:
 
 def spec_label(spec: CheckpointSpec) -> str:
     """e.g. "sac (budget 0.5, all-to-all recomputed)"."""
-    a2a = "all-to-all recomputed" if spec.recompute_all_to_all and spec.policy is not Policy.torch_default else ""
+    a2a = (
+        "all-to-all recomputed"
+        if spec.recompute_all_to_all and spec.policy is not Policy.torch_default
+        else ""
+    )
     if spec.policy is Policy.sac:
         return f"sac (budget {spec.budget:g}{', ' + a2a if a2a else ''})"
     return f"{spec.policy.value} ({a2a})" if a2a else spec.policy.value

@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 from slurm_autosp.checkpoint.estimate import signal_delay_warning
 from slurm_autosp.config import JobConfig
+from slurm_autosp.model import hf_config
 from slurm_autosp.plan.choose import build_plan, zero_stage_for
 from slurm_autosp.plan.memory import GB, MemoryPlan
-from slurm_autosp.model import hf_config
 from slurm_autosp.plan.verdict import verdict
 
 ENGINES = {1: "DeepSpeed", 3: "FSDP2"}
@@ -50,11 +50,15 @@ def render(plan: MemoryPlan) -> str:
         f"{t.all_to_all_backward}"
     )
     if memory.tile_tokens:
-        lines.append(f"  sequence tiling: the MLP runs in tiles of {memory.tile_tokens:,} tokens (recomputed tile by tile)")
+        lines.append(
+            f"  sequence tiling: the MLP runs in tiles of {memory.tile_tokens:,} tokens (recomputed tile by tile)"
+        )
     if memory.rung.offload:
         lines.append("  " + offload_line(plan))
-    lines.append(f"longest sequence that fits (this cluster shape, per policy; GB per GPU under ZeRO-{plan.zero_stage} "
-                 f"at seq {cfg.data.seq_len}):")
+    lines.append(
+        f"longest sequence that fits (this cluster shape, per policy; GB per GPU under ZeRO-{plan.zero_stage} "
+        f"at seq {cfg.data.seq_len}):"
+    )
     for rung, p in plan.memories[plan.zero_stage].items():
         chosen = "   <- chosen" if rung == memory.rung else ""
         lines.append(
@@ -76,10 +80,12 @@ def offload_line(plan: MemoryPlan) -> str:
     peak = cfg.trace.peak_tflops_per_gpu or OFFLOAD_REFERENCE_TFLOPS
     compute = t.forward_flops / (peak * 1e12 * OFFLOAD_REFERENCE_MFU)
     hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
-    return (f"activation offload: {node / GB:,.0f} GB of host memory per node (cluster.host_memory_gb="
-            f"{c.host_memory_gb:g}, 80% usable); {t.activation_bytes / GB:.2f} GB per layer each way at "
-            f"{c.host_link_gb_per_s:g} GB/s = {seconds * 1e3:.0f} ms, {hidden} the layer's forward "
-            f"({compute * 1e3:.0f} ms at {OFFLOAD_REFERENCE_MFU:.0%} of {peak:g} TFLOP/s)")
+    return (
+        f"activation offload: {node / GB:,.0f} GB of host memory per node (cluster.host_memory_gb="
+        f"{c.host_memory_gb:g}, 80% usable); {t.activation_bytes / GB:.2f} GB per layer each way at "
+        f"{c.host_link_gb_per_s:g} GB/s = {seconds * 1e3:.0f} ms, {hidden} the layer's forward "
+        f"({compute * 1e3:.0f} ms at {OFFLOAD_REFERENCE_MFU:.0%} of {peak:g} TFLOP/s)"
+    )
 
 
 class PlanVerdict(NamedTuple):
@@ -93,10 +99,17 @@ def plan_verdict(cfg: JobConfig) -> PlanVerdict:
     """What submit prints and decides on. CPU jobs have no GPU memory to plan against: they
     always fit."""
     if not cfg.cluster.uses_gpus:
-        return PlanVerdict("memory plan: CPU ranks, no GPU memory to plan against", True, "", zero_stage_for(cfg))
+        return PlanVerdict(
+            "memory plan: CPU ranks, no GPU memory to plan against", True, "", zero_stage_for(cfg)
+        )
     if cfg.model.builder:
-        return PlanVerdict("memory plan: not available for model.builder models (the plan traces a Hugging Face "
-                           "decoder layer); nothing checked", True, "", zero_stage_for(cfg))
+        return PlanVerdict(
+            "memory plan: not available for model.builder models (the plan traces a Hugging Face "
+            "decoder layer); nothing checked",
+            True,
+            "",
+            zero_stage_for(cfg),
+        )
     plan = build_plan(cfg)
     text = render(plan)
     _, fits, reason = verdict(plan)
@@ -104,4 +117,3 @@ def plan_verdict(cfg: JobConfig) -> PlanVerdict:
     if warning:
         text += f"\nwarning: {warning}"
     return PlanVerdict(text, fits, reason, plan.zero_stage)
-

@@ -23,10 +23,10 @@ from slurm_autosp.compile.backend import rewrite_sdpa_for_sp
 from slurm_autosp.compile.checkpointing import (
     ALL_TO_ALL,
     CheckpointSpec,
-    is_attention,
-    is_view,
     inductor_config_patches,
+    is_attention,
     is_quadratic,
+    is_view,
     node_flops,
     tensor_bytes,
 )
@@ -80,7 +80,11 @@ class LayerTrace:
 
     @property
     def quadratic_saved(self) -> list[SavedTensor]:
-        return [t for t in self.saved if t.kind == "activation" and is_quadratic(t.shape, self.local_seq, self.sp_size)]
+        return [
+            t
+            for t in self.saved
+            if t.kind == "activation" and is_quadratic(t.shape, self.local_seq, self.sp_size)
+        ]
 
     @property
     def working_bytes(self) -> int:
@@ -98,7 +102,11 @@ def peak_live_bytes(graph: fx.Graph) -> int:
     base: dict[fx.Node, fx.Node] = {}
     last_use: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and (is_view(node) or node.target is operator.getitem) and node.args:
+        if (
+            node.op == "call_function"
+            and (is_view(node) or node.target is operator.getitem)
+            and node.args
+        ):
             parent = node.args[0]
             if isinstance(parent, fx.Node):
                 base[node] = base.get(parent, parent)
@@ -119,13 +127,22 @@ def hf_layer_classes(model: ModelConfig) -> tuple[type, type]:
     """The decoder-layer and rotary-embedding classes of an HF causal LM family."""
     layer_class = hf_decoder_layer_class(hf_config(model))
     module = sys.modules[layer_class.__module__]
-    rotary = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_")]
+    rotary = [
+        getattr(module, n)
+        for n in dir(module)
+        if n.endswith("RotaryEmbedding") and not n.startswith("_")
+    ]
     return layer_class, rotary[0]
 
 
 def _partitioned_graphs(
-    model: ModelConfig, local_seq: int, sp_size: int, micro_batch: int, dtype: torch.dtype,
-    specs: list[CheckpointSpec], tiled: bool,
+    model: ModelConfig,
+    local_seq: int,
+    sp_size: int,
+    micro_batch: int,
+    dtype: torch.dtype,
+    specs: list[CheckpointSpec],
+    tiled: bool,
 ) -> tuple[list[tuple[fx.GraphModule, fx.GraphModule]], list[bool]]:
     """Trace the joint graph once; partition a copy of it under each spec."""
     from torch._functorch.aot_autograd import aot_module_simplified
@@ -142,15 +159,21 @@ def _partitioned_graphs(
     def partition_each(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         for spec in specs:
             with torch._inductor.config.patch(inductor_config_patches(spec)):
-                partitions.append(compile_fx.partition_fn(copy.deepcopy(joint), joint_inputs, **kwargs))
+                partitions.append(
+                    compile_fx.partition_fn(copy.deepcopy(joint), joint_inputs, **kwargs)
+                )
         return partitions[0]
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> Any:
         rewrite_sdpa_for_sp(gm, sp_size)
         is_parameter.extend(isinstance(i, torch.nn.Parameter) for i in example_inputs)
         return aot_module_simplified(
-            gm, example_inputs, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-            partition_fn=partition_each, decompositions=select_decomp_table(),
+            gm,
+            example_inputs,
+            fw_compiler=lambda g, _: g,
+            bw_compiler=lambda g, _: g,
+            partition_fn=partition_each,
+            decompositions=select_decomp_table(),
         )
 
     torch._dynamo.reset()
@@ -163,7 +186,9 @@ def _partitioned_graphs(
                 layer.mlp = torch.nn.Identity()  # a tiled MLP runs outside the layer's graph
             rotary = rotary_class(config)
             torch.set_default_dtype(previous_dtype)
-            hidden = torch.empty(micro_batch, local_seq, config.hidden_size, dtype=dtype, requires_grad=True)
+            hidden = torch.empty(
+                micro_batch, local_seq, config.hidden_size, dtype=dtype, requires_grad=True
+            )
             position_ids = torch.arange(local_seq).expand(micro_batch, local_seq)
             cos, sin = rotary(hidden, position_ids)
             torch.compile(layer, backend=backend)(
@@ -192,7 +217,9 @@ def trace_decoder_layer(
     recomputes in backward are added here. Its per-tile working memory does not grow with the
     sequence and is the memory plan's to add.
     """
-    partitions, is_parameter = _partitioned_graphs(model, local_seq, sp_size, micro_batch, dtype, specs, tiled)
+    partitions, is_parameter = _partitioned_graphs(
+        model, local_seq, sp_size, micro_batch, dtype, specs, tiled
+    )
     traces = [
         _read_partition(spec, forward, backward, is_parameter, local_seq, micro_batch, sp_size)
         for spec, (forward, backward) in zip(specs, partitions)
@@ -204,16 +231,31 @@ def trace_decoder_layer(
         mlp_flops = 2 * 3 * config.hidden_size * config.intermediate_size * micro_batch * local_seq
         for trace in traces:
             trace.tiled = True
-            trace.saved.append(SavedTensor("tiled_mlp_input", shape, str(dtype).removeprefix("torch."), nbytes, "activation"))
+            trace.saved.append(
+                SavedTensor(
+                    "tiled_mlp_input",
+                    shape,
+                    str(dtype).removeprefix("torch."),
+                    nbytes,
+                    "activation",
+                )
+            )
             trace.forward_flops += mlp_flops
-            trace.backward_flops += 3 * mlp_flops  # the recomputed forward, then input and weight gradients
+            trace.backward_flops += (
+                3 * mlp_flops
+            )  # the recomputed forward, then input and weight gradients
             trace.recompute_flops += mlp_flops
     return traces
 
 
 def _read_partition(
-    spec: CheckpointSpec, forward: fx.GraphModule, backward: fx.GraphModule, is_parameter: list[bool],
-    local_seq: int, micro_batch: int, sp_size: int,
+    spec: CheckpointSpec,
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    is_parameter: list[bool],
+    local_seq: int,
+    micro_batch: int,
+    sp_size: int,
 ) -> LayerTrace:
     trace = LayerTrace(spec=spec, local_seq=local_seq, micro_batch=micro_batch, sp_size=sp_size)
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
@@ -235,7 +277,11 @@ def _read_partition(
         else:
             kind = "activation"
         shape = tuple(int(s) for s in value.shape)
-        trace.saved.append(SavedTensor(node.name, shape, str(value.dtype).removeprefix("torch."), tensor_bytes(node), kind))
+        trace.saved.append(
+            SavedTensor(
+                node.name, shape, str(value.dtype).removeprefix("torch."), tensor_bytes(node), kind
+            )
+        )
 
     forward_names = set()
     for node in forward.graph.nodes:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 from slurm_autosp.heads import valid_sp_sizes
+from slurm_autosp.model import hf_config
 from slurm_autosp.plan.choose import whole_model_graph
 from slurm_autosp.plan.memory import GB, MARGIN_FRACTION, RUNTIME_RESERVE, MemoryPlan, PolicyMemory
-from slurm_autosp.model import hf_config
 
 
 def biggest_term(memory: PolicyMemory) -> tuple[str, float]:
@@ -32,11 +32,18 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
     other = 3 if plan.zero_stage == 1 else 1
     fitting = [p.label for p in plan.memories[other].values() if p.fits(plan.gpu_bytes)]
     if fitting:
-        what = "parameter sharding (parallel.zero_stage=3" if other == 3 else "ZeRO-1 (parallel.zero_stage=1"
+        what = (
+            "parameter sharding (parallel.zero_stage=3"
+            if other == 3
+            else "ZeRO-1 (parallel.zero_stage=1"
+        )
         per_layer = ", compile.per_layer=true" if other == 3 and whole_model_graph(cfg) else ""
         options.append(f"{what}{per_layer}) with: " + ", ".join(fitting))
     hf = hf_config(cfg.model)
-    heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    heads, kv = (
+        hf.num_attention_heads,
+        getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+    )
     domain = cfg.cluster.nvlink_domain_size or cfg.cluster.ranks_per_node
     for sp in valid_sp_sizes(heads, kv):
         if sp <= cfg.parallel.sp_size or sp > cfg.cluster.world_size:
@@ -46,15 +53,24 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
         for stage, memories in plan.memories.items():
             for memory in memories.values():
                 tokens = memory.trace.tokens * scale
-                total = (memory.fixed + memory.per_token * tokens) * (1 + MARGIN_FRACTION) + RUNTIME_RESERVE
+                total = (memory.fixed + memory.per_token * tokens) * (
+                    1 + MARGIN_FRACTION
+                ) + RUNTIME_RESERVE
                 host_fits = memory.host_per_token * tokens <= memory.host_bytes_per_rank
-                if total <= plan.gpu_bytes and host_fits:  # prefer no sharding, the least recomputation, no offload
-                    fitting.append(((stage, memory.trace.recompute_flops, memory.rung.offload), memory, stage))
+                if (
+                    total <= plan.gpu_bytes and host_fits
+                ):  # prefer no sharding, the least recomputation, no offload
+                    fitting.append(
+                        ((stage, memory.trace.recompute_flops, memory.rung.offload), memory, stage)
+                    )
         if fitting:
             _, memory, stage = min(fitting, key=lambda item: item[0])
             where = "" if sp <= domain else f" (beyond the NVLink domain of {domain})"
             setting = _stage_setting(cfg, stage)
-            options.append(f"parallel.sp_size={sp}{where} with {memory.label}" + (f" and {setting}" if setting else ""))
+            options.append(
+                f"parallel.sp_size={sp}{where} with {memory.label}"
+                + (f" and {setting}" if setting else "")
+            )
             break
     return options
 
@@ -64,15 +80,28 @@ def verdict(plan: MemoryPlan) -> tuple[str, bool, str]:
     if plan.fits:
         sac = plan.cfg.compile.activation_checkpointing is ActivationCheckpointing.sac
         budget = f" (compile.activation_memory_budget={memory.spec.budget:g})" if sac else ""
-        return (f"verdict: fits: {memory.total / GB:.1f} of {plan.gpu_bytes / GB:g} GB per GPU under "
-                f"ZeRO-{plan.zero_stage} with {memory.label}{budget}", True, "")
+        return (
+            f"verdict: fits: {memory.total / GB:.1f} of {plan.gpu_bytes / GB:g} GB per GPU under "
+            f"ZeRO-{plan.zero_stage} with {memory.label}{budget}",
+            True,
+            "",
+        )
     name, value = biggest_term(memory)
-    reason = (f"needs {memory.total / GB:.1f} GB per GPU under ZeRO-{plan.zero_stage}, the GPU has "
-              f"{plan.gpu_bytes / GB:g} GB; the biggest term is {name} ({value / GB:.1f} GB)")
+    reason = (
+        f"needs {memory.total / GB:.1f} GB per GPU under ZeRO-{plan.zero_stage}, the GPU has "
+        f"{plan.gpu_bytes / GB:g} GB; the biggest term is {name} ({value / GB:.1f} GB)"
+    )
     if plan.zero_stage == 1 and name in ("parameters", "gradients"):
-        reason += (": under ZeRO-1 every GPU holds the full weights and gradients "
-                   f"({(memory.terms['parameters'] + memory.terms['gradients']) / GB:.0f} GB)")
+        reason += (
+            ": under ZeRO-1 every GPU holds the full weights and gradients "
+            f"({(memory.terms['parameters'] + memory.terms['gradients']) / GB:.0f} GB)"
+        )
     options = _alternatives(plan)
-    fix = ("would fit: " + "; ".join(options)) if options else (
-        "nothing tried here fits (more GPUs in SP, other checkpointing policies, parameter sharding)")
+    fix = (
+        ("would fit: " + "; ".join(options))
+        if options
+        else (
+            "nothing tried here fits (more GPUs in SP, other checkpointing policies, parameter sharding)"
+        )
+    )
     return f"verdict: does not fit: {reason}\n  {fix}", False, f"{reason}. {fix}"

@@ -18,7 +18,6 @@ context; MFU here is the work actually needed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 import torch
 
@@ -46,8 +45,8 @@ PEAK_BF16_TFLOPS = (
 @dataclass(frozen=True)
 class FlopCount:
     dense_params: int
-    layers: Optional[int]  # None: not an HF-style model; the attention term is left out
-    attn_width: Optional[int]
+    layers: int | None  # None: not an HF-style model; the attention term is left out
+    attn_width: int | None
     seq_len: int
     sequences_per_step: int
 
@@ -92,10 +91,12 @@ def count_flops(model: torch.nn.Module, seq_len: int, sequences_per_step: int) -
     if head_dim is None and heads and getattr(config, "hidden_size", None):
         head_dim = config.hidden_size // heads
     attn_width = heads * head_dim if heads and head_dim else None
-    return FlopCount(params, layers if attn_width else None, attn_width, seq_len, sequences_per_step)
+    return FlopCount(
+        params, layers if attn_width else None, attn_width, seq_len, sequences_per_step
+    )
 
 
-def _input_embedding(model: torch.nn.Module) -> Optional[torch.Tensor]:
+def _input_embedding(model: torch.nn.Module) -> torch.Tensor | None:
     get = getattr(model, "get_input_embeddings", None)
     module = get() if callable(get) else None
     return getattr(module, "weight", None)
@@ -107,7 +108,9 @@ def _tied_to_output(model: torch.nn.Module, embedding: torch.Tensor) -> bool:
     return getattr(head, "weight", None) is embedding
 
 
-def peak_tflops(configured: Optional[float], device: torch.device, bf16: bool) -> Tuple[Optional[float], str]:
+def peak_tflops(
+    configured: float | None, device: torch.device, bf16: bool
+) -> tuple[float | None, str]:
     """The per-device peak MFU is measured against, and where it came from. None on CPU and on
     GPUs not in the table (set trace.peak_tflops_per_gpu), and for fp32 training (the table
     holds bf16 peaks)."""
@@ -117,7 +120,10 @@ def peak_tflops(configured: Optional[float], device: torch.device, bf16: bool) -
         return None, "CPU: no peak FLOP/s, so no MFU (TFLOP/s is still reported)"
     name = torch.cuda.get_device_name(device)
     if not bf16:
-        return None, f"{name} in fp32: the table holds bf16 peaks; set trace.peak_tflops_per_gpu for MFU"
+        return (
+            None,
+            f"{name} in fp32: the table holds bf16 peaks; set trace.peak_tflops_per_gpu for MFU",
+        )
     for key, tflops in PEAK_BF16_TFLOPS:
         if key in name.upper():
             return tflops, f"dense bf16 peak of {name}"

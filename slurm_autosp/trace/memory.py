@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -50,7 +50,7 @@ class MemoryReader:
         except OSError:
             pass
 
-    def read(self) -> Tuple[int, int, int]:
+    def read(self) -> tuple[int, int, int]:
         if self.on_gpu:
             stats = torch.cuda.memory_stats(self.device)
             return (
@@ -65,7 +65,7 @@ class MemoryReader:
             return 0, 0, 0
         return _kib_field(status, b"VmRSS:") * 1024, _kib_field(status, b"VmHWM:") * 1024, 0
 
-    def read_and_reset(self) -> Tuple[int, int, int]:
+    def read_and_reset(self) -> tuple[int, int, int]:
         sample = self.read()
         self.reset_peak()
         return sample
@@ -87,18 +87,18 @@ class MemoryTrace:
     step: int
     measure: str  # "allocated" (GPU) or "rss" (CPU)
     description: str
-    times: List[float] = field(default_factory=list)
-    current: List[int] = field(default_factory=list)
-    peak: List[int] = field(default_factory=list)
-    reserved: List[int] = field(default_factory=list)
-    marks: List[Tuple[float, str]] = field(default_factory=list)  # phase boundaries, module hooks
-    phases: List[Tuple[str, float, float]] = field(default_factory=list)  # (name, start, end)
+    times: list[float] = field(default_factory=list)
+    current: list[int] = field(default_factory=list)
+    peak: list[int] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)
+    marks: list[tuple[float, str]] = field(default_factory=list)  # phase boundaries, module hooks
+    phases: list[tuple[str, float, float]] = field(default_factory=list)  # (name, start, end)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> "MemoryTrace":
+    def from_dict(cls, data: dict[str, Any]) -> MemoryTrace:
         data = dict(data)
         data["marks"] = [tuple(m) for m in data.get("marks", [])]
         data["phases"] = [tuple(p) for p in data.get("phases", [])]
@@ -116,9 +116,9 @@ class MemoryTrace:
     def peak_reserved_bytes(self) -> int:
         return max(self.reserved, default=0)
 
-    def phase_at(self, t: float) -> Tuple[str, int]:
+    def phase_at(self, t: float) -> tuple[str, int]:
         """The phase running at time t and which occurrence of it (micro-batch, from 0)."""
-        seen: Dict[str, int] = {}
+        seen: dict[str, int] = {}
         found = ("between phases", 0)
         for name, start, end in self.phases:
             index = seen.get(name, 0)
@@ -158,17 +158,24 @@ class MemoryTimeline:
     output labels the start of its backward.
     """
 
-    def __init__(self, reader: MemoryReader, rank: int, step: int, interval_s: float, model: Optional[torch.nn.Module]):
+    def __init__(
+        self,
+        reader: MemoryReader,
+        rank: int,
+        step: int,
+        interval_s: float,
+        model: torch.nn.Module | None,
+    ):
         self.reader = reader
         self.trace = MemoryTrace(rank, step, reader.measure, reader.description)
         self.interval_s = interval_s
         self.model = model
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._handles: List[Any] = []
+        self._thread: threading.Thread | None = None
+        self._handles: list[Any] = []
         self._t0 = 0.0
-        self._open_phase: Optional[Tuple[str, float]] = None
+        self._open_phase: tuple[str, float] | None = None
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
@@ -177,7 +184,9 @@ class MemoryTimeline:
         if self.model is not None:
             self._install_hooks(self.model)
         if self.interval_s > 0:
-            self._thread = threading.Thread(target=self._sample_until_stopped, name="memory-trace", daemon=True)
+            self._thread = threading.Thread(
+                target=self._sample_until_stopped, name="memory-trace", daemon=True
+            )
             self._thread.start()
 
     def stop(self) -> MemoryTrace:
@@ -190,7 +199,7 @@ class MemoryTimeline:
         self.mark("step end")
         return self.trace
 
-    def mark(self, label: Optional[str] = None) -> float:
+    def mark(self, label: str | None = None) -> float:
         with self._lock:
             t = time.perf_counter() - self._t0
             current, peak, reserved = self.reader.read_and_reset()
@@ -248,16 +257,24 @@ class MemoryTimeline:
 def _hookable_modules(model: torch.nn.Module, max_depth: int = 3):
     """(name, module) of the modules within `max_depth` of the root that run outside compiled
     regions; containers that are never called (ModuleList, ModuleDict) are skipped."""
-    compiled = [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    compiled = [
+        name
+        for name, m in model.named_modules()
+        if getattr(m, "_compiled_call_impl", None) is not None
+    ]
     for name, module in model.named_modules():
         depth = name.count(".") + 1 if name else 0
         inside_compiled = any(name == c or name.startswith(c + ".") or c == "" for c in compiled)
-        if depth > max_depth or inside_compiled or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        if (
+            depth > max_depth
+            or inside_compiled
+            or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        ):
             continue
         yield name, module
 
 
-def _tensors(output: Any) -> List[torch.Tensor]:
+def _tensors(output: Any) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, dict):
@@ -276,7 +293,7 @@ def start_memory_history() -> None:
     torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=200_000)
 
 
-def dump_memory_snapshot(path: Path, stop: bool = True) -> Optional[Path]:
+def dump_memory_snapshot(path: Path, stop: bool = True) -> Path | None:
     """Write PyTorch's memory snapshot (what pytorch.org/memory_viz reads) to `path`."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import functools
 import struct
 import zlib
-from typing import Tuple
 
 import numpy as np
 
-Color = Tuple[int, int, int]
+Color = tuple[int, int, int]
 
 
 def encode_png(rgb: np.ndarray) -> bytes:
@@ -21,7 +20,9 @@ def encode_png(rgb: np.ndarray) -> bytes:
     rows = np.concatenate([np.zeros((height, 1), np.uint8), rgb.reshape(height, width * 3)], axis=1)
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (
@@ -34,22 +35,54 @@ def encode_png(rgb: np.ndarray) -> bytes:
 
 # A 3x5 pixel font, upper case only: each glyph is five rows of three cells, '#' set.
 _GLYPHS = {
-    "0": "### #.# #.# #.# ###", "1": ".#. ##. .#. .#. ###", "2": "### ..# ### #.. ###",
-    "3": "### ..# .## ..# ###", "4": "#.# #.# ### ..# ..#", "5": "### #.. ### ..# ###",
-    "6": "### #.. ### #.# ###", "7": "### ..# ..# .#. .#.", "8": "### #.# ### #.# ###",
-    "9": "### #.# ### ..# ###", "A": ".#. #.# ### #.# #.#", "B": "##. #.# ##. #.# ##.",
-    "C": ".## #.. #.. #.. .##", "D": "##. #.# #.# #.# ##.", "E": "### #.. ##. #.. ###",
-    "F": "### #.. ##. #.. #..", "G": ".## #.. #.# #.# .##", "H": "#.# #.# ### #.# #.#",
-    "I": "### .#. .#. .#. ###", "J": "..# ..# ..# #.# .#.", "K": "#.# #.# ##. #.# #.#",
-    "L": "#.. #.. #.. #.. ###", "M": "#.# ### ### #.# #.#", "N": "##. #.# #.# #.# #.#",
-    "O": ".#. #.# #.# #.# .#.", "P": "##. #.# ##. #.. #..", "Q": ".#. #.# #.# ##. .##",
-    "R": "##. #.# ##. #.# #.#", "S": ".## #.. .#. ..# ##.", "T": "### .#. .#. .#. .#.",
-    "U": "#.# #.# #.# #.# ###", "V": "#.# #.# #.# #.# .#.", "W": "#.# #.# ### ### #.#",
-    "X": "#.# #.# .#. #.# #.#", "Y": "#.# #.# .#. .#. .#.", "Z": "### ..# .#. #.. ###",
-    " ": "... ... ... ... ...", ".": "... ... ... ... .#.", ":": "... .#. ... .#. ...",
-    "-": "... ... ### ... ...", "/": "..# ..# .#. #.. #..", "(": ".#. #.. #.. #.. .#.",
-    ")": ".#. ..# ..# ..# .#.", "%": "#.# ..# .#. #.. #.#", ",": "... ... ... .#. #..",
-    "=": "... ### ... ### ...", "+": "... .#. ### .#. ...", "_": "... ... ... ... ###",
+    "0": "### #.# #.# #.# ###",
+    "1": ".#. ##. .#. .#. ###",
+    "2": "### ..# ### #.. ###",
+    "3": "### ..# .## ..# ###",
+    "4": "#.# #.# ### ..# ..#",
+    "5": "### #.. ### ..# ###",
+    "6": "### #.. ### #.# ###",
+    "7": "### ..# ..# .#. .#.",
+    "8": "### #.# ### #.# ###",
+    "9": "### #.# ### ..# ###",
+    "A": ".#. #.# ### #.# #.#",
+    "B": "##. #.# ##. #.# ##.",
+    "C": ".## #.. #.. #.. .##",
+    "D": "##. #.# #.# #.# ##.",
+    "E": "### #.. ##. #.. ###",
+    "F": "### #.. ##. #.. #..",
+    "G": ".## #.. #.# #.# .##",
+    "H": "#.# #.# ### #.# #.#",
+    "I": "### .#. .#. .#. ###",
+    "J": "..# ..# ..# #.# .#.",
+    "K": "#.# #.# ##. #.# #.#",
+    "L": "#.. #.. #.. #.. ###",
+    "M": "#.# ### ### #.# #.#",
+    "N": "##. #.# #.# #.# #.#",
+    "O": ".#. #.# #.# #.# .#.",
+    "P": "##. #.# ##. #.. #..",
+    "Q": ".#. #.# #.# ##. .##",
+    "R": "##. #.# ##. #.# #.#",
+    "S": ".## #.. .#. ..# ##.",
+    "T": "### .#. .#. .#. .#.",
+    "U": "#.# #.# #.# #.# ###",
+    "V": "#.# #.# #.# #.# .#.",
+    "W": "#.# #.# ### ### #.#",
+    "X": "#.# #.# .#. #.# #.#",
+    "Y": "#.# #.# .#. .#. .#.",
+    "Z": "### ..# .#. #.. ###",
+    " ": "... ... ... ... ...",
+    ".": "... ... ... ... .#.",
+    ":": "... .#. ... .#. ...",
+    "-": "... ... ### ... ...",
+    "/": "..# ..# .#. #.. #..",
+    "(": ".#. #.. #.. #.. .#.",
+    ")": ".#. ..# ..# ..# .#.",
+    "%": "#.# ..# .#. #.. #.#",
+    ",": "... ... ... .#. #..",
+    "=": "... ### ... ### ...",
+    "+": "... .#. ### .#. ...",
+    "_": "... ... ... ... ###",
 }
 _MASKS = {
     ch: np.array([[cell == "#" for cell in row] for row in rows.split()], dtype=bool)
@@ -57,7 +90,7 @@ _MASKS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _glyph(ch: str, scale: int) -> np.ndarray:
     return _MASKS.get(ch, _MASKS[" "]).repeat(scale, axis=0).repeat(scale, axis=1)
 
@@ -85,7 +118,9 @@ class Canvas:
         if x0 < x1 and y0 < y1:
             self.pixels[y0:y1, x0:x1] = color
 
-    def line(self, x0: float, y0: float, x1: float, y1: float, color: Color, width: int = 1) -> None:
+    def line(
+        self, x0: float, y0: float, x1: float, y1: float, color: Color, width: int = 1
+    ) -> None:
         self.segments([x0], [y0], [x1], [y1], color, width)
 
     def segments(self, x0, y0, x1, y1, color: Color, width: int = 1) -> None:
@@ -95,7 +130,9 @@ class Canvas:
             return
         steps = (np.maximum(np.abs(x1 - x0), np.abs(y1 - y0)) + 1).astype(int)
         which = np.repeat(np.arange(x0.size), steps)
-        frac = (np.arange(which.size) - np.repeat(np.cumsum(steps) - steps, steps)) / np.maximum(steps[which] - 1, 1)
+        frac = (np.arange(which.size) - np.repeat(np.cumsum(steps) - steps, steps)) / np.maximum(
+            steps[which] - 1, 1
+        )
         xs = np.rint(x0[which] + (x1 - x0)[which] * frac).astype(int)
         ys = np.rint(y0[which] + (y1 - y0)[which] * frac).astype(int)
         for dx in range(width):
@@ -110,7 +147,9 @@ class Canvas:
             mask = _glyph(ch, scale)
             h, w = mask.shape
             region = self.pixels[max(y, 0) : y + h, max(x, 0) : x + w]
-            visible = mask[max(-y, 0) : max(-y, 0) + region.shape[0], max(-x, 0) : max(-x, 0) + region.shape[1]]
+            visible = mask[
+                max(-y, 0) : max(-y, 0) + region.shape[0], max(-x, 0) : max(-x, 0) + region.shape[1]
+            ]
             region[visible] = color
             x += 4 * scale
         return x

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,13 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 
 from slurm_autosp.config import JobConfig, Precision, to_yaml
 from slurm_autosp.trace.flops import count_flops, peak_tflops
-from slurm_autosp.trace.memory import MemoryReader, MemoryTimeline, MemoryTrace, dump_memory_snapshot, start_memory_history
+from slurm_autosp.trace.memory import (
+    MemoryReader,
+    MemoryTimeline,
+    MemoryTrace,
+    dump_memory_snapshot,
+    start_memory_history,
+)
 from slurm_autosp.trace.plot import memory_trace_markdown, render_memory_trace
 from slurm_autosp.trace.png import encode_png
 
@@ -51,14 +57,14 @@ class PhaseClock:
     boundaries are CUDA events, read once the step has synchronised, so a phase's time is
     the device's, not the time it took to launch its kernels."""
 
-    def __init__(self, device: torch.device, timeline: Optional[MemoryTimeline] = None):
+    def __init__(self, device: torch.device, timeline: MemoryTimeline | None = None):
         self.on_gpu = device.type == "cuda"
         self.timeline = timeline
         self._name = ""
         self._start: Any = 0.0
-        self._spans: List[tuple] = []
+        self._spans: list[tuple] = []
 
-    def __call__(self, name: str) -> "PhaseClock":
+    def __call__(self, name: str) -> PhaseClock:
         self._name = name
         return self
 
@@ -79,8 +85,8 @@ class PhaseClock:
             return event
         return time.perf_counter()
 
-    def seconds(self) -> Dict[str, float]:
-        totals: Dict[str, float] = {}
+    def seconds(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
         for name, start, end in self._spans:
             if self.on_gpu:
                 end.synchronize()
@@ -111,18 +117,26 @@ UNTIMED = _Untimed()
 class _StepRecord:
     step: int
     seconds: float
-    phases: Dict[str, float]
+    phases: dict[str, float]
     peak: int
     peak_reserved: int
-    trace: Optional[MemoryTrace]
+    trace: MemoryTrace | None
 
 
 class StepTracer:
     """Times, measures and writes each step. Every rank calls every method (the per-step
     all-gather is collective); only rank 0 writes."""
 
-    def __init__(self, cfg: JobConfig, rank: int, world_size: int, device: torch.device,
-                 model: torch.nn.Module, first_step: int, layout: Any):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        model: torch.nn.Module,
+        first_step: int,
+        layout: Any,
+    ):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.model = model
         self.memory = MemoryReader(device)
@@ -133,7 +147,7 @@ class StepTracer:
         self.tokens_per_step = cfg.global_batch * cfg.data.seq_len
         self.memory_dir = memory_dir(cfg.run.dir)
         self.worst_rank = 0  # by peak memory, as of the last step: all ranks agree
-        self._last: Optional[_StepRecord] = None
+        self._last: _StepRecord | None = None
         self.writer = None
         if rank == 0 and cfg.trace.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -149,14 +163,16 @@ class StepTracer:
     def traced(self, step: int) -> bool:
         return self.cfg.trace.tensorboard and step in self.cfg.trace.memory_steps
 
-    def step(self, step: int) -> "_StepScope":
+    def step(self, step: int) -> _StepScope:
         """`with tracer.step(n) as phases:` around the whole optimizer step (1-based n)."""
         return _StepScope(self, step)
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
         record = self._last
         assert record is not None and record.step == step, "log_step follows the step it logs"
-        local = [record.peak, record.peak_reserved] + [record.phases.get(p, 0.0) for p in ("data", "forward_backward", "optimizer")]
+        local = [record.peak, record.peak_reserved] + [
+            record.phases.get(p, 0.0) for p in ("data", "forward_backward", "optimizer")
+        ]
         ranks = self._all_gather(local)
         peaks = ranks[:, 0]
         self.worst_rank = int(peaks.argmax())
@@ -171,11 +187,22 @@ class StepTracer:
             if traces:
                 self._write_traces(step, traces, peaks)
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
-            mfu = f" | MFU {scalars['throughput/mfu_pct']:.1f}%" if "throughput/mfu_pct" in scalars else ""
+            mfu = (
+                f" | MFU {scalars['throughput/mfu_pct']:.1f}%"
+                if "throughput/mfu_pct" in scalars
+                else ""
+            )
             log.info(
                 "step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %.3f s/step | peak mem %.0f MiB%s",
-                step, self.cfg.train.steps, loss, lr, grad_norm, scalars["throughput/tokens_per_s"],
-                record.seconds, scalars["memory/peak_mib"], mfu,
+                step,
+                self.cfg.train.steps,
+                loss,
+                lr,
+                grad_norm,
+                scalars["throughput/tokens_per_s"],
+                record.seconds,
+                scalars["memory/peak_mib"],
+                mfu,
             )
 
     def close(self) -> None:
@@ -185,16 +212,18 @@ class StepTracer:
 
     # ------------------------------------------------------------------ gathering
 
-    def _all_gather(self, values: List[float]) -> torch.Tensor:
+    def _all_gather(self, values: list[float]) -> torch.Tensor:
         comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
         local = torch.tensor(values, dtype=torch.float64, device=comm_device)
         out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=comm_device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+        gather = (
+            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        )  # torch < 2.13
         gather(out, local)
         return out.cpu().view(self.world_size, len(values))
 
-    def _trace_roles(self, worst: int) -> Dict[int, List[str]]:
-        roles: Dict[int, List[str]] = {}
+    def _trace_roles(self, worst: int) -> dict[int, list[str]]:
+        roles: dict[int, list[str]] = {}
         for r in self.cfg.trace.memory_ranks:
             if 0 <= r < self.world_size:
                 roles.setdefault(r, []).append(f"rank_{r}")
@@ -202,19 +231,23 @@ class StepTracer:
             roles.setdefault(worst, []).append("worst_rank")
         return roles
 
-    def _gather_traces(self, trace: MemoryTrace) -> List[tuple]:
+    def _gather_traces(self, trace: MemoryTrace) -> list[tuple]:
         """The chosen ranks' timelines, at rank 0: [(roles, trace)]."""
         roles = self._trace_roles(self.worst_rank)
         mine = trace.to_dict() if self.rank in roles else None
-        gathered: Optional[List[Any]] = [None] * self.world_size if self.rank == 0 else None
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:
             return []
-        return [(roles[r], MemoryTrace.from_dict(d)) for r, d in enumerate(gathered) if d is not None]
+        return [
+            (roles[r], MemoryTrace.from_dict(d)) for r, d in enumerate(gathered) if d is not None
+        ]
 
     # ------------------------------------------------------------------ writing (rank 0)
 
-    def _scalars(self, record: _StepRecord, loss: float, lr: float, grad_norm: float, ranks: torch.Tensor) -> Dict[str, float]:
+    def _scalars(
+        self, record: _StepRecord, loss: float, lr: float, grad_norm: float, ranks: torch.Tensor
+    ) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step / record.seconds
         tflops = self.flops.per_step / record.seconds / self.world_size / 1e12
         scalars = {
@@ -233,7 +266,11 @@ class StepTracer:
         }
         if self.peak_tflops:
             scalars["throughput/mfu_pct"] = 100.0 * tflops / self.peak_tflops
-        columns = {"peak_allocated_mib": 0, "peak_reserved_mib": 1} if self.memory.on_gpu else {"peak_rss_mib": 0}
+        columns = (
+            {"peak_allocated_mib": 0, "peak_reserved_mib": 1}
+            if self.memory.on_gpu
+            else {"peak_rss_mib": 0}
+        )
         for name, column in columns.items():
             values = ranks[:, column] / MIB
             scalars[f"memory/{name}/min"] = float(values.min())
@@ -241,18 +278,27 @@ class StepTracer:
             scalars[f"memory/{name}/mean"] = float(values.mean())
         return scalars
 
-    def _write_traces(self, step: int, traces: List[tuple], peaks: torch.Tensor) -> None:
+    def _write_traces(self, step: int, traces: list[tuple], peaks: torch.Tensor) -> None:
         by_rank = {r: int(b) for r, b in enumerate(peaks.tolist())}
         self.memory_dir.mkdir(parents=True, exist_ok=True)
         for roles, trace in traces:
             pixels = render_memory_trace(trace, role=", ".join(roles))
             png = encode_png(pixels)
             (self.memory_dir / f"step_{step:08d}_rank{trace.rank}.png").write_bytes(png)
-            image = Summary.Image(height=pixels.shape[0], width=pixels.shape[1], colorspace=3, encoded_image_string=png)
+            image = Summary.Image(
+                height=pixels.shape[0],
+                width=pixels.shape[1],
+                colorspace=3,
+                encoded_image_string=png,
+            )
             for role in roles:
                 tag = f"memory_trace/{role}"
-                self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
-                self.writer.add_text(tag, memory_trace_markdown(trace, ", ".join(roles), by_rank), step)
+                self.writer._get_file_writer().add_summary(
+                    Summary(value=[Summary.Value(tag=tag, image=image)]), step
+                )
+                self.writer.add_text(
+                    tag, memory_trace_markdown(trace, ", ".join(roles), by_rank), step
+                )
         sidecar = {
             "step": step,
             "measure": traces[0][1].measure,
@@ -266,20 +312,40 @@ class StepTracer:
         w = self.writer
         w.add_text("run/config", "```\n" + to_yaml(self.cfg) + "\n```", first_step)
         w.add_text("run/layout", "```\n" + repr(layout) + "\n```", first_step)
-        w.add_text("run/environment", _environment_markdown(self.device, self.world_size), first_step)
+        w.add_text(
+            "run/environment", _environment_markdown(self.device, self.world_size), first_step
+        )
         w.add_text(
             "run/throughput_accounting",
             f"{self.flops.describe()}.\n\nPeak per device: "
-            + (f"{self.peak_tflops:g} TFLOP/s ({self.peak_source})." if self.peak_tflops else f"none: {self.peak_source}."),
+            + (
+                f"{self.peak_tflops:g} TFLOP/s ({self.peak_source})."
+                if self.peak_tflops
+                else f"none: {self.peak_source}."
+            ),
             first_step,
         )
         layout_spec = {
             "memory": {
                 f"peak {self.memory.measure} MiB over ranks (mean, min..max)": [
-                    "Margin", [f"memory/peak_{'allocated' if self.memory.on_gpu else 'rss'}_mib/{s}" for s in ("mean", "min", "max")]
+                    "Margin",
+                    [
+                        f"memory/peak_{'allocated' if self.memory.on_gpu else 'rss'}_mib/{s}"
+                        for s in ("mean", "min", "max")
+                    ],
                 ],
             },
-            "time": {"step split (s)": ["Multiline", ["time/step_s", "time/data_wait_s", "time/forward_backward_s", "time/optimizer_s"]]},
+            "time": {
+                "step split (s)": [
+                    "Multiline",
+                    [
+                        "time/step_s",
+                        "time/data_wait_s",
+                        "time/forward_backward_s",
+                        "time/optimizer_s",
+                    ],
+                ]
+            },
         }
         w.add_custom_scalars(layout_spec)
 
@@ -290,14 +356,18 @@ class _StepScope:
 
     def __init__(self, tracer: StepTracer, step: int):
         self.tracer, self.step = tracer, step
-        self.timeline: Optional[MemoryTimeline] = None
+        self.timeline: MemoryTimeline | None = None
         self.snapshot = False
 
     def __enter__(self) -> PhaseClock:
         t, cfg = self.tracer, self.tracer.cfg.trace
         if t.traced(self.step):
-            self.timeline = MemoryTimeline(t.memory, t.rank, self.step, cfg.memory_sample_ms / 1e3, t.model)
-            self.snapshot = t.memory.on_gpu and cfg.memory_snapshot and t.rank in t._trace_roles(t.worst_rank)
+            self.timeline = MemoryTimeline(
+                t.memory, t.rank, self.step, cfg.memory_sample_ms / 1e3, t.model
+            )
+            self.snapshot = (
+                t.memory.on_gpu and cfg.memory_snapshot and t.rank in t._trace_roles(t.worst_rank)
+            )
             if self.snapshot:
                 start_memory_history()
             self.timeline.start()
@@ -316,7 +386,12 @@ class _StepScope:
             name = f"{'oom_' if out_of_memory else ''}step_{self.step:08d}_rank{t.rank}.pickle"
             path = dump_memory_snapshot(t.memory_dir / name, stop=self.snapshot)
             if out_of_memory and path is not None:
-                log.error("out of memory at step %d on rank %d: memory snapshot in %s", self.step, t.rank, path)
+                log.error(
+                    "out of memory at step %d on rank %d: memory snapshot in %s",
+                    self.step,
+                    t.rank,
+                    path,
+                )
         if exc_type is not None:
             return
         if trace is not None:
@@ -337,7 +412,11 @@ def _environment_markdown(device: torch.device, world_size: int) -> str:
         except md.PackageNotFoundError:
             return "not installed"
 
-    accel = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda or torch.version.hip})" if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    accel = (
+        f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda or torch.version.hip})"
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    )
     rows = [
         ("host (rank 0)", socket.gethostname()),
         ("ranks", str(world_size)),
@@ -345,7 +424,21 @@ def _environment_markdown(device: torch.device, world_size: int) -> str:
         ("python", sys.version.split()[0]),
         *((pkg, version(pkg)) for pkg in ("torch", "deepspeed", "transformers", "submitit")),
     ]
-    prefixes = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES", "NCCL_", "RCCL_", "FI_", "UCX_", "GLOO_", "TORCH_NCCL", "TORCHINDUCTOR_", "CUDA_VISIBLE", "HIP_VISIBLE", "OMP_NUM_THREADS")
+    prefixes = (
+        "SLURM_JOB_ID",
+        "SLURM_JOB_NODELIST",
+        "SLURM_NNODES",
+        "NCCL_",
+        "RCCL_",
+        "FI_",
+        "UCX_",
+        "GLOO_",
+        "TORCH_NCCL",
+        "TORCHINDUCTOR_",
+        "CUDA_VISIBLE",
+        "HIP_VISIBLE",
+        "OMP_NUM_THREADS",
+    )
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(prefixes))
     table = "\n".join(f"| {k} | `{v}` |" for k, v in rows + env)
     return "| | |\n|---|---|\n" + table

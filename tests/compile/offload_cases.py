@@ -14,13 +14,22 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
+from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
+from train_cases import (
+    LOSS_CHUNK,
+    SEQ,
+    _engine,
+    _grad_error,
+    _job_config,
+    _kwargs,
+    _sp_shards,
+    _whole_weights,
+)
 
 from slurm_autosp.compile import compile_model, loss_scale, set_sp_group
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile.offload import ActivationOffload
 from slurm_autosp.verify import make_batch
-from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
-from train_cases import LOSS_CHUNK, SEQ, _engine, _grad_error, _job_config, _kwargs, _sp_shards, _whole_weights
 
 LAYERS = 2  # tiny_model's default depth
 
@@ -30,7 +39,9 @@ def counting_saved(nonparameter: list[int], parameter: list[int]) -> Iterator[No
     """Record the bytes of every tensor the forward saves, parameters (and their views) apart."""
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        is_parameter = isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+        is_parameter = isinstance(tensor, torch.nn.Parameter) or isinstance(
+            tensor._base, torch.nn.Parameter
+        )
         (parameter if is_parameter else nonparameter).append(tensor.nbytes)
         return tensor
 
@@ -41,7 +52,9 @@ def counting_saved(nonparameter: list[int], parameter: list[int]) -> Iterator[No
 # ------------------------------------------------------------------ one process, eager
 
 
-def interleaved_micro_batches(offload: ActivationOffload | None, layers: int) -> tuple[list[float], dict]:
+def interleaved_micro_batches(
+    offload: ActivationOffload | None, layers: int
+) -> tuple[list[float], dict]:
     """Two micro-batches whose forwards both run before either backward (second one first), so two
     offload sessions are alive at once; returns the losses and the accumulated gradients."""
     model = tiny_model("llama", 2, layers=layers)
@@ -52,7 +65,9 @@ def interleaved_micro_batches(offload: ActivationOffload | None, layers: int) ->
             losses.append(model(**batch, use_cache=False).loss)
     for loss in reversed(losses):
         loss.backward()
-    return [float(loss.detach()) for loss in losses], {name: p.grad for name, p in model.named_parameters()}
+    return [float(loss.detach()) for loss in losses], {
+        name: p.grad for name, p in model.named_parameters()
+    }
 
 
 def eager_saved_bytes(layers: int) -> tuple[list[int], list[int]]:
@@ -121,7 +136,9 @@ def sp_offload_step(sp_size: int, grad_accum: int) -> dict:
 # ------------------------------------------------------------------ the real engines
 
 
-def engine_run(zero_stage: int, sp_size: int, grad_accum: int, steps: int, offload: bool) -> dict | None:
+def engine_run(
+    zero_stage: int, sp_size: int, grad_accum: int, steps: int, offload: bool
+) -> dict | None:
     """train_cases.engine_steps' optimizer steps through the engine for `zero_stage` (DeepSpeed
     ZeRO-1, or FSDP2), each micro-batch's forward (chunked loss included) under offload or not.
     Rank 0 returns the step losses, gradient norms, the initial and final whole weights and the
@@ -137,7 +154,9 @@ def engine_run(zero_stage: int, sp_size: int, grad_accum: int, steps: int, offlo
     offloader = ActivationOffload(torch.device("cpu"), layers=LAYERS, min_bytes=0)
     losses, grad_norms = [], []
     for step in range(steps):
-        shards, count = _sp_shards(make_batch(rows, SEQ, VOCAB, seed=100 + step), sp_size, grad_accum)
+        shards, count = _sp_shards(
+            make_batch(rows, SEQ, VOCAB, seed=100 + step), sp_size, grad_accum
+        )
         step_loss = torch.zeros(())
         for shard in shards:
             with offloader.saving() if offload else nullcontext():
@@ -153,6 +172,9 @@ def engine_run(zero_stage: int, sp_size: int, grad_accum: int, steps: int, offlo
     if dist.get_rank() != 0:
         return None
     return {
-        "losses": losses, "grad_norms": grad_norms, "initial": initial, "weights": weights,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "initial": initial,
+        "weights": weights,
         **asdict(offloader.stats),
     }

@@ -13,9 +13,15 @@ import os
 
 import torch
 import torch.distributed as dist
-
-from slurm_autosp.compile import AutoSPBackend, compile_model, decoder_layers, prepare_sp_inputs, set_sp_group
 from sp_cases import Case, make_batch, reference_step, tiny_model
+
+from slurm_autosp.compile import (
+    AutoSPBackend,
+    compile_model,
+    decoder_layers,
+    prepare_sp_inputs,
+    set_sp_group,
+)
 
 _backends: dict[str, AutoSPBackend] = {}
 
@@ -31,8 +37,10 @@ class GraphCounter(AutoSPBackend):
     def __call__(self, gm, example_inputs):
         self.graphs += 1
         self.collectives_in_graphs |= {
-            str(n.target) for n in gm.graph.nodes
-            if n.op == "call_function" and any(w in str(n.target) for w in ("all_gather", "reduce_scatter", "fsdp"))
+            str(n.target)
+            for n in gm.graph.nodes
+            if n.op == "call_function"
+            and any(w in str(n.target) for w in ("all_gather", "reduce_scatter", "fsdp"))
         }
         return super().__call__(gm, example_inputs)
 
@@ -94,7 +102,11 @@ def sharded_sp_step(engine: str, case: Case, grad_accum: int = 1) -> dict[str, o
 
     rows = case.batch // grad_accum
     shards = [
-        prepare_sp_inputs(**{k: v[m * rows : (m + 1) * rows] for k, v in batch.items()}, sp_rank=rank, sp_size=world)
+        prepare_sp_inputs(
+            **{k: v[m * rows : (m + 1) * rows] for k, v in batch.items()},
+            sp_rank=rank,
+            sp_size=world,
+        )
         for m in range(grad_accum)
     ]
     count = torch.tensor(sum(shard.valid_labels for shard in shards))

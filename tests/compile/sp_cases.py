@@ -46,13 +46,22 @@ class Case:
 
 
 def tiny_model(
-    family: str, kv_heads: int, attn_implementation: str = "sdpa", layers: int = 2, window: int | None = None
+    family: str,
+    kv_heads: int,
+    attn_implementation: str = "sdpa",
+    layers: int = 2,
+    window: int | None = None,
 ) -> PreTrainedModel:
     """The same weights on every rank and for the reference (fixed seed), in fp32."""
     torch.manual_seed(0)
     common = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=kv_heads, vocab_size=VOCAB, attn_implementation=attn_implementation,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=VOCAB,
+        attn_implementation=attn_implementation,
     )
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
@@ -82,7 +91,9 @@ def make_batch(case: Case) -> dict[str, torch.Tensor]:
     input_ids = torch.randint(1, VOCAB, (case.batch, case.seq), generator=generator)
     labels = input_ids.clone()
     if case.labels == "uneven":
-        ignored = torch.rand(case.batch, case.seq, generator=generator) < torch.linspace(0.9, 0.0, case.seq)
+        ignored = torch.rand(case.batch, case.seq, generator=generator) < torch.linspace(
+            0.9, 0.0, case.seq
+        )
         labels[ignored] = IGNORE_INDEX
     batch = {"input_ids": input_ids, "labels": labels}
     if case.right_padding:
@@ -102,7 +113,9 @@ def _ignore_first_shard(labels: torch.Tensor, shard: int) -> torch.Tensor:
     return labels
 
 
-def reference_step(case: Case, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def reference_step(
+    case: Case, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Single-device loss, per-token losses [B, S] and gradients of the plain HF model."""
     model = tiny_model(case.family, case.kv_heads, window=case.window)
     labels = batch["labels"]
@@ -148,7 +161,9 @@ def sp_step(case: Case, sp_size: int) -> dict[str, float]:
 
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)
-    per_token = F.cross_entropy(out.logits.detach().transpose(1, 2), shard.shift_labels, reduction="none")
+    per_token = F.cross_entropy(
+        out.logits.detach().transpose(1, 2), shard.shift_labels, reduction="none"
+    )
     shard_len = shard.input_ids.shape[1]
     padded_ref = F.pad(ref_per_token, (0, shard_len * sp_size - case.seq))
     ref_local = padded_ref[rows, sp_rank * shard_len : (sp_rank + 1) * shard_len]

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from all_to_all_cases import scatter_heads_gather_sequence
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from all_to_all_cases import scatter_heads_gather_sequence
 from slurm_autosp.compile import current_sp_group, set_sp_group, sp_all_to_all
 
 
@@ -26,7 +26,9 @@ def test_all_to_all_fake_impl_follows_a_symbolic_sequence_length():
         lambda t: sp_all_to_all(sp_all_to_all(t, 1, 2, 2), 2, 1, 2), tracing_mode="symbolic"
     )(torch.randn(1, 4, 6, 2))
     shard, gathered, restored = [
-        n.meta["val"].shape for n in round_trip.graph.nodes if n.op in ("placeholder", "call_function")
+        n.meta["val"].shape
+        for n in round_trip.graph.nodes
+        if n.op in ("placeholder", "call_function")
     ]
     seq = shard[2].node.expr
     assert (gathered[1], gathered[2].node.expr) == (2, 2 * seq)

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 import torch
+from slurm_helpers import REPO
+from sp_cases import Case, sp_step
+from test_sp_equivalence import assert_matches_reference
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from slurm_autosp.compile import prepare_sp_inputs
@@ -15,9 +18,6 @@ from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.model import refuse_unsupported_attention
 from slurm_autosp.verify import main as verify_main
-from slurm_helpers import REPO
-from sp_cases import Case, sp_step
-from test_sp_equivalence import assert_matches_reference
 
 TINY = "cfg=configs/tiny_cpu.yaml"
 
@@ -33,35 +33,55 @@ def refusal(*overrides: str) -> str:
 
 def test_sliding_window_shorter_than_the_sequence_is_refused_naming_it():
     message = refusal("model.model_type=mistral", "model.extra.sliding_window=16")
-    assert "sliding-window attention (sliding_window=16 on layers 0, 1 of 2) over 256 tokens" in message
+    assert (
+        "sliding-window attention (sliding_window=16 on layers 0, 1 of 2) over 256 tokens"
+        in message
+    )
     assert "data.seq_len <= 16 is exact" in message and "compile.enabled=false" in message
 
 
 def test_window_covering_the_padded_sequence_is_exact_and_accepted():
     assert refusal("model.model_type=mistral", "model.extra.sliding_window=256") == ""
     # 255 tokens are padded to 256 for SP=2: the padded sequence is what the ranks attend over
-    assert refusal("model.model_type=mistral", "model.extra.sliding_window=255", "data.seq_len=255") != ""
+    assert (
+        refusal("model.model_type=mistral", "model.extra.sliding_window=255", "data.seq_len=255")
+        != ""
+    )
 
 
 def test_window_on_some_layers_names_those_layers():
-    message = refusal("model.model_type=qwen2", "model.num_hidden_layers=4", "model.extra.use_sliding_window=true",
-                      "model.extra.sliding_window=32", "model.extra.max_window_layers=2")
+    message = refusal(
+        "model.model_type=qwen2",
+        "model.num_hidden_layers=4",
+        "model.extra.use_sliding_window=true",
+        "model.extra.sliding_window=32",
+        "model.extra.max_window_layers=2",
+    )
     assert "sliding_window=32 on layers 2, 3 of 4" in message
 
 
-@pytest.mark.parametrize("model_type, named", [
-    ("gemma2", "attention logit soft-capping (attn_logit_softcapping=50.0)"),
-    ("gpt_oss", "attention sinks (self_attn.sinks of GptOssDecoderLayer)"),
-    ("qwen3_next", "linear_attention (layers 0, 1 of 2) mixes tokens along the sequence outside attention"),
-    ("cohere2", "logit_scale=0.0625: the chunked loss does not apply"),
-])
+@pytest.mark.parametrize(
+    "model_type, named",
+    [
+        ("gemma2", "attention logit soft-capping (attn_logit_softcapping=50.0)"),
+        ("gpt_oss", "attention sinks (self_attn.sinks of GptOssDecoderLayer)"),
+        (
+            "qwen3_next",
+            "linear_attention (layers 0, 1 of 2) mixes tokens along the sequence outside attention",
+        ),
+        ("cohere2", "logit_scale=0.0625: the chunked loss does not apply"),
+    ],
+)
 def test_other_attention_features_are_refused_by_name(model_type, named):
     assert named in refusal(f"model.model_type={model_type}", "data.seq_len=64")
 
 
 def test_bidirectional_attention_is_refused():
-    assert "bidirectional attention" in refusal("model.model_type=gemma3_text", "model.extra.use_bidirectional_attention=true",
-                                                "data.seq_len=64")
+    assert "bidirectional attention" in refusal(
+        "model.model_type=gemma3_text",
+        "model.extra.use_bidirectional_attention=true",
+        "data.seq_len=64",
+    )
 
 
 def test_plain_causal_models_are_accepted():
@@ -70,12 +90,21 @@ def test_plain_causal_models_are_accepted():
 
 
 def test_without_autosp_a_window_is_the_model_own_business():
-    assert refusal("model.model_type=mistral", "model.extra.sliding_window=16", "compile.enabled=false",
-                   "parallel.sp_size=1") == ""
+    assert (
+        refusal(
+            "model.model_type=mistral",
+            "model.extra.sliding_window=16",
+            "compile.enabled=false",
+            "parallel.sp_size=1",
+        )
+        == ""
+    )
 
 
 def test_verify_refuses_the_silently_wrong_sliding_window_command(capsys):
-    code = verify_main([TINY, "parallel.sp_size=2", "model.model_type=mistral", "model.extra.sliding_window=16"])
+    code = verify_main(
+        [TINY, "parallel.sp_size=2", "model.model_type=mistral", "model.extra.sliding_window=16"]
+    )
     assert code == 2
     assert "sliding_window=16" in capsys.readouterr().err
 
@@ -83,9 +112,19 @@ def test_verify_refuses_the_silently_wrong_sliding_window_command(capsys):
 @pytest.mark.parametrize("command", ["submit", "run", "plan"])
 def test_every_command_refuses_before_starting(command, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", f"slurm_autosp.{command}", TINY, "model.model_type=mistral",
-         "model.extra.sliding_window=16", f"run.output_root={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            f"slurm_autosp.{command}",
+            TINY,
+            "model.model_type=mistral",
+            "model.extra.sliding_window=16",
+            f"run.output_root={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "sliding_window=16 on layers 0, 1 of 2" in proc.stderr
@@ -98,10 +137,15 @@ def test_a_custom_4d_mask_is_refused_by_prepare_sp_inputs():
         prepare_sp_inputs(ids, attention_mask=torch.ones(1, 1, 8, 8), sp_rank=0, sp_size=2)
 
 
-@pytest.mark.parametrize("asked, named", [
-    ({"softcap": 50.0}, "soft-capping"), ({"s_aux": torch.zeros(2)}, "attention sinks"),
-    ({"is_causal": False}, "not causal"), ({"position_bias": torch.zeros(1)}, "position bias"),
-])
+@pytest.mark.parametrize(
+    "asked, named",
+    [
+        ({"softcap": 50.0}, "soft-capping"),
+        ({"s_aux": torch.zeros(2)}, "attention sinks"),
+        ({"is_causal": False}, "not causal"),
+        ({"position_bias": torch.zeros(1)}, "position bias"),
+    ],
+)
 def test_what_an_attention_layer_asks_beyond_causal_sdpa_is_refused_where_it_runs(asked, named):
     """HF's SDPA function ignores softcap and s_aux (Gemma 2's and GPT-OSS's layers pass them)."""
     with pytest.raises(UnsupportedAttention, match=named):
@@ -110,10 +154,18 @@ def test_what_an_attention_layer_asks_beyond_causal_sdpa_is_refused_where_it_run
 
 
 def test_chunked_loss_refuses_a_model_that_transforms_its_logits():
-    model = Gemma2ForCausalLM(Gemma2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, vocab_size=64, attn_implementation="eager",
-    ))
+    model = Gemma2ForCausalLM(
+        Gemma2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=64,
+            attn_implementation="eager",
+        )
+    )
     batch = prepare_sp_inputs(torch.randint(0, 64, (1, 8)), sp_rank=0, sp_size=1)
     with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
         causal_lm_loss(model, batch.model_kwargs(8), chunk_tokens=4)
@@ -122,7 +174,9 @@ def test_chunked_loss_refuses_a_model_that_transforms_its_logits():
 @pytest.mark.parametrize("per_layer", [False, True], ids=["whole_model", "per_layer"])
 def test_window_shorter_than_the_whole_sequence_is_refused_on_sp_ranks(pool2, per_layer):
     """Each rank holds 48 tokens, within the 64-token window; the sequence is 96: refused."""
-    with pytest.raises(Exception, match="sliding-window or chunked attention of 64 tokens over a sequence"):
+    with pytest.raises(
+        Exception, match="sliding-window or chunked attention of 64 tokens over a sequence"
+    ):
         pool2.run(sp_step, Case(family="mistral", window=64, seq=96, per_layer=per_layer), 2)
 
 

@@ -7,19 +7,27 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from sp_cases import Case, contiguous_sp_group, make_batch, tiny_model
 
-from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs, set_sp_group
+from slurm_autosp.compile import (
+    AutoSPBackend,
+    compile_model,
+    loss_scale,
+    prepare_sp_inputs,
+    set_sp_group,
+)
 from slurm_autosp.compile.checkpointing import CheckpointPass, CheckpointSpec, Policy
 from slurm_autosp.compile.chunked_loss import chunked_cross_entropy
 from slurm_autosp.config import ModelConfig
 from slurm_autosp.plan.trace import trace_decoder_layer
-from sp_cases import Case, contiguous_sp_group, make_batch, tiny_model
 
 TOLERANCE = 1e-5
 SPECS = {
     "none": CheckpointSpec(Policy.none),
     "sac_budget0": CheckpointSpec(Policy.sac, budget=0.0),
-    "sac_budget0_replay_all_to_all": CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True),
+    "sac_budget0_replay_all_to_all": CheckpointSpec(
+        Policy.sac, budget=0.0, recompute_all_to_all=True
+    ),
     "sac_budget0.5": CheckpointSpec(Policy.sac, budget=0.5),
     "full": CheckpointSpec(Policy.full),
 }
@@ -72,10 +80,13 @@ def sp2_step_under_policies(seq: int, names: list[str]) -> dict[str, dict[str, f
     for name in names:
         r = results[name]
         grad_error = max(
-            float((r["grads"][k] - g).abs().max() / g.abs().max()) for k, g in reference["grads"].items()
+            float((r["grads"][k] - g).abs().max() / g.abs().max())
+            for k, g in reference["grads"].items()
         )
         summary[name] = {
-            "loss_rel_error": float((r["loss"] - reference["loss"]).abs() / reference["loss"].abs()),
+            "loss_rel_error": float(
+                (r["loss"] - reference["loss"]).abs() / reference["loss"].abs()
+            ),
             "grad_rel_error": grad_error,
             "saved_bytes": r["saved"],
         }
@@ -86,7 +97,11 @@ def test_sac_sp2_loss_and_gradients_equal_no_checkpointing_and_save_less(pool2):
     results = pool2.run(sp2_step_under_policies, 256, SP2_POLICIES)
     for rank, by_policy in enumerate(results):
         for name, r in by_policy.items():
-            assert r["loss_rel_error"] <= TOLERANCE and r["grad_rel_error"] <= TOLERANCE, (rank, name, r)
+            assert r["loss_rel_error"] <= TOLERANCE and r["grad_rel_error"] <= TOLERANCE, (
+                rank,
+                name,
+                r,
+            )
         saved = {name: r["saved_bytes"] for name, r in by_policy.items()}
         # Same process, same inductor cache directory: a cache that ignored the policy would
         # serve `none`'s partition to every later policy and these would all be equal.
@@ -96,9 +111,19 @@ def test_sac_sp2_loss_and_gradients_equal_no_checkpointing_and_save_less(pool2):
 
 @pytest.fixture(scope="module")
 def tiny_traces():
-    specs = [CheckpointSpec(Policy.sac, budget=b, recompute_all_to_all=a) for b in (0.0, 0.5, 1.0) for a in (False, True)]
-    specs += [CheckpointSpec(Policy.none), CheckpointSpec(Policy.full), CheckpointSpec(Policy.torch_default)]
-    traces = trace_decoder_layer(ModelConfig(), local_seq=2048, sp_size=2, specs=specs, dtype=torch.float32)
+    specs = [
+        CheckpointSpec(Policy.sac, budget=b, recompute_all_to_all=a)
+        for b in (0.0, 0.5, 1.0)
+        for a in (False, True)
+    ]
+    specs += [
+        CheckpointSpec(Policy.none),
+        CheckpointSpec(Policy.full),
+        CheckpointSpec(Policy.torch_default),
+    ]
+    traces = trace_decoder_layer(
+        ModelConfig(), local_seq=2048, sp_size=2, specs=specs, dtype=torch.float32
+    )
     return {t.spec: t for t in traces}
 
 
@@ -115,7 +140,12 @@ def test_all_to_all_is_replayed_in_backward_only_when_configured(tiny_traces):
         if spec.policy is Policy.sac and not spec.recompute_all_to_all:
             assert trace.all_to_all_backward == 4, spec  # the gradients of q, k, v and the output
     # replayed at budget 0: q, k, v for attention's backward, the output for o_proj's
-    assert tiny_traces[CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True)].all_to_all_backward == 8
+    assert (
+        tiny_traces[
+            CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True)
+        ].all_to_all_backward
+        == 8
+    )
 
 
 def test_sac_budget_orders_saved_memory_and_budget_1_recomputes_nothing(tiny_traces):
@@ -138,7 +168,12 @@ def test_chunked_cross_entropy_equals_the_unchunked_loss_and_gradients():
     labels = torch.randint(0, 256, (2, 300))
     labels[:, ::7] = -100
     count = torch.tensor(int((labels != -100).sum()))
-    full = F.cross_entropy((hidden @ weight.T).float().reshape(-1, 256), labels.reshape(-1), reduction="sum") / count
+    full = (
+        F.cross_entropy(
+            (hidden @ weight.T).float().reshape(-1, 256), labels.reshape(-1), reduction="sum"
+        )
+        / count
+    )
     grads = torch.autograd.grad(full, (hidden, weight))
     chunked = chunked_cross_entropy(hidden, weight, labels, count, chunk_tokens=64)
     chunked_grads = torch.autograd.grad(chunked, (hidden, weight))

@@ -6,7 +6,17 @@ import torch
 from slurm_autosp.compile import AutoSPCompileError, valid_sp_sizes
 from slurm_autosp.compile.backend import HeadLayout
 
-LAYOUTS = [(4, 4, 2), (4, 2, 2), (8, 2, 4), (4, 2, 4), (4, 1, 2), (4, 1, 4), (8, 2, 8), (32, 8, 16), (64, 8, 8)]
+LAYOUTS = [
+    (4, 4, 2),
+    (4, 2, 2),
+    (8, 2, 4),
+    (4, 2, 4),
+    (4, 1, 2),
+    (4, 1, 4),
+    (8, 2, 8),
+    (32, 8, 16),
+    (64, 8, 8),
+]
 
 
 @pytest.mark.parametrize("query_heads,kv_heads,sp_size", LAYOUTS)
@@ -26,6 +36,8 @@ def test_kv_heads_are_repeated_only_up_to_the_sp_size(query_heads, kv_heads, sp_
 
 
 def test_unsplittable_heads_name_the_counts_and_the_valid_sp_sizes():
-    with pytest.raises(AutoSPCompileError, match=r"6 query heads and 3 key/value heads.*sp_size=2.*\[1, 3, 6\]"):
+    with pytest.raises(
+        AutoSPCompileError, match=r"6 query heads and 3 key/value heads.*sp_size=2.*\[1, 3, 6\]"
+    ):
         HeadLayout(6, 3, 2)
     assert valid_sp_sizes(32, 8) == [1, 2, 4, 8, 16, 32]

@@ -23,7 +23,10 @@ def test_sequence_not_divisible_by_sp_is_padded_with_ignored_labels_and_global_p
     ids = torch.arange(1, 128).unsqueeze(0)
     shards = _shards(2, input_ids=ids, pad_token_id=0)
     assert [s.input_ids.shape[1] for s in shards] == [64, 64]
-    assert shards[1].input_ids[0, -1] == 0 and shards[1].shift_labels[0, -2:].tolist() == [IGNORE_INDEX] * 2
+    assert (
+        shards[1].input_ids[0, -1] == 0
+        and shards[1].shift_labels[0, -2:].tolist() == [IGNORE_INDEX] * 2
+    )
     assert torch.cat([s.position_ids for s in shards], dim=1).tolist() == [list(range(128))]
     assert sum(s.valid_labels for s in shards) == 126
 

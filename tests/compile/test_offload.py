@@ -6,8 +6,14 @@ offload_cases.py; the pools and compiled graphs are shared with the equivalence 
 
 import pytest
 import torch
+from offload_cases import (
+    LAYERS,
+    eager_saved_bytes,
+    engine_run,
+    interleaved_micro_batches,
+    sp_offload_step,
+)
 
-from offload_cases import LAYERS, eager_saved_bytes, engine_run, interleaved_micro_batches, sp_offload_step
 from slurm_autosp.compile.offload import ActivationOffload
 
 TOLERANCE = 1e-5
@@ -35,7 +41,9 @@ def test_two_live_offloaded_micro_batches_give_bitwise_the_losses_and_grads_of_n
     assert not unequal, unequal
 
 
-def test_every_nonparameter_saved_tensor_from_min_bytes_up_moves_to_host_and_back_and_no_parameter(eager):
+def test_every_nonparameter_saved_tensor_from_min_bytes_up_moves_to_host_and_back_and_no_parameter(
+    eager,
+):
     stats, nonparameter = eager["stats"], eager["nonparameter"]
     moved = sum(n for n in nonparameter if n >= MIN_BYTES)
     assert moved > 0 and sum(eager["parameter"]) > 0, eager
@@ -69,7 +77,12 @@ def assert_sp_offload_exact(results: list[dict]) -> None:
     assert errors["loss_rel_error"] <= TOLERANCE and errors["grad_rel_error"] <= TOLERANCE, errors
     for stats in results:
         assert stats["saved_parameter_bytes"] > 0, stats
-        assert stats["to_host_bytes"] == stats["to_device_bytes"] == stats["saved_nonparameter_bytes"] > 0, stats
+        assert (
+            stats["to_host_bytes"]
+            == stats["to_device_bytes"]
+            == stats["saved_nonparameter_bytes"]
+            > 0
+        ), stats
         assert stats["kept_bytes"] == 0 and stats["resident_bytes"] == 0, stats
         assert stats["peak_resident_bytes"] <= 2 * stats["per_micro_batch_bytes"] / LAYERS, stats
 

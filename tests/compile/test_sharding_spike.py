@@ -9,9 +9,9 @@ checked against gradient accumulation too. See docs/sharding_spike.md for the ch
 """
 
 import pytest
-
 from sharding_cases import sharded_sp_step
 from sp_cases import Case
+
 from tests._dist_pool import DistPool
 
 TOLERANCE = 1e-5

@@ -5,7 +5,6 @@ SP step of a compiled copy, with gradients averaged over the world as DeepSpeed 
 """
 
 import pytest
-
 from sp_cases import Case, sp_step
 
 TOLERANCE = 1e-5
@@ -23,7 +22,10 @@ SP2_CASES = {
 
 
 def assert_matches_reference(results: list[dict[str, float]]) -> None:
-    worst = {key: max(r[key] for r in results) for key in ("loss_rel_error", "token_error", "grad_rel_error")}
+    worst = {
+        key: max(r[key] for r in results)
+        for key in ("loss_rel_error", "token_error", "grad_rel_error")
+    }
     assert all(r["finite"] for r in results), f"a rank's loss is not finite: {results}"
     assert all(value <= TOLERANCE for value in worst.values()), f"errors above {TOLERANCE}: {worst}"
 

@@ -4,13 +4,13 @@ width spans more than one tile. Rank-side code is in tiling_cases.py."""
 
 import pytest
 import torch
+from sp_cases import Case
+from tiling_cases import engine_tiled_vs_untiled, tiled_sp_step
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from slurm_autosp.compile import AutoSPCompileError, compile_model, tile_mlps
-from sp_cases import Case
-from tiling_cases import engine_tiled_vs_untiled, tiled_sp_step
 
 TOLERANCE = 1e-5
 HIDDEN, INTERMEDIATE = 32, 256  # an MLP 8x as wide as the hidden states, so its tensors stand out
@@ -21,8 +21,13 @@ SP_TILE = 24  # an SP=2 shard of 127 tokens is 64: tiles of 24 + 24 + 16
 def wide_llama(layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=96, attn_implementation="sdpa",
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config)
 
@@ -38,7 +43,9 @@ def loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torc
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("tile", [16, 64], ids=["seq_50_in_tiles_of_16", "tile_64_longer_than_seq_50"])
+@pytest.mark.parametrize(
+    "tile", [16, 64], ids=["seq_50_in_tiles_of_16", "tile_64_longer_than_seq_50"]
+)
 def test_tiled_mlp_loss_and_every_gradient_equal_untiled(tile):
     ref_loss, ref_grads = loss_and_grads(wide_llama())
     model = wide_llama()
@@ -46,14 +53,20 @@ def test_tiled_mlp_loss_and_every_gradient_equal_untiled(tile):
     loss, grads = loss_and_grads(model)
     assert grads.keys() == ref_grads.keys(), "tiling renamed parameters"
     assert float((loss - ref_loss).abs() / ref_loss.abs()) <= TOLERANCE
-    errors = {name: float((g - ref_grads[name]).abs().max() / ref_grads[name].abs().max()) for name, g in grads.items()}
+    errors = {
+        name: float((g - ref_grads[name]).abs().max() / ref_grads[name].abs().max())
+        for name, g in grads.items()
+    }
     assert max(errors.values()) <= TOLERANCE, errors
 
 
 def _mlp_width_tokens(tensor: torch.Tensor) -> int:
     """Tokens a tensor of the MLP's width spans (numel / intermediate); 0 for other tensors and
     for the MLP's weights and their gradients."""
-    if INTERMEDIATE not in tensor.shape or tuple(tensor.shape) in {(INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)}:
+    if INTERMEDIATE not in tensor.shape or tuple(tensor.shape) in {
+        (INTERMEDIATE, HIDDEN),
+        (HIDDEN, INTERMEDIATE),
+    }:
         return 0
     return tensor.numel() // INTERMEDIATE
 
@@ -84,13 +97,18 @@ def widest_mlp_tensors(tile: int) -> tuple[int, int]:
         saved.append(_mlp_width_tokens(tensor))
         return tensor
 
-    with _WidestMLPTensors() as created, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (
+        _WidestMLPTensors() as created,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         loss_and_grads(model)
     return created.tokens, max(saved)
 
 
 def test_no_tensor_of_the_mlp_width_spans_more_than_one_tile():
-    assert widest_mlp_tensors(0) == (BATCH * SEQ, BATCH * SEQ), "the untiled MLP's width was not detected"
+    assert widest_mlp_tensors(0) == (BATCH * SEQ, BATCH * SEQ), (
+        "the untiled MLP's width was not detected"
+    )
     assert widest_mlp_tensors(16) == (BATCH * 16, BATCH * 16)
 
 
@@ -117,12 +135,16 @@ def test_tile_mlps_refuses_layers_without_an_mlp_and_tiles_under_one_token():
         tile_mlps(model, 0)
     for layer in model.model.layers:
         del layer.mlp
-    with pytest.raises(AutoSPCompileError, match=r"decoder layers \['LlamaDecoderLayer'\] have no `mlp` submodule"):
+    with pytest.raises(
+        AutoSPCompileError, match=r"decoder layers \['LlamaDecoderLayer'\] have no `mlp` submodule"
+    ):
         tile_mlps(model, 8)
 
 
 def assert_matches_reference(results: list[dict]) -> None:
-    assert all(r["tiled_mlps"] == [2] for r in results), f"the SP model's MLPs were not all tiled: {results}"
+    assert all(r["tiled_mlps"] == [2] for r in results), (
+        f"the SP model's MLPs were not all tiled: {results}"
+    )
     for key in ("loss_rel_error", "token_error", "grad_rel_error"):
         assert max(r[key] for r in results) <= TOLERANCE, (key, results)
 

@@ -4,7 +4,6 @@ bf16 within single-device bf16 error. Rank-side code is in train_cases.py; the p
 SP equivalence tests."""
 
 import pytest
-
 from sp_cases import tiny_model
 from train_cases import (
     bf16_errors,
@@ -28,7 +27,9 @@ def assert_steps_match(result: dict) -> None:
     assert max(result["loss_rel_errors"]) <= TOLERANCE, result
     assert result["param_rel_error"] <= 1e-2, result
     clipped = min(result["ref_grad_norms"]) > result["grad_clip"]
-    assert clipped, f"gradient clipping did not engage at every step, so it was not tested: {result}"
+    assert clipped, (
+        f"gradient clipping did not engage at every step, so it was not tested: {result}"
+    )
 
 
 def test_three_zero1_steps_with_sp2_dp2_match_torch_adamw_on_one_device(pool4):

@@ -16,12 +16,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def run_verify(tmp_path_factory):
     """Run the command as a user would, with one inductor cache for this module's runs."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("verify_inductor_cache"))}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("verify_inductor_cache")),
+    }
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "slurm_autosp.verify", *args],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
 
     return run
@@ -29,11 +36,17 @@ def run_verify(tmp_path_factory):
 
 def test_per_shard_label_shift_fails_naming_the_shard_boundary(run_verify):
     done = run_verify(
-        "cfg=configs/tiny_cpu.yaml", "parallel.sp_size=2", "compile.enabled=true", "verify.inject=per_shard_shift"
+        "cfg=configs/tiny_cpu.yaml",
+        "parallel.sp_size=2",
+        "compile.enabled=true",
+        "verify.inject=per_shard_shift",
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAIL" in done.stdout and "MISMATCH" in done.stdout
-    assert "last token of an SP shard" in done.stdout and "label pair crossing each shard boundary" in done.stdout
+    assert (
+        "last token of an SP shard" in done.stdout
+        and "label pair crossing each shard boundary" in done.stdout
+    )
 
 
 def test_llama8b_head_layout_with_sp2_matches_single_device(run_verify):
@@ -43,7 +56,8 @@ def test_llama8b_head_layout_with_sp2_matches_single_device(run_verify):
 
 
 @pytest.mark.parametrize(
-    "path,heads,kv_heads", [("configs/llama8b_32k.yaml", 32, 8), ("configs/llama70b_128k.yaml", 64, 8)]
+    "path,heads,kv_heads",
+    [("configs/llama8b_32k.yaml", 32, 8), ("configs/llama70b_128k.yaml", 64, 8)],
 )
 def test_shrunk_model_keeps_head_layout_class_and_rope(path, heads, kv_heads):
     model = load_config([f"cfg={path}"]).model
@@ -55,8 +69,17 @@ def test_shrunk_model_keeps_head_layout_class_and_rope(path, heads, kv_heads):
 
 
 def test_mismatch_only_at_shard_ends_is_explained_as_a_per_shard_shift():
-    report = Report("", sp_size=2, seq_len=61, shard_len=31, loss=5.5, ref_loss=5.5, token_error=5.6,
-                    mismatched_positions=[30], grad_errors={"lm_head.weight": 1e-7})
+    report = Report(
+        "",
+        sp_size=2,
+        seq_len=61,
+        shard_len=31,
+        loss=5.5,
+        ref_loss=5.5,
+        token_error=5.6,
+        mismatched_positions=[30],
+        grad_errors={"lm_head.weight": 1e-7},
+    )
     assert any("last token of an SP shard" in line for line in failures(report, 1e-5))
     report.mismatched_positions = [12, 30]
     assert not any("last token of an SP shard" in line for line in failures(report, 1e-5))

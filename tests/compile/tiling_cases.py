@@ -9,16 +9,25 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import sp_cases
 import torch
 import torch.distributed as dist
+from sp_cases import VOCAB, Case, backend_for, contiguous_sp_group, sp_step
+from train_cases import (
+    LOSS_CHUNK,
+    SEQ,
+    _engine,
+    _grad_error,
+    _job_config,
+    _kwargs,
+    _sp_shards,
+    _whole_weights,
+)
 
-import sp_cases
 from slurm_autosp.compile import compile_model, set_sp_group
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile.tiling import SequenceTiled
 from slurm_autosp.verify import make_batch
-from sp_cases import VOCAB, Case, backend_for, contiguous_sp_group, sp_step
-from train_cases import LOSS_CHUNK, SEQ, _engine, _grad_error, _job_config, _kwargs, _sp_shards, _whole_weights
 
 
 def _tiled_mlps(model: torch.nn.Module) -> int:
@@ -70,11 +79,15 @@ def _engine_run(zero_stage: int, sp_size: int, tile_tokens: int, steps: int) -> 
     rows = dist.get_world_size() // sp_size * grad_accum
     engine = _engine(zero_stage, cfg)
     initial = _whole_weights(engine)
-    compile_model(engine.module, backend_for(sp_size, True), per_layer=True, tile_tokens=tile_tokens)
+    compile_model(
+        engine.module, backend_for(sp_size, True), per_layer=True, tile_tokens=tile_tokens
+    )
     set_sp_group(contiguous_sp_group(sp_size))
     losses, grad_norms, first_grads = [], [], {}
     for step in range(steps):
-        shards, count = _sp_shards(make_batch(rows, SEQ, VOCAB, seed=100 + step), sp_size, grad_accum)
+        shards, count = _sp_shards(
+            make_batch(rows, SEQ, VOCAB, seed=100 + step), sp_size, grad_accum
+        )
         step_loss = torch.zeros(())
         for shard in shards:
             loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
@@ -88,8 +101,14 @@ def _engine_run(zero_stage: int, sp_size: int, tile_tokens: int, steps: int) -> 
     final = _whole_weights(engine)
     tiled = _tiled_mlps(engine.module)
     engine.close()
-    return {"initial": initial, "final": final, "losses": losses, "grad_norms": grad_norms,
-            "first_grads": first_grads, "tiled_mlps": tiled}
+    return {
+        "initial": initial,
+        "final": final,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "first_grads": first_grads,
+        "tiled_mlps": tiled,
+    }
 
 
 def _relative(values: list[float], references: list[float]) -> float:
@@ -102,7 +121,9 @@ def _worst_over_ranks(value: float) -> float:
     return float(worst)
 
 
-def engine_tiled_vs_untiled(zero_stage: int, sp_size: int, tile_tokens: int, steps: int = 2) -> dict | None:
+def engine_tiled_vs_untiled(
+    zero_stage: int, sp_size: int, tile_tokens: int, steps: int = 2
+) -> dict | None:
     """The same optimizer steps through the engine with the MLPs untiled, then tiled; rank 0
     returns their relative differences: per-step loss and gradient norm; the first micro-batch's
     gradients (worst parameter's max|g - g_ref| / max|g_ref|, worst rank); the final weights
@@ -112,13 +133,17 @@ def engine_tiled_vs_untiled(zero_stage: int, sp_size: int, tile_tokens: int, ste
     untiled = _engine_run(zero_stage, sp_size, 0, steps)
     tiled = _engine_run(zero_stage, sp_size, tile_tokens, steps)
     grad_error = _worst_over_ranks(
-        max(_grad_error(tiled["first_grads"][name], g) for name, g in untiled["first_grads"].items())
+        max(
+            _grad_error(tiled["first_grads"][name], g) for name, g in untiled["first_grads"].items()
+        )
     )
     if dist.get_rank() != 0:
         return None
     initial, final = untiled["initial"], untiled["final"]
     return {
-        "same_initial_weights": all(torch.equal(tiled["initial"][k], v) for k, v in initial.items()),
+        "same_initial_weights": all(
+            torch.equal(tiled["initial"][k], v) for k, v in initial.items()
+        ),
         "tiled_mlps": (untiled["tiled_mlps"], tiled["tiled_mlps"]),
         "loss_rel_error": _relative(tiled["losses"], untiled["losses"]),
         "grad_norm_rel_error": _relative(tiled["grad_norms"], untiled["grad_norms"]),

@@ -12,11 +12,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
 
-from slurm_autosp.compile import IGNORE_INDEX, compile_model, loss_scale, prepare_sp_inputs, set_sp_group
+from slurm_autosp.compile import (
+    IGNORE_INDEX,
+    compile_model,
+    loss_scale,
+    prepare_sp_inputs,
+    set_sp_group,
+)
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.verify import make_batch
-from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
 
 SEQ = 127  # not divisible by 2 or 4: exercises the SP padding
 LOSS_CHUNK = 24  # tokens per cross-entropy chunk in the engine steps: several chunks per rank
@@ -29,7 +35,10 @@ def _shift(labels: torch.Tensor) -> torch.Tensor:
 def _micro_batches(batch: dict, dp_size: int, dp_rank: int, grad_accum: int) -> list[dict]:
     """Global batch row m * dp_size + dp_rank is this rank's micro-batch m (one row each)."""
     return [
-        {key: value[m * dp_size + dp_rank : m * dp_size + dp_rank + 1] for key, value in batch.items()}
+        {
+            key: value[m * dp_size + dp_rank : m * dp_size + dp_rank + 1]
+            for key, value in batch.items()
+        }
         for m in range(grad_accum)
     ]
 
@@ -109,7 +118,11 @@ def _job_config(world: int, zero_stage: int, grad_accum: int, steps: int):
     t = cfg.train
     t.steps, t.micro_batch, t.grad_accum = steps, 1, grad_accum
     t.lr, t.lr_schedule, t.warmup_steps, t.min_lr_ratio = 2e-3, LrSchedule.cosine, 1, 0.1
-    t.betas, t.weight_decay, t.grad_clip = [0.9, 0.95], 0.1, 0.5  # grad norms here are ~0.75: clipping engages
+    t.betas, t.weight_decay, t.grad_clip = (
+        [0.9, 0.95],
+        0.1,
+        0.5,
+    )  # grad norms here are ~0.75: clipping engages
     return cfg
 
 
@@ -159,7 +172,9 @@ def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> 
             loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
             engine.backward(loss * engine.loss_scale)
             if zero_stage == 3 and not losses and shard is shards[-1]:
-                first_grads = {name: p.grad.full_tensor() for name, p in engine.module.named_parameters()}
+                first_grads = {
+                    name: p.grad.full_tensor() for name, p in engine.module.named_parameters()
+                }
             engine.step()
             step_loss += loss.detach()
         dist.all_reduce(step_loss)
@@ -179,8 +194,13 @@ def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> 
         loss = reference(**batch, use_cache=False).loss
         loss.backward()
         if first_grads and not ref_losses:
-            grad_errors = {name: _grad_error(first_grads[name], p.grad) for name, p in reference.named_parameters()}
-        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.train.grad_clip)))
+            grad_errors = {
+                name: _grad_error(first_grads[name], p.grad)
+                for name, p in reference.named_parameters()
+            }
+        ref_norms.append(
+            float(torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.train.grad_clip))
+        )
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -214,7 +234,9 @@ def _loss_per_token_grads(model, batch: dict) -> tuple[float, torch.Tensor, dict
     return float(out.loss.detach()), per_token, grads
 
 
-def _bf16_model(zero_stage: int) -> tuple[torch.nn.Module, float, Callable[[torch.nn.Module], dict]]:
+def _bf16_model(
+    zero_stage: int,
+) -> tuple[torch.nn.Module, float, Callable[[torch.nn.Module], dict]]:
     """The SP model in bf16, the factor on its loss, and how to read its reduced fp32 gradients:
     the model cast to bf16 with gradients averaged over the world in fp32 (no engine), or FSDP2
     computing in bf16 over fp32 shards and reducing in fp32 (zero_stage=3)."""
@@ -226,7 +248,11 @@ def _bf16_model(zero_stage: int) -> tuple[torch.nn.Module, float, Callable[[torc
         cfg = _job_config(world, 3, 1, 1)
         cfg.train.precision = Precision.bf16
         engine = FSDP2Engine(tiny_model("llama", 2), cfg, torch.device("cpu"))
-        return engine.module, engine.loss_scale, lambda m: {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+        return (
+            engine.module,
+            engine.loss_scale,
+            lambda m: {n: p.grad.full_tensor() for n, p in m.named_parameters()},
+        )
 
     def averaged(model: torch.nn.Module) -> dict:
         grads = {}
@@ -251,7 +277,10 @@ def bf16_errors(sp_size: int, zero_stage: int = 1) -> dict | None:
     batch = make_batch(2 * world // sp_size, SEQ, VOCAB, seed=23)
     rows_per_rank = 2
     dp_rank, sp_rank = rank // sp_size, rank % sp_size
-    local = {key: value[dp_rank * rows_per_rank : (dp_rank + 1) * rows_per_rank] for key, value in batch.items()}
+    local = {
+        key: value[dp_rank * rows_per_rank : (dp_rank + 1) * rows_per_rank]
+        for key, value in batch.items()
+    }
     shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size)
     count = torch.tensor(shard.valid_labels)
     dist.all_reduce(count)
@@ -263,7 +292,9 @@ def bf16_errors(sp_size: int, zero_stage: int = 1) -> dict | None:
     (out.loss * scale).backward()
     loss = out.loss.detach().float()
     dist.all_reduce(loss)
-    per_token = F.cross_entropy(out.logits.detach().float().transpose(1, 2), shard.shift_labels, reduction="none")
+    per_token = F.cross_entropy(
+        out.logits.detach().float().transpose(1, 2), shard.shift_labels, reduction="none"
+    )
     gathered = [torch.empty_like(per_token) for _ in range(world)]
     dist.all_gather(gathered, per_token.contiguous())
     grads = reduced_grads(model)
@@ -271,7 +302,11 @@ def bf16_errors(sp_size: int, zero_stage: int = 1) -> dict | None:
         return None
 
     sp_tokens = torch.cat(
-        [torch.cat(gathered[d * sp_size : (d + 1) * sp_size], dim=1) for d in range(world // sp_size)], dim=0
+        [
+            torch.cat(gathered[d * sp_size : (d + 1) * sp_size], dim=1)
+            for d in range(world // sp_size)
+        ],
+        dim=0,
     )[:, :SEQ]
     ref = _loss_per_token_grads(tiny_model("llama", 2), batch)
     single = _loss_per_token_grads(tiny_model("llama", 2).to(torch.bfloat16), batch)
@@ -311,7 +346,9 @@ def sharded_init() -> dict | None:
     half = q.shape[0] // 2
     return {
         "rotary_equal": torch.equal(rotary, whole.model.rotary_emb.inv_freq),
-        "norms_one": all(torch.equal(v, torch.ones_like(v)) for k, v in weights.items() if "norm" in k),
+        "norms_one": all(
+            torch.equal(v, torch.ones_like(v)) for k, v in weights.items() if "norm" in k
+        ),
         "linear_std": float(q.std()),
         "config_std": whole.config.initializer_range,
         "shards_differ": not torch.equal(q[:half], q[half:]),
@@ -327,8 +364,13 @@ def pretrained_under_fsdp2(path: str) -> dict | None:
     from slurm_autosp.config import load_config
     from slurm_autosp.engine import build_engine
 
-    cfg = load_config([f"cluster.tasks_per_node={dist.get_world_size()}", "parallel.zero_stage=3",
-                       f"model.pretrained_path={path}"])
+    cfg = load_config(
+        [
+            f"cluster.tasks_per_node={dist.get_world_size()}",
+            "parallel.zero_stage=3",
+            f"model.pretrained_path={path}",
+        ]
+    )
     engine = build_engine(cfg, torch.device("cpu"), 3)
     weights = engine.full_state_dict()
     rotary = engine.module.model.rotary_emb.inv_freq.clone()
@@ -352,7 +394,12 @@ def fsdp2_held_bytes() -> dict:
     grads = sum(p.grad.to_local().nbytes for p in engine.module.parameters())
     engine.step()
     weights = sum(p.to_local().nbytes for p in engine.module.parameters())
-    adam = sum(t.to_local().nbytes for s in engine.optimizer.state.values() for t in s.values() if t.dim() > 0)
+    adam = sum(
+        t.to_local().nbytes
+        for s in engine.optimizer.state.values()
+        for t in s.values()
+        if t.dim() > 0
+    )
     parameters = sum(p.numel() for p in engine.module.parameters())
     engine.close()
     return {"weights": weights, "grads": grads, "adam": adam, "parameters": parameters}

@@ -37,7 +37,9 @@ def test_rccl_gets_fine_grained_pcie_and_nccl_gets_pci_bus_device_order():
 
 
 def test_compile_caches_are_node_local_and_follow_slurm_tmpdir():
-    assert env()["TRITON_CACHE_DIR"] == f"/tmp/slurm_autosp_cache_{os.getuid()}/triton"  # one per user
+    assert (
+        env()["TRITON_CACHE_DIR"] == f"/tmp/slurm_autosp_cache_{os.getuid()}/triton"
+    )  # one per user
     e = env(user_env={"SLURM_TMPDIR": "/local/job42"})
     assert e["TORCHINDUCTOR_CACHE_DIR"] == f"/local/job42/slurm_autosp_cache_{os.getuid()}/inductor"
     assert env(node_local_cache_dir="/nvme/cache")["TRITON_CACHE_DIR"] == "/nvme/cache/triton"
@@ -78,20 +80,27 @@ def test_each_fabric_gets_its_own_variables(fabric, expected):
 
 
 def test_cpu_runs_get_only_the_compile_caches():
-    assert sorted(env(vendor="none", fabric="tcp")) == ["TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"]
+    assert sorted(env(vendor="none", fabric="tcp")) == [
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+    ]
 
 
 def test_every_variable_says_why():
     for vendor in VENDORS:
         for fabric in FABRICS:
-            for s in collective_env_settings(vendor, fabric, user_env={}, run_dir=RUN_DIR, debug=True):
+            for s in collective_env_settings(
+                vendor, fabric, user_env={}, run_dir=RUN_DIR, debug=True
+            ):
                 assert len(s.why) > 20, s.name
 
 
 def test_unknown_vendor_or_fabric_names_the_choices():
     with pytest.raises(ValueError, match=r"vendor='intel' is not one of nvidia, amd, none"):
         env(vendor="intel")
-    with pytest.raises(ValueError, match=r"fabric='omnipath' is not one of infiniband, roce, efa, slingshot, tcp"):
+    with pytest.raises(
+        ValueError, match=r"fabric='omnipath' is not one of infiniband, roce, efa, slingshot, tcp"
+    ):
         env(fabric="omnipath")
 
 
@@ -112,5 +121,7 @@ def test_a_compile_cache_directory_in_a_sticky_shared_directory_is_accepted(tmp_
     shared.chmod(0o1777)
     private_cache_dir(str(shared / "torchinductor_me"))
     shared.chmod(0o777)
-    with pytest.raises(RuntimeError, match=r"directory .*tmp is owned by uid \d+ or writable by others"):
+    with pytest.raises(
+        RuntimeError, match=r"directory .*tmp is owned by uid \d+ or writable by others"
+    ):
         private_cache_dir(str(shared / "torchinductor_me"))

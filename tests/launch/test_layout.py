@@ -22,7 +22,12 @@ def test_sp8_on_two_dgx_nodes_stays_inside_each_node():
     layout = derive_parallel_layout(topology_from_profile(2, 8, 8), sp_size=8)
     assert layout.sp_groups == (tuple(range(8)), tuple(range(8, 16)))
     assert layout.dp_groups == tuple((i, i + 8) for i in range(8))
-    assert (layout.world_size, layout.sp_size, layout.dp_size, layout.cross_domain) == (16, 8, 2, False)
+    assert (layout.world_size, layout.sp_size, layout.dp_size, layout.cross_domain) == (
+        16,
+        8,
+        2,
+        False,
+    )
 
 
 def test_rank_helpers_answer_from_the_groups():
@@ -51,29 +56,43 @@ def test_sp_groups_follow_detected_domains_not_rank_contiguity():
 
 def test_nvl72_racks_hold_sp_groups_spanning_nodes():
     layout = derive_parallel_layout(topology_from_profile(36, 4, 72), sp_size=36)
-    assert layout.sp_groups == (tuple(range(36)), tuple(range(36, 72)), tuple(range(72, 108)), tuple(range(108, 144)))
+    assert layout.sp_groups == (
+        tuple(range(36)),
+        tuple(range(36, 72)),
+        tuple(range(72, 108)),
+        tuple(range(108, 144)),
+    )
     assert not layout.cross_domain
 
 
 def test_an_sp_size_that_no_domain_holds_lists_the_sizes_that_would_work():
-    with pytest.raises(LayoutError, match=r"2 domains of 72 GPUs.*fit inside a domain: 1, 2, 3, 4, 6, 8, 9, 12, 18, 24, 36 or 72\."):
+    with pytest.raises(
+        LayoutError,
+        match=r"2 domains of 72 GPUs.*fit inside a domain: 1, 2, 3, 4, 6, 8, 9, 12, 18, 24, 36 or 72\.",
+    ):
         derive_parallel_layout(topology_from_profile(36, 4, 72), sp_size=16)
 
 
 def test_a_partial_rack_limits_sp_to_what_both_domains_hold():
-    with pytest.raises(LayoutError, match=r"1 domain of 72 GPUs and 1 domain of 8 GPUs.*1, 2, 4 or 8\."):
+    with pytest.raises(
+        LayoutError, match=r"1 domain of 72 GPUs and 1 domain of 8 GPUs.*1, 2, 4 or 8\."
+    ):
         derive_parallel_layout(topology_from_profile(20, 4, 72), sp_size=16)
 
 
 def test_cross_domain_layout_is_an_explicit_recorded_choice():
-    layout = derive_parallel_layout(topology_from_profile(4, 8, 8), sp_size=16, allow_cross_domain=True)
+    layout = derive_parallel_layout(
+        topology_from_profile(4, 8, 8), sp_size=16, allow_cross_domain=True
+    )
     assert layout.cross_domain
     assert layout.sp_groups == (tuple(range(16)), tuple(range(16, 32)))
     assert "SP groups span NVLink domains (allow_cross_domain)" in repr(layout)
 
 
 def test_sp_size_must_divide_the_world():
-    with pytest.raises(LayoutError, match=r"sp_size=12 does not divide world_size=16 \(choose 1, 2, 4, 8 or 16\)"):
+    with pytest.raises(
+        LayoutError, match=r"sp_size=12 does not divide world_size=16 \(choose 1, 2, 4, 8 or 16\)"
+    ):
         derive_parallel_layout(topology_from_profile(2, 8, 8), sp_size=12)
 
 
@@ -131,14 +150,21 @@ def _groups_worker(rank: int, world: int, port: int, results) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=2)
     sp_group, dp_group = build_process_groups(layout)
     value = torch.tensor([float(rank)])
     dist.all_reduce(value, group=sp_group)
     members = torch.tensor([float(rank)])
     dist.all_reduce(members, group=dp_group)
-    results[rank] = (value.item(), members.item(), dist.get_world_size(sp_group), dist.get_world_size(dp_group))
+    results[rank] = (
+        value.item(),
+        members.item(),
+        dist.get_world_size(sp_group),
+        dist.get_world_size(dp_group),
+    )
     dist.destroy_process_group()
 
 
@@ -155,7 +181,12 @@ def test_process_groups_reduce_within_sp_and_dp_groups():
         mp.spawn(_groups_worker, args=(4, _free_port(), results), nprocs=4, join=True)
         got = dict(results)
     # sp_groups (0,1),(2,3); dp_groups (0,2),(1,3)
-    assert got == {0: (1.0, 2.0, 2, 2), 1: (1.0, 4.0, 2, 2), 2: (5.0, 2.0, 2, 2), 3: (5.0, 4.0, 2, 2)}
+    assert got == {
+        0: (1.0, 2.0, 2, 2),
+        1: (1.0, 4.0, 2, 2),
+        2: (5.0, 2.0, 2, 2),
+        3: (5.0, 4.0, 2, 2),
+    }
 
 
 def test_build_process_groups_refuses_a_layout_for_another_world(monkeypatch):
@@ -163,5 +194,8 @@ def test_build_process_groups_refuses_a_layout_for_another_world(monkeypatch):
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
     layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=2)
-    with pytest.raises(LayoutError, match="torch.distributed has world_size 8 but the layout was derived for 4 ranks"):
+    with pytest.raises(
+        LayoutError,
+        match="torch.distributed has world_size 8 but the layout was derived for 4 ranks",
+    ):
         build_process_groups(layout)

@@ -86,7 +86,9 @@ def test_colour_codes_in_the_header_are_ignored():
 
 def test_text_without_a_topology_matrix_is_refused_with_what_was_seen():
     with pytest.raises(TopologyError, match="no header line naming GPU0.*NVIDIA-SMI has failed"):
-        parse_nvidia_smi_topo("NVIDIA-SMI has failed because it couldn't communicate with the driver\n")
+        parse_nvidia_smi_topo(
+            "NVIDIA-SMI has failed because it couldn't communicate with the driver\n"
+        )
 
 
 def test_a_truncated_matrix_is_refused():
@@ -97,10 +99,28 @@ def test_a_truncated_matrix_is_refused():
 
 def test_hybrid_cube_mesh_splits_into_fully_connected_quads():
     # DGX-1 (V100) NVLink pattern: quads 0-3 and 4-7 fully linked, plus one link per GPU across.
-    nv = {(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3), (4, 5), (4, 6), (4, 7), (5, 6), (5, 7),
-          (6, 7), (0, 4), (1, 5), (2, 6), (3, 7)}
+    nv = {
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (1, 2),
+        (1, 3),
+        (2, 3),
+        (4, 5),
+        (4, 6),
+        (4, 7),
+        (5, 6),
+        (5, 7),
+        (6, 7),
+        (0, 4),
+        (1, 5),
+        (2, 6),
+        (3, 7),
+    }
     links = tuple(
-        tuple("X" if i == j else ("NV1" if (min(i, j), max(i, j)) in nv else "SYS") for j in range(8))
+        tuple(
+            "X" if i == j else ("NV1" if (min(i, j), max(i, j)) in nv else "SYS") for j in range(8)
+        )
         for i in range(8)
     )
     assert nvlink_domains_from_links(LinkMatrix(links)) == ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -135,7 +155,8 @@ def test_h100_completed_with_zero_cluster_uuid_is_no_multi_node_domain():
 
 
 @pytest.mark.parametrize(
-    "name", ["nvidia_smi_q_fabric_insufficient_resources.txt", "nvidia_smi_q_fabric_in_progress.txt"]
+    "name",
+    ["nvidia_smi_q_fabric_insufficient_resources.txt", "nvidia_smi_q_fabric_in_progress.txt"],
 )
 def test_unregistered_fabric_states_give_no_clique(name):
     (state,) = parse_nvidia_smi_fabric(fixture(name))
@@ -143,8 +164,8 @@ def test_unregistered_fabric_states_give_no_clique(name):
 
 
 def test_gpus_disagreeing_on_their_clique_give_none():
-    a, = parse_nvidia_smi_fabric(fixture("nvidia_smi_q_fabric_gb200_grep.txt"))
-    b, = parse_nvidia_smi_fabric(fixture("nvidia_smi_q_fabric_in_progress.txt"))
+    (a,) = parse_nvidia_smi_fabric(fixture("nvidia_smi_q_fabric_gb200_grep.txt"))
+    (b,) = parse_nvidia_smi_fabric(fixture("nvidia_smi_q_fabric_in_progress.txt"))
     assert node_clique([a, a]) == a.clique
     assert node_clique([a, b]) is None
 
@@ -166,7 +187,8 @@ def test_mi210_node_with_infinity_fabric_bridge_is_one_domain_of_four():
 def test_two_xgmi_hives_joined_by_pcie_are_two_domains():
     header = "       " + "".join(f"GPU{i:<10}" for i in range(8))
     rows = [
-        f"GPU{i}   " + "  ".join("0" if i == j else ("XGMI" if i // 4 == j // 4 else "PCIE") for j in range(8))
+        f"GPU{i}   "
+        + "  ".join("0" if i == j else ("XGMI" if i // 4 == j // 4 else "PCIE") for j in range(8))
         for i in range(8)
     ]
     text = "=== Link Type between two GPUs ===\n" + header + "\n" + "\n".join(rows) + "\n"
@@ -201,7 +223,10 @@ def test_fat_tree_profile_has_one_domain_per_node():
     "args, message",
     [
         ((2, 8, 3), r"nvlink_domain_size=3 does not divide gpus_per_node=8 \(choose 1, 2, 4 or 8"),
-        ((2, 4, 70), r"nvlink_domain_size=70 spans nodes but is not a multiple of gpus_per_node=4 \(e.g. 68 or 72\)"),
+        (
+            (2, 4, 70),
+            r"nvlink_domain_size=70 spans nodes but is not a multiple of gpus_per_node=4 \(e.g. 68 or 72\)",
+        ),
         ((0, 4, 4), r"nodes=0.*at least 1"),
     ],
 )
@@ -243,7 +268,9 @@ def test_mismatches_name_both_values():
 def fake_tools(outputs: dict[str, str], returncode: int = 0):
     def run(argv, **kwargs):
         assert kwargs["timeout"] > 0 and kwargs["capture_output"]
-        return subprocess.CompletedProcess(argv, returncode, outputs[" ".join(argv)], "driver not loaded")
+        return subprocess.CompletedProcess(
+            argv, returncode, outputs[" ".join(argv)], "driver not loaded"
+        )
 
     return run
 
@@ -259,33 +286,43 @@ def test_detection_on_this_machine_does_not_fail():
 
 
 def test_detection_reads_nvidia_smi_and_keeps_the_jobs_gpus():
-    run = fake_tools({
-        "nvidia-smi topo -m": fixture("nvidia_smi_topo_a100_4gpu_nvlink_pairs.txt"),
-        "nvidia-smi -q": fixture("nvidia_smi_q_h100_sxm_8gpu.txt"),
-    })
-    node = detect_node_topology(env={"CUDA_VISIBLE_DEVICES": "2,3"}, which=lambda t: t == "nvidia-smi", run=run)
+    run = fake_tools(
+        {
+            "nvidia-smi topo -m": fixture("nvidia_smi_topo_a100_4gpu_nvlink_pairs.txt"),
+            "nvidia-smi -q": fixture("nvidia_smi_q_h100_sxm_8gpu.txt"),
+        }
+    )
+    node = detect_node_topology(
+        env={"CUDA_VISIBLE_DEVICES": "2,3"}, which=lambda t: t == "nvidia-smi", run=run
+    )
     assert (node.gpu_vendor, node.gpu_count, node.nvlink_domains) == ("nvidia", 2, ((0, 1),))
     assert node.fabric_clique is None and "mlx5_0" in node.network_devices
 
 
 def test_detection_reads_the_clique_of_a_gb200_node():
-    run = fake_tools({
-        "nvidia-smi topo -m": fixture("nvidia_smi_topo_gb200_node.txt"),
-        "nvidia-smi -q": fixture("nvidia_smi_q_fabric_gb200_grep.txt"),
-    })
+    run = fake_tools(
+        {
+            "nvidia-smi topo -m": fixture("nvidia_smi_topo_gb200_node.txt"),
+            "nvidia-smi -q": fixture("nvidia_smi_q_fabric_gb200_grep.txt"),
+        }
+    )
     node = detect_node_topology(env={}, which=lambda t: t == "nvidia-smi", run=run)
     assert node.fabric_clique == "dc6e40c4-d722-4357-9ba6-5291dd461278/2"
 
 
 def test_detection_reads_rocm_smi():
-    run = fake_tools({"rocm-smi --showtopotype": fixture("rocm_smi_showtopo_mi300_series_8gpu.txt")})
+    run = fake_tools(
+        {"rocm-smi --showtopotype": fixture("rocm_smi_showtopo_mi300_series_8gpu.txt")}
+    )
     node = detect_node_topology(env={}, which=lambda t: t == "rocm-smi", run=run)
     assert (node.gpu_vendor, node.nvlink_domains) == ("amd", (tuple(range(8)),))
 
 
 def test_a_failing_tool_is_an_error_not_a_guess():
     run = fake_tools({"nvidia-smi topo -m": ""}, returncode=9)
-    with pytest.raises(TopologyError, match="`nvidia-smi topo -m` exited with 9: driver not loaded"):
+    with pytest.raises(
+        TopologyError, match="`nvidia-smi topo -m` exited with 9: driver not loaded"
+    ):
         detect_node_topology(env={}, which=lambda t: t == "nvidia-smi", run=run)
 
 
@@ -293,5 +330,7 @@ def test_a_hanging_tool_is_reported_with_how_to_skip_detection():
     def run(argv, **kwargs):
         raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
 
-    with pytest.raises(TopologyError, match="did not answer within 5s; set the topology in the config"):
+    with pytest.raises(
+        TopologyError, match="did not answer within 5s; set the topology in the config"
+    ):
         detect_node_topology(env={}, which=lambda t: t == "nvidia-smi", run=run, timeout_s=5)
