@@ -321,7 +321,7 @@ def render(rows0: list[dict], rows1: list[dict]) -> str:
         "| S (P=2) | policy | saved B/tok/layer | O(S²) saved | a2a in bw | recompute | attn recomputed | step (s) | loss err | grad err |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for a, b in zip(rows0, rows1):
+    for a, b in zip(rows0, rows1, strict=True):
         lines.append(
             f"| {a['seq']} | {a['policy']} | {max(a['saved_per_token_layer'], b['saved_per_token_layer']):,.0f} | "
             f"{max(a['quadratic'], b['quadratic'])} | {max(a['a2a_backward'], b['a2a_backward'])} | "

@@ -325,7 +325,7 @@ def table(results: dict, layer_counts: list[int]) -> str:
             cells = [None if r is None else r.get(key) for r in runs]
             text = [
                 "not run" if r is None else "failed" if v is None else fmt.format(v)
-                for r, v in zip(runs, cells)
+                for r, v in zip(runs, cells, strict=True)
             ]
             ratio = f"{cells[0] / cells[1]:.2g}" if None not in cells and cells[1] else "–"
             lines.append(f"| {layers} | {label} | {text[0]} | {text[1]} | {ratio} |")

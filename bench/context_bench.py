@@ -97,7 +97,7 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
     for step in range(steps + 1):
         saved: dict[int, int] = {}
 
-        def pack(tensor):
+        def pack(tensor, saved=saved):  # this step's dict
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in params:
                 saved[storage.data_ptr()] = storage.nbytes()

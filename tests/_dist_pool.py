@@ -128,7 +128,7 @@ class DistPool:
     def close(self) -> None:
         """Stop the workers: politely when they answer, by their process ids otherwise."""
         self.broken = True
-        for conn, process in zip(self._conns, self._processes):
+        for conn, process in zip(self._conns, self._processes, strict=True):
             if process.is_alive():
                 try:
                     conn.send(None)

@@ -114,7 +114,7 @@ def test_saved_checkpoint_restores_weights_and_trainer_state(tmp_path, engine):
     perturb(engine)
     resumed = store.load_latest(engine, settings(engine.name))
     assert resumed == state(3, engine.name)
-    assert all(torch.equal(a, b) for a, b in zip(before, params(engine)))
+    assert all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
     assert (tmp_path / "latest").read_text() == "step_00000003"
 
 
@@ -142,7 +142,7 @@ def test_save_that_dies_half_way_leaves_the_previous_checkpoint_in_use(
     monkeypatch.undo()
     assert (tmp_path / ".step_00000002.partial").is_dir()
     assert store.load_latest(engine, settings(engine.name)) == state(1, engine.name)
-    assert all(torch.equal(a, b) for a, b in zip(good, params(engine)))
+    assert all(torch.equal(a, b) for a, b in zip(good, params(engine), strict=True))
 
 
 def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, engine, caplog):
@@ -275,7 +275,8 @@ def test_checkpoint_of_another_run_is_refused_naming_every_key_that_differs(tmp_
         assert line in message
     assert "(data.seq_len=256 model.hidden_size=64 train.grad_accum=1 train.seed=0)" in message
     assert "start a new run with another run.name (this job's is run.name=tiny)" in message
-    assert not all(torch.equal(a, b) for a, b in zip(before, params(engine)))  # nothing was loaded
+    # nothing was loaded
+    assert not all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
 
 
 def test_checkpoint_of_another_zero_stage_or_layout_is_refused(tmp_path, engine):

@@ -16,15 +16,18 @@ def test_shipped_configs_load(path):
 def test_llama_configs_have_the_real_llama31_shapes():
     m8 = load_config(["cfg=configs/llama8b_32k.yaml"])
     m70 = load_config(["cfg=configs/llama70b_128k.yaml"])
-    shape = lambda c: (
-        c.model.hidden_size,
-        c.model.num_hidden_layers,
-        c.model.num_attention_heads,
-        c.model.num_key_value_heads,
-        c.model.intermediate_size,
-        c.model.vocab_size,
-        c.data.seq_len,
-    )
+
+    def shape(c):
+        return (
+            c.model.hidden_size,
+            c.model.num_hidden_layers,
+            c.model.num_attention_heads,
+            c.model.num_key_value_heads,
+            c.model.intermediate_size,
+            c.model.vocab_size,
+            c.data.seq_len,
+        )
+
     assert shape(m8) == (4096, 32, 32, 8, 14336, 128256, 32768)
     assert shape(m70) == (8192, 80, 64, 8, 28672, 128256, 131072)
 

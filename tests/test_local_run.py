@@ -107,7 +107,9 @@ def test_tiled_and_offloaded_run_trains_the_same_steps(tiny_run, tmp_path):
         for d in (run_dir, tmp_path / "tiny_cpu")
     )
     assert len(tiled) == 30
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(tiled[:3], reference[:3])), (
+    assert all(
+        abs(a - b) <= 1e-5 * abs(b) for a, b in zip(tiled[:3], reference[:3], strict=True)
+    ), (
         tiled[:3],
         reference[:3],
     )

@@ -24,7 +24,9 @@ def test_local_pretrained_path_loads_the_saved_weights(tmp_path):
     saved.save_pretrained(tmp_path)
     loaded = build_model(ModelConfig(pretrained_path=str(tmp_path)))
     assert type(loaded).__name__ == "Qwen2ForCausalLM"
-    for (name, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items()):
+    for (name, a), (_, b) in zip(
+        saved.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 

@@ -157,7 +157,7 @@ def test_tensorboard_lists_loss_throughput_and_memory_scalars(tensorboard):
         for s in ("min", "max")
     )
     assert all(
-        50 < lo[2] <= hi[2] < 64 * 1024 for lo, hi in zip(low, high)
+        50 < lo[2] <= hi[2] < 64 * 1024 for lo, hi in zip(low, high, strict=True)
     )  # MiB of a 2-rank CPU run
     split = [
         tensorboard.json("/data/plugin/scalars/scalars", run="tensorboard", tag=f"time/{t}")[-1][2]

@@ -83,7 +83,7 @@ def _where(node: fx.Node) -> str:
 
 
 def _sdpa_arguments(node: fx.Node) -> dict[str, object]:
-    arguments: dict[str, object] = dict(zip(_SDPA_PARAMS, node.args))
+    arguments: dict[str, object] = dict(zip(_SDPA_PARAMS, node.args, strict=False))
     arguments.update(node.kwargs)
     return arguments
 

@@ -60,7 +60,9 @@ def _dense(tensor: torch.Tensor) -> bool:
     strides of what it reads, gets them unchanged."""
     expected = 1
     dims = sorted(
-        (stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1
+        (stride, size)
+        for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+        if size != 1
     )
     for stride, size in dims:
         if stride != expected:

@@ -115,7 +115,7 @@ def _mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     missing = sorted(
         {
             type(layer).__name__
-            for layer, mlp in zip(layers, mlps)
+            for layer, mlp in zip(layers, mlps, strict=True)
             if not isinstance(mlp, torch.nn.Module)
         }
     )

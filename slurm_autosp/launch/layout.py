@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from slurm_autosp.launch.topology import ClusterTopology
@@ -136,13 +137,9 @@ def _groups_text(groups: tuple[tuple[int, ...], ...], show: int = 2) -> str:
 
 
 def _ranks_text(ranks: tuple[int, ...], show: int = 4) -> str:
-    if len(ranks) > 1 and all(b == a + 1 for a, b in zip(ranks, ranks[1:])):
+    if len(ranks) > 1 and all(b == a + 1 for a, b in pairwise(ranks)):
         return f"{ranks[0]}-{ranks[-1]}"
-    if (
-        len(ranks) > 1
-        and len(set(b - a for a, b in zip(ranks, ranks[1:]))) == 1
-        and len(ranks) > show
-    ):
+    if len(ranks) > 1 and len(set(b - a for a, b in pairwise(ranks))) == 1 and len(ranks) > show:
         step = ranks[1] - ranks[0]
         return f"{ranks[0]},{ranks[1]},...,{ranks[-1]} (step {step})"
     if len(ranks) > show:

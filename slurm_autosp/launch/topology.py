@@ -135,7 +135,7 @@ def _global_domains(
     """Local domains shifted to global ranks; all GPUs of nodes in one fabric clique merge."""
     domains: list[tuple[int, ...]] = []
     clique_members: dict[str, list[int]] = {}
-    for node, offset in zip(nodes, first_rank):
+    for node, offset in zip(nodes, first_rank, strict=True):
         if node.fabric_clique is not None:
             clique_members.setdefault(node.fabric_clique, []).extend(
                 range(offset, offset + node.gpu_count)
@@ -348,7 +348,7 @@ def compare_topology(expected: ClusterTopology, detected: ClusterTopology) -> li
     problems = []
     if len(expected.nodes) != len(detected.nodes):
         problems.append(f"nodes: expected {len(expected.nodes)}, detected {len(detected.nodes)}")
-    for n, (want, got) in enumerate(zip(expected.nodes, detected.nodes)):
+    for n, (want, got) in enumerate(zip(expected.nodes, detected.nodes, strict=False)):
         if want.gpu_vendor != got.gpu_vendor:
             problems.append(
                 f"node {n} ({got.hostname}): GPU vendor expected {want.gpu_vendor}, detected {got.gpu_vendor}"
@@ -363,7 +363,11 @@ def compare_topology(expected: ClusterTopology, detected: ClusterTopology) -> li
             _sizes_text(detected.domain_sizes),
         )
         first = next(
-            ((w, g) for w, g in zip(expected.nvlink_domains, detected.nvlink_domains) if w != g),
+            (
+                (w, g)
+                for w, g in zip(expected.nvlink_domains, detected.nvlink_domains, strict=False)
+                if w != g
+            ),
             None,
         )
         detail = (

@@ -80,7 +80,7 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
             dtype=dtype,
             tiled=tiled,
         )
-        traces.update({(spec, tiled): t for spec, t in zip(specs, layer_traces)})
+        traces.update({(spec, tiled): t for spec, t in zip(specs, layer_traces, strict=True)})
     size = model_size(cfg)
     gpu_bytes = cfg.cluster.gpu_memory_gb * GB
     memories = {

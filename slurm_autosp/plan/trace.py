@@ -222,7 +222,7 @@ def trace_decoder_layer(
     )
     traces = [
         _read_partition(spec, forward, backward, is_parameter, local_seq, micro_batch, sp_size)
-        for spec, (forward, backward) in zip(specs, partitions)
+        for spec, (forward, backward) in zip(specs, partitions, strict=True)
     ]
     if tiled:
         config = hf_config(model)
@@ -259,7 +259,7 @@ def _read_partition(
 ) -> LayerTrace:
     trace = LayerTrace(spec=spec, local_seq=local_seq, micro_batch=micro_batch, sp_size=sp_size)
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    parameters = {p for p, is_param in zip(placeholders, is_parameter) if is_param}
+    parameters = {p for p, is_param in zip(placeholders, is_parameter, strict=False) if is_param}
     output = next(n for n in forward.graph.nodes if n.op == "output")
     hidden_placeholder = placeholders[0] if placeholders else None
     seen: set[str] = set()

@@ -3,6 +3,8 @@ attention never recomputed, no O(S^2) tensor saved, all-to-all replay only when 
 compile caches that tell policies apart. Rank-side functions live here too (the pool imports
 them by name)."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -66,7 +68,7 @@ def sp2_step_under_policies(seq: int, names: list[str]) -> dict[str, dict[str, f
     for name in names:
         model = tiny_model("llama", 2)
         compile_model(model, AutoSPBackend(2, SPECS[name]), per_layer=True)
-        out, saved = _saved_bytes_during(lambda: model(**shard.model_kwargs(count)))
+        out, saved = _saved_bytes_during(partial(model, **shard.model_kwargs(count)))
         (out.loss * loss_scale(dist.get_world_size(), 1)).backward()
         loss = out.loss.detach().clone()
         dist.all_reduce(loss)
@@ -178,5 +180,5 @@ def test_chunked_cross_entropy_equals_the_unchunked_loss_and_gradients():
     chunked = chunked_cross_entropy(hidden, weight, labels, count, chunk_tokens=64)
     chunked_grads = torch.autograd.grad(chunked, (hidden, weight))
     assert torch.allclose(chunked, full, rtol=1e-6)
-    for a, b in zip(chunked_grads, grads):
+    for a, b in zip(chunked_grads, grads, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)

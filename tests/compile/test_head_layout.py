@@ -24,7 +24,9 @@ def test_each_rank_holds_the_kv_heads_its_query_heads_read(query_heads, kv_heads
     layout = HeadLayout(query_heads, kv_heads, sp_size)
     kv_of_query = torch.arange(query_heads) // (query_heads // kv_heads)
     kv_sent = torch.arange(kv_heads).repeat_interleave(layout.kv_repeat)
-    for local_q, local_kv in zip(torch.arange(query_heads).chunk(sp_size), kv_sent.chunk(sp_size)):
+    for local_q, local_kv in zip(
+        torch.arange(query_heads).chunk(sp_size), kv_sent.chunk(sp_size), strict=True
+    ):
         group = len(local_q) // len(local_kv)
         assert layout.local_grouped == (group > 1)
         assert torch.equal(local_kv[torch.arange(len(local_q)) // group], kv_of_query[local_q])

@@ -109,7 +109,7 @@ def test_two_sp2_optimizer_steps_with_offload_equal_those_without(pool2, zero_st
     initial = plain["initial"]
     assert all(torch.equal(offloaded["initial"][name], w) for name, w in initial.items())
     for key in ("losses", "grad_norms"):
-        errors = [_rel(a, b) for a, b in zip(offloaded[key], plain[key])]
+        errors = [_rel(a, b) for a, b in zip(offloaded[key], plain[key], strict=True)]
         assert max(errors) <= TOLERANCE, (key, offloaded[key], plain[key])
     weight_errors = {
         name: float((offloaded["weights"][name] - w).abs().max() / (w - initial[name]).abs().max())

@@ -112,7 +112,7 @@ def _engine_run(zero_stage: int, sp_size: int, tile_tokens: int, steps: int) -> 
 
 
 def _relative(values: list[float], references: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, references))
+    return max(abs(a - b) / abs(b) for a, b in zip(values, references, strict=True))
 
 
 def _worst_over_ranks(value: float) -> float:

@@ -212,7 +212,7 @@ def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> 
     return {
         "losses": losses,
         "ref_losses": ref_losses,
-        "loss_rel_errors": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
+        "loss_rel_errors": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)],
         "grad_rel_error": max(grad_errors.values()) if grad_errors else None,
         "grad_norms": grad_norms,
         "ref_grad_norms": ref_norms,
