@@ -22,3 +22,8 @@ def arguments(argv: list[str] | None, doc: str) -> list[str] | None:
 def config_error(err: ConfigError) -> int:
     print(f"error: {err}", file=sys.stderr)
     return 2
+
+
+def take_flag(argv: list[str], flag: str) -> tuple[list[str], bool]:
+    """`argv` without `flag`, and whether it was there."""
+    return [a for a in argv if a != flag], flag in argv

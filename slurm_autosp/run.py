@@ -1,8 +1,11 @@
-"""python -m slurm_autosp.run cfg=CONFIG.yaml [key=value ...]
+"""python -m slurm_autosp.run cfg=CONFIG.yaml [key=value ...] [--force]
 
 One rank of a training job, for sites that submit their own sbatch scripts: `srun` starts it
 on every task (see sbatch/train.sbatch). It runs exactly what `slurm_autosp.submit` would
-run in each task, reading ranks and hosts from SLURM's environment.
+run in each task, reading ranks and hosts from SLURM's environment: the job is planned and
+refused when it does not fit, the plan's choices are written into the run's config on the
+first start and read back from it on every requeue, and rank 0 takes the run's lock (every
+rank exits when it cannot; --force takes a run whose holder cannot be checked).
 """
 
 from __future__ import annotations
@@ -10,35 +13,45 @@ from __future__ import annotations
 import os
 import sys
 
-from slurm_autosp.checkpoint.lock import write_lock
-from slurm_autosp.cli import arguments, config_error
-from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.cli import arguments, config_error, take_flag
+from slurm_autosp.config import ConfigError, JobConfig, load_config
 from slurm_autosp.data import check_token_file
-from slurm_autosp.launch.job import TrainingJob
+from slurm_autosp.launch.job import LockClaim, TrainingJob
 from slurm_autosp.launch.placement import plan_layout
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
-from slurm_autosp.submit import prepare_run_dir
+from slurm_autosp.plan import plan_verdict
+from slurm_autosp.plan.freeze import adopt_frozen_choices, freeze_choices
+
+
+def plan_or_adopt(cfg: JobConfig, restarted: bool) -> None:
+    """A requeued start trains with the choices its first start froze into the run's config;
+    a first start plans (the same on every rank), refuses a job that does not fit, and freezes."""
+    recorded = cfg.run.dir / "config.yaml"
+    if restarted and recorded.exists():
+        adopt_frozen_choices(cfg, load_config([f"cfg={recorded}"]))
+        return
+    plan = plan_verdict(cfg)
+    if not plan.fits:
+        raise ConfigError(f"the job does not fit its GPUs: {plan.reason}\n{plan.text}")
+    freeze_choices(cfg, plan.choices)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
         return 0
+    argv, force = take_flag(argv, "--force")
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
+    restarted = os.environ.get("SLURM_RESTART_COUNT", "0") != "0"
     try:
         cfg = load_config(argv)
         refuse_unsupported_attention(cfg)
         check_token_file(cfg, model_vocab_size(cfg.model))
         plan_layout(cfg)
-        if (
-            os.environ.get("SLURM_PROCID", "0") == "0"
-            and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
-        ):
-            prepare_run_dir(cfg)
-            write_lock(cfg.run.dir, os.environ.get("SLURM_JOB_ID", str(os.getpid())), "slurm")
+        plan_or_adopt(cfg, restarted)
+        TrainingJob(cfg, LockClaim(force=force, record_config=not restarted))()
     except ConfigError as err:
         return config_error(err)
-    TrainingJob(cfg)()
     return 0
 
 

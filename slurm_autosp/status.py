@@ -7,15 +7,16 @@ that trained it, how often it was requeued, and whether a job holds it now.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
-from slurm_autosp.checkpoint.lock import live_holder, read_lock
+from slurm_autosp.checkpoint.lock import Liveness, holder_liveness, read_lock
 from slurm_autosp.checkpoint.manifest import MANIFEST, list_files, read_manifest
 from slurm_autosp.checkpoint.schedule import checkpoint_dir
 from slurm_autosp.checkpoint.store import TRAINER_STATE, CheckpointStore
+from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.executor import submitit_dir
+from slurm_autosp.launch.requeue import recorded_requeues
 
 
 def last_good_checkpoint(run_dir: Path) -> Path | None:
@@ -39,16 +40,15 @@ def last_good_checkpoint(run_dir: Path) -> Path | None:
 
 def describe(run_dir: Path) -> list[str]:
     lines = [f"run {run_dir}"]
-    config = run_dir / "config.yaml"
-    steps = re.search(r"^\s+steps: (\d+)", config.read_text(), re.M) if config.exists() else None
+    steps = _planned_steps(run_dir)
     good = last_good_checkpoint(run_dir)
     if good is None:
         lines.append(
-            f"steps done: 0{f' of {steps.group(1)}' if steps else ''} (no complete checkpoint)"
+            f"steps done: 0{f' of {steps}' if steps else ''} (no complete checkpoint)"
         )
     else:
         state = json.loads((good / TRAINER_STATE).read_text())
-        lines.append(f"steps done: {state['step']}{f' of {steps.group(1)}' if steps else ''}")
+        lines.append(f"steps done: {state['step']}{f' of {steps}' if steps else ''}")
         lines.append(
             f"last good checkpoint: {good} ({len(read_manifest(good)['files'])} files in {MANIFEST}, "
             f"engine {state.get('engine', 'deepspeed_zero1')}, {state['world_size']} ranks)"
@@ -58,21 +58,37 @@ def describe(run_dir: Path) -> list[str]:
         key=_job_order,
     )
     lines.append(f"jobs: {', '.join(jobs) if jobs else 'none'}")
-    requeues = sum(
-        p.read_text(errors="replace").count("requeueing (restart")
-        for p in submitit_dir(run_dir).glob("*_0_log.out")
-    )
-    lines.append(f"requeues: {requeues}")
-    lock, holder = read_lock(run_dir), live_holder(run_dir)
-    if holder is not None:
-        lines.append(f"running: {holder.describe()}")
-    elif lock is not None:
-        lines.append(f"not running (stale lock of {lock.describe()})")
-    else:
-        lines.append("not running")
+    lines.append(f"requeues: {len(recorded_requeues(run_dir))}")
+    lines.append(_lock_state(run_dir))
     if (run_dir / "hf").is_dir():
         lines.append(f"Hugging Face export: {run_dir / 'hf'}")
     return lines
+
+
+def _planned_steps(run_dir: Path) -> int | None:
+    """train.steps of the run's config, read as a job reads it; None without a readable one."""
+    config = run_dir / "config.yaml"
+    if not config.exists():
+        return None
+    try:
+        return load_config([f"cfg={config}"]).train.steps
+    except ConfigError:
+        return None
+
+
+def _lock_state(run_dir: Path) -> str:
+    try:
+        lock = read_lock(run_dir)
+    except ConfigError as err:
+        return f"unknown: {err}"
+    if lock is None:
+        return "not running"
+    liveness, why = holder_liveness(lock)
+    if liveness is Liveness.alive:
+        return f"running: {lock.describe()}"
+    if liveness is Liveness.gone:
+        return f"not running (stale lock of {lock.describe()})"
+    return f"held by {lock.describe()}, which cannot be checked ({why})"
 
 
 def _job_order(job_id: str):

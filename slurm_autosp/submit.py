@@ -1,10 +1,15 @@
 """python -m slurm_autosp.submit cfg=CONFIG.yaml [key=value ...]
 
 Submit a training job: sbatch on a SLURM cluster, local processes elsewhere. Without
-cfg=, the embedded default trains a tiny Llama on 2 local CPU ranks.
+cfg=, the embedded default trains a tiny Llama on 2 local CPU ranks. The memory plan's
+choices (ZeRO stage, checkpointing, tiling, offload) are written into the run's config: every
+start and requeue of the job trains with them.
 
   python -m slurm_autosp.submit cfg=configs/tiny_cpu.yaml train.steps=50
   python -m slurm_autosp.submit cfg=configs/llama70b_128k.yaml cluster.nodes=8 dry_run=true
+
+One job trains a run at a time: a run held by a live job is refused. --force takes over a run
+whose job cannot be checked (the SLURM controller does not answer), once you know it is gone.
 
 Every key of the config can be overridden as section.key=value (e.g. parallel.sp_size=4,
 cluster.backend=local). The run's directory <run.output_root>/<run.name>/ receives the
@@ -16,11 +21,12 @@ and TensorBoard events:
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
-from pathlib import Path
 
-from slurm_autosp.checkpoint.lock import live_holder, write_lock
-from slurm_autosp.cli import arguments, config_error
+from slurm_autosp.checkpoint.lock import SUBMITTING, RunLock, acquire_lock, release_lock
+from slurm_autosp.cli import arguments, config_error, take_flag
 from slurm_autosp.config import Backend, ConfigError, JobConfig, load_config, to_yaml
 from slurm_autosp.data import check_token_file
 from slurm_autosp.launch.executor import (
@@ -29,51 +35,14 @@ from slurm_autosp.launch.executor import (
     sbatch_script,
     submitit_dir,
 )
-from slurm_autosp.launch.job import TrainingJob, collective_env_for
+from slurm_autosp.launch.job import LockClaim, TrainingJob, collective_env_for
 from slurm_autosp.launch.layout import ParallelLayout
 from slurm_autosp.launch.placement import plan_layout
+from slurm_autosp.launch.run_dir import prepare_run_dir
 from slurm_autosp.launch.watch import JobFailed, wait_for_job
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
 from slurm_autosp.plan import plan_verdict
-
-
-def prepare_run_dir(cfg: JobConfig) -> None:
-    """Create the run directory and record the resolved config this submission runs with,
-    keeping the earlier submissions'; refuse a run that another live job is training."""
-    run_dir = cfg.run.dir
-    holder = live_holder(run_dir)
-    if holder is not None:
-        raise ConfigError(
-            f"run.name={cfg.run.name}: {run_dir} is being trained by {holder.describe()}; wait for it, "
-            f"cancel it (scancel {holder.job_id} on SLURM), or choose another run.name"
-        )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _keep_previous_config(run_dir)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    except OSError as err:
-        raise ConfigError(
-            f"run.output_root={cfg.run.output_root}: cannot write the run directory {run_dir} ({err}); "
-            "choose a writable run.output_root on shared storage"
-        ) from err
-
-
-def _keep_previous_config(run_dir: Path) -> None:
-    """A resubmission may change settings a checkpoint allows to change: the config each earlier
-    submission ran with stays as configs/config.NNNN.yaml (in submission order), never overwritten."""
-    previous = run_dir / "config.yaml"
-    if not previous.exists():
-        return
-    kept = run_dir / "configs"
-    kept.mkdir(exist_ok=True)
-    number = len(list(kept.glob("config.*.yaml"))) + 1
-    while True:
-        try:
-            with open(kept / f"config.{number:04d}.yaml", "x") as f:
-                f.write(previous.read_text())
-            return
-        except FileExistsError:
-            number += 1
+from slurm_autosp.plan.freeze import freeze_choices
 
 
 def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -> str:
@@ -105,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
         return 0
+    argv, force = take_flag(argv, "--force")
+    submission = RunLock(str(os.getpid()), SUBMITTING, socket.gethostname())
     try:
         cfg = load_config(argv)
         refuse_unsupported_attention(cfg)
@@ -112,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = plan_layout(cfg)
         backend = resolve_backend(cfg.cluster.backend)
         plan = plan_verdict(cfg)
-        cfg.parallel.zero_stage = (
-            plan.zero_stage
-        )  # fixed for the run: the engines' checkpoints differ
+        freeze_choices(cfg, plan.choices)
         if cfg.dry_run:
             print(describe_dry_run(cfg, backend, layout))
             print(plan.text)
@@ -122,11 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         executor = build_executor(cfg, backend)
         if not plan.fits:
             raise ConfigError(f"the job does not fit its GPUs: {plan.reason}\n{plan.text}")
-        prepare_run_dir(cfg)
+        prepare_run_dir(cfg, submission, force=force)
     except ConfigError as err:
         return config_error(err)
-    job = executor.submit(TrainingJob(cfg))
-    write_lock(cfg.run.dir, job.job_id, executor.cluster)
+    try:
+        job = executor.submit(TrainingJob(cfg, LockClaim(handed_over_by=submission.job_id)))
+    except BaseException:
+        release_lock(cfg.run.dir, submission.job_id)
+        raise
+    acquire_lock(  # the lock now names the job, which holds it from its start
+        cfg.run.dir,
+        RunLock(job.job_id, executor.cluster, submission.host),
+        handed_over_by=submission.job_id,
+    )
     print(
         f"submitted job {job.job_id} ({executor.cluster}, {cfg.cluster.world_size} ranks, {layout!r}); "
         f"run directory {cfg.run.dir}; per-rank logs in {submitit_dir(cfg.run.dir)}",

@@ -32,7 +32,7 @@ from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.launch.distributed import DistContext
 from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.launch.requeue import requeue_and_exit
-from slurm_autosp.trace import UNTIMED, PhaseClock, StepTracer
+from slurm_autosp.trace import UNTIMED, Phases, StepTracer
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
                     "stopping at step %d on %s", done, stop.signal_name or "another rank's signal"
                 )
                 tracer.close()
-                requeue_and_exit(ctx.rank, cfg.cluster.max_requeues)
+                requeue_and_exit(cfg.run.dir, ctx.rank, cfg.cluster.max_requeues)
     finally:
         tracer.close()
     weights = engine.full_state_dict()
@@ -122,7 +122,8 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
     """The vocabulary the model embeds (a pretrained checkpoint's, not the config's field)."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_input_embeddings = getattr(model, "get_input_embeddings", None)
+    embedding = get_input_embeddings() if get_input_embeddings is not None else None
     return getattr(embedding, "num_embeddings", None)
 
 
@@ -158,7 +159,7 @@ def optimizer_step(
     parallel: Parallel,
     source: Any,
     step: int,
-    phases: PhaseClock = UNTIMED,
+    phases: Phases = UNTIMED,
     offload: ActivationOffload | None = None,
 ) -> float:
     """One optimizer step over `grad_accum` micro-batches; returns the step's global loss.

@@ -1,43 +1,174 @@
-"""One live job per run directory; a crashed job's lock does not block the run forever."""
+"""One live job per run directory, taken atomically; a crashed job's lock does not block the
+run forever, and a holder that cannot be checked blocks it until --force."""
 
+import multiprocessing
 import os
+import socket
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from slurm_autosp.checkpoint.lock import live_holder, release_lock, write_lock
+from slurm_autosp.checkpoint.lock import (
+    LOCK,
+    SUBMITTING,
+    Liveness,
+    RunLock,
+    acquire_lock,
+    holder_liveness,
+    read_lock,
+    release_lock,
+)
 from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.submit import prepare_run_dir
+from slurm_autosp.launch.run_dir import prepare_run_dir
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = socket.gethostname()
 
 
 def dead_pid():
     proc = subprocess.Popen(["true"])
     proc.wait()
-    return proc.pid
+    return str(proc.pid)
 
 
-def test_second_live_job_on_the_same_run_is_refused_naming_the_holder(tmp_path):
-    cfg = load_config([f"run.output_root={tmp_path}", "run.name=busy"])
+def local(job_id, host=HOST):
+    return RunLock(job_id, "local", host)
+
+
+def run_config(tmp_path, name):
+    cfg = load_config([f"run.output_root={tmp_path}", f"run.name={name}"])
     cfg.run.dir.mkdir(parents=True)
-    write_lock(cfg.run.dir, str(os.getpid()), "local")
+    return cfg
+
+
+@pytest.fixture
+def controller_down(tmp_path, monkeypatch):
+    """A SLURM controller that does not answer: squeue (where installed) cannot reach it."""
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(
+        "ClusterName=down\nSlurmctldHost=localhost\nSlurmctldPort=1\nMessageTimeout=1\n"
+    )
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+
+
+def test_second_live_job_on_the_same_run_is_refused_and_nothing_is_written(tmp_path):
+    cfg = run_config(tmp_path, "busy")
+    acquire_lock(cfg.run.dir, local(str(os.getpid())))
     with pytest.raises(
         ConfigError, match=rf"run\.name=busy: .*busy is being trained by job {os.getpid()} \(local"
     ):
-        prepare_run_dir(cfg)
+        prepare_run_dir(cfg, local("1"))
+    assert not (cfg.run.dir / "config.yaml").exists()
 
 
 def test_lock_of_a_job_that_died_is_taken_over(tmp_path):
-    cfg = load_config([f"run.output_root={tmp_path}", "run.name=crashed"])
-    cfg.run.dir.mkdir(parents=True)
-    write_lock(cfg.run.dir, str(dead_pid()), "local")
-    assert live_holder(cfg.run.dir) is None
-    prepare_run_dir(cfg)
+    cfg = run_config(tmp_path, "crashed")
+    acquire_lock(cfg.run.dir, local(dead_pid()))
+    assert holder_liveness(read_lock(cfg.run.dir))[0] is Liveness.gone
+    prepare_run_dir(cfg, local(str(os.getpid())))
     assert (cfg.run.dir / "config.yaml").exists()
+    assert read_lock(cfg.run.dir) == local(str(os.getpid()))
+
+
+def test_a_slurm_job_that_cannot_be_checked_counts_as_alive_until_forced(tmp_path, controller_down):
+    acquire_lock(tmp_path, RunLock("41", "slurm", "login1"))
+    liveness, why = holder_liveness(read_lock(tmp_path))
+    assert liveness is Liveness.unknown and why.startswith("squeue failed")
+    with pytest.raises(
+        ConfigError,
+        match=r"locked by job 41 \(slurm on login1\), which cannot be checked \(squeue failed.*--force",
+    ):
+        acquire_lock(tmp_path, RunLock("42", "slurm", "login1"))
+    assert read_lock(tmp_path).job_id == "41"
+    acquire_lock(tmp_path, RunLock("42", "slurm", "login1"), force=True)
+    assert read_lock(tmp_path).job_id == "42"
+
+
+def test_a_local_job_on_another_host_cannot_be_checked_from_here(tmp_path):
+    acquire_lock(tmp_path, local("7", host="elsewhere"))
+    with pytest.raises(ConfigError, match=r"job 7 \(local on elsewhere\), which cannot be checked"):
+        acquire_lock(tmp_path, local("8"))
+
+
+def test_a_lock_that_is_not_ours_is_refused_by_name_until_forced(tmp_path):
+    (tmp_path / LOCK).write_text("not json")
+    with pytest.raises(ConfigError, match=rf"{tmp_path / LOCK} is not a lock this tool wrote"):
+        acquire_lock(tmp_path, local("8"))
+    acquire_lock(tmp_path, local("8"), force=True)
+    assert read_lock(tmp_path) == local("8")
+
+
+def test_the_submission_hands_its_lock_to_the_job_and_requeues_keep_it(tmp_path):
+    submission = RunLock(str(os.getpid()), SUBMITTING, HOST)
+    acquire_lock(tmp_path, submission)
+    with pytest.raises(ConfigError, match="a submission in progress"):
+        acquire_lock(tmp_path, RunLock("77", "slurm", HOST))  # another job: refused
+    job = RunLock("77", "slurm", HOST)
+    acquire_lock(tmp_path, job, handed_over_by=submission.job_id)
+    assert read_lock(tmp_path) == job
+    acquire_lock(tmp_path, job)  # the requeued job takes what it holds
+    assert read_lock(tmp_path) == job
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK]  # no temporary files left
 
 
 def test_only_the_holder_releases_the_lock(tmp_path):
-    write_lock(tmp_path, "41", "slurm")
+    acquire_lock(tmp_path, RunLock("41", "slurm", HOST))
     release_lock(tmp_path, "42")
-    assert (tmp_path / "job.lock").exists()
+    assert (tmp_path / LOCK).exists()
     release_lock(tmp_path, "41")
-    assert not (tmp_path / "job.lock").exists()
+    assert not (tmp_path / LOCK).exists()
+
+
+def _race(run_dir, start, job_id, wins):
+    start.wait()
+    try:
+        acquire_lock(Path(run_dir), local(job_id, host="elsewhere"))
+        wins.put(job_id)
+    except ConfigError:
+        pass
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["free", "stale"])
+def test_of_many_jobs_racing_for_a_run_exactly_one_takes_it(tmp_path, stale):
+    if stale:
+        acquire_lock(tmp_path, local(dead_pid()))
+    context = multiprocessing.get_context("fork")
+    start, wins = context.Barrier(8), context.Queue()
+    racers = [
+        context.Process(target=_race, args=(str(tmp_path), start, str(1000 + i), wins))
+        for i in range(8)
+    ]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join(timeout=60)
+    winners = []
+    while not wins.empty():
+        winners.append(wins.get())
+    assert len(winners) == 1, winners
+    assert read_lock(tmp_path).job_id == winners[0]
+
+
+def test_submit_refuses_a_run_whose_holder_cannot_be_checked_and_names_force(tmp_path):
+    cfg = run_config(tmp_path, "held")
+    acquire_lock(cfg.run.dir, local("7", host="elsewhere"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slurm_autosp.submit",
+            "cfg=configs/tiny_cpu.yaml",
+            f"run.output_root={tmp_path}",
+            "run.name=held",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "run.name=held" in proc.stderr and "add --force to take the run over" in proc.stderr
+    assert not (cfg.run.dir / "config.yaml").exists()
+    assert read_lock(cfg.run.dir) == local("7", host="elsewhere")

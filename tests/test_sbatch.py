@@ -45,9 +45,10 @@ def test_both_run_every_task_through_srun_into_the_same_training_job(generated):
     assert re.search(r"^srun --unbuffered .*-m slurm_autosp\.run \"\$@\"$", SCRIPT, re.M)
     assert re.search(r"^srun --unbuffered .*-m submitit\.core\._submit ", generated, re.M)
     run_module = (REPO / "slurm_autosp" / "run.py").read_text()
-    assert "TrainingJob(cfg)()" in run_module
+    assert "TrainingJob(cfg, LockClaim(" in run_module
 
 
+@pytest.mark.slurm
 @pytest.mark.usefixtures("slurm_cluster")
 def test_hand_submitted_script_trains_on_slurm(tmp_path):
     submitted = subprocess.run(

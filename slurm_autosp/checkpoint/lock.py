@@ -1,74 +1,172 @@
 """One live job per run: two jobs training the same run would overwrite each other's
-checkpoints. The lock is a file naming the job; it survives crashes, and a lock whose job is
-no longer alive (SLURM forgot it, or the local process is gone) is stale and taken over."""
+checkpoints. The lock is a file naming its holder, created atomically (a hard link of a
+complete file, which fails when the lock exists), so two submissions racing for a run cannot
+both win. `submit` takes it before the job is queued and hands it to the job; the job claims it
+on start (`run` jobs take it themselves) and keeps it across requeues.
+
+A lock whose holder is gone (SLURM no longer knows the job, or the local process exited) is
+stale and taken over. A holder that cannot be checked (the controller does not answer, a local
+job on another host) counts as alive: refusing is safer than two writers; `--force` takes the
+lock anyway, for a user who knows the job is gone."""
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import socket
 import subprocess
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from slurm_autosp.config import ConfigError
+
 LOCK = "job.lock"
+SUBMITTING = "submit"  # the backend named by a lock a submission holds until its job is queued
+# What squeue prints for a job that will not run again (it shows these for MinJobAge seconds).
+ENDED_STATES = frozenset(
+    "BOOT_FAIL CANCELLED COMPLETED DEADLINE FAILED NODE_FAIL OUT_OF_MEMORY PREEMPTED "
+    "SPECIAL_EXIT TIMEOUT".split()
+)
 
 
 @dataclass(frozen=True)
 class RunLock:
-    job_id: str
-    backend: str  # "slurm" | "local"
+    job_id: str  # SLURM job id; the local job's (or the submitting process's) pid
+    backend: str  # "slurm" | "local" | SUBMITTING
     host: str
 
     def describe(self) -> str:
+        if self.backend == SUBMITTING:
+            return f"a submission in progress (process {self.job_id} on {self.host})"
         return f"job {self.job_id} ({self.backend} on {self.host})"
+
+
+class Liveness(enum.Enum):
+    alive = "alive"
+    gone = "gone"
+    unknown = "unknown"
 
 
 def read_lock(run_dir: Path) -> RunLock | None:
     try:
         return RunLock(**json.loads((run_dir / LOCK).read_text()))
-    except (OSError, ValueError, TypeError):
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(
+            f"{run_dir / LOCK} is not a lock this tool wrote ({err}); if no job trains this run, "
+            "remove it or submit with --force"
+        ) from err
 
 
-def write_lock(run_dir: Path, job_id: str, backend: str) -> None:
-    tmp = run_dir / f".{LOCK}.tmp"
-    tmp.write_text(json.dumps(asdict(RunLock(str(job_id), backend, socket.gethostname()))))
-    os.replace(tmp, run_dir / LOCK)
-
-
-def release_lock(run_dir: Path, job_id: str) -> None:
-    lock = read_lock(run_dir)
-    if lock is not None and lock.job_id == str(job_id):
-        (run_dir / LOCK).unlink(missing_ok=True)
-
-
-def live_holder(run_dir: Path) -> RunLock | None:
-    """The job holding the run, if it is still alive."""
-    lock = read_lock(run_dir)
-    if lock is None:
-        return None
-    return lock if _alive(lock) else None
-
-
-def _alive(lock: RunLock) -> bool:
+def holder_liveness(lock: RunLock) -> tuple[Liveness, str]:
+    """Whether the lock's holder still runs, and why it is unknown when it is."""
     if lock.backend == "slurm":
-        try:
-            state = subprocess.run(
-                ["squeue", "-h", "-j", lock.job_id, "-o", "%T"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return True  # cannot tell: refusing is safer than two writers
-        return bool(state.stdout.strip())
+        return _slurm_liveness(lock.job_id)
     if lock.host != socket.gethostname():
-        return True  # a local job on another machine: cannot check its process from here
+        return Liveness.unknown, f"a process on {lock.host} cannot be checked from here"
     try:
         os.kill(int(lock.job_id), 0)
     except (ProcessLookupError, ValueError):
-        return False
+        return Liveness.gone, ""
     except PermissionError:
-        return True
-    return True
+        return Liveness.alive, ""
+    return Liveness.alive, ""
+
+
+def _slurm_liveness(job_id: str) -> tuple[Liveness, str]:
+    try:
+        proc = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return Liveness.unknown, f"squeue failed: {err}"
+    if proc.returncode == 0:
+        states = set(proc.stdout.split())
+        return (Liveness.alive if states - ENDED_STATES else Liveness.gone), ""
+    if "Invalid job id" in proc.stderr:
+        return Liveness.gone, ""  # SLURM has forgotten the job: it ended long ago
+    return Liveness.unknown, f"squeue failed: {proc.stderr.strip() or f'exit {proc.returncode}'}"
+
+
+def acquire_lock(
+    run_dir: Path,
+    holder: RunLock,
+    *,
+    handed_over_by: str | None = None,
+    force: bool = False,
+    what: str = "run",
+) -> None:
+    """Take the run's lock for `holder`, atomically. Already ours (a requeue), or held by the
+    submission `handed_over_by` names: rewritten for `holder`. Held by a job that is gone, or
+    `force`: taken over. Otherwise a ConfigError names the holder and what to do."""
+    path = run_dir / LOCK
+    mine = run_dir / f".{LOCK}.{uuid.uuid4().hex}"
+    mine.write_text(json.dumps(asdict(holder)))
+    try:
+        while True:
+            try:
+                os.link(mine, path)
+                return
+            except FileExistsError:
+                pass
+            try:
+                current = read_lock(run_dir)
+            except ConfigError:
+                if not force:
+                    raise
+                current = None
+            if current is None:
+                if force:
+                    path.unlink(missing_ok=True)
+                continue
+            if current.job_id in (holder.job_id, handed_over_by):
+                os.replace(mine, path)
+                return
+            liveness, why = holder_liveness(current)
+            if liveness is Liveness.gone or force:
+                _take_over(run_dir, current)
+                continue
+            raise ConfigError(_refusal(current, liveness, why, what))
+    finally:
+        mine.unlink(missing_ok=True)
+
+
+def _take_over(run_dir: Path, stale: RunLock) -> None:
+    """Move the stale lock aside, and put it back if another taker replaced it meanwhile."""
+    aside = run_dir / f".{LOCK}.stale.{uuid.uuid4().hex}"
+    try:
+        os.rename(run_dir / LOCK, aside)
+    except FileNotFoundError:
+        return
+    try:
+        if RunLock(**json.loads(aside.read_text())) != stale:
+            os.link(aside, run_dir / LOCK)
+    except (OSError, ValueError, TypeError):
+        pass
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def _refusal(holder: RunLock, liveness: Liveness, why: str, what: str) -> str:
+    if liveness is Liveness.alive:
+        cancel = f" (scancel {holder.job_id})" if holder.backend == "slurm" else ""
+        return (
+            f"{what} is being trained by {holder.describe()}; wait for it, cancel it{cancel}, "
+            "or choose another run.name"
+        )
+    return (
+        f"{what} is locked by {holder.describe()}, which cannot be checked ({why}); wait until "
+        "it can be, or, if you are sure that job no longer runs, add --force to take the run over"
+    )
+
+
+def release_lock(run_dir: Path, job_id: str) -> None:
+    try:
+        lock = read_lock(run_dir)
+    except ConfigError:
+        return
+    if lock is not None and lock.job_id == str(job_id):
+        (run_dir / LOCK).unlink(missing_ok=True)

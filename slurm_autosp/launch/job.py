@@ -8,26 +8,40 @@ import socket
 import stat
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import submitit
 import torch
+import torch.distributed as dist
 
-from slurm_autosp.config import JobConfig
+from slurm_autosp.checkpoint.lock import RunLock, acquire_lock, release_lock
+from slurm_autosp.config import ConfigError, JobConfig
+from slurm_autosp.launch.run_dir import prepare_run_dir
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LockClaim:
+    """How the job takes its run's lock when it starts: the job itself holds the run."""
+
+    handed_over_by: str | None = None  # the submission holding the lock until the job starts
+    force: bool = False  # take the lock even from a holder that cannot be checked
+    record_config: bool = False  # a hand-submitted job (`run`) records its config itself
+
+
 class TrainingJob:
-    """Sets up the process, joins the process group and trains; submitit calls it on every rank.
+    """Sets up the process, joins the process group, takes the run and trains; submitit calls
+    it on every rank.
 
     Requeued jobs call it again with the same config: training resumes from the checkpoint.
     """
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, claim: LockClaim = LockClaim()):
         self.cfg = cfg
+        self.claim = claim
 
     def __call__(self):
-        from slurm_autosp.checkpoint.lock import release_lock
         from slurm_autosp.checkpoint.signals import StopRequest
         from slurm_autosp.launch.distributed import init_distributed
         from slurm_autosp.launch.placement import build_parallel, verify_topology
@@ -50,6 +64,11 @@ class TrainingJob:
 
         ctx = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)
         try:
+            refusal = _claim_run(cfg, job_env, self.claim) if ctx.rank == 0 else None
+            shared = [refusal]
+            dist.broadcast_object_list(shared, src=0)  # every rank exits when rank 0 refuses
+            if shared[0] is not None:
+                raise ConfigError(shared[0])
             verify_topology(cfg, ctx.local_rank)
             parallel = build_parallel(cfg)
             if ctx.rank == 0:
@@ -64,6 +83,25 @@ class TrainingJob:
             return result
         finally:
             torch.distributed.destroy_process_group()
+
+
+def _claim_run(cfg: JobConfig, job_env: submitit.JobEnvironment, claim: LockClaim) -> str | None:
+    """Rank 0 takes the run's lock for this job (kept across requeues); why not, if refused."""
+    holder = RunLock(job_env.job_id, job_env.cluster, socket.gethostname())
+    try:
+        if claim.record_config:
+            prepare_run_dir(cfg, holder, force=claim.force)
+        else:
+            acquire_lock(
+                cfg.run.dir,
+                holder,
+                handed_over_by=claim.handed_over_by,
+                force=claim.force,
+                what=f"run.name={cfg.run.name}: {cfg.run.dir}",
+            )
+    except (ConfigError, OSError) as err:
+        return str(err)
+    return None
 
 
 def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str, str]:

@@ -1,26 +1,66 @@
-"""Put the job back in the queue after a save, on SLURM and for local processes alike."""
+"""Put the job back in the queue after a save, on SLURM and for local processes alike, at most
+`cluster.max_requeues` times per job. Each requeue is recorded in the run directory
+(requeues.jsonl, a line per requeue): locally it is the only count there is (submitit's local
+controller restarts up to a fixed number of times of its own), and `status` reads it."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import submitit
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-
-def restarts_so_far() -> int:
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+REQUEUES = "requeues.jsonl"
 
 
-def requeue_and_exit(rank: int, max_requeues: int) -> NoReturn:
-    """Rank 0 requeues (`scontrol requeue` on SLURM; a restart of all ranks locally); every
-    rank then exits without a result, so the requeued job starts from the checkpoint."""
-    restarts = restarts_so_far()
+def recorded_requeues(run_dir: Path) -> list[dict[str, str | int]]:
+    """Every requeue of the run, oldest first; unreadable lines are skipped."""
+    try:
+        lines = (run_dir / REQUEUES).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def restarts_so_far(run_dir: Path, job_id: str) -> int:
+    """SLURM's count of this job's restarts, or the run's record of them, whichever is more:
+    SLURM also restarts a job it preempts, and local jobs have no count but the record."""
+    recorded = sum(1 for r in recorded_requeues(run_dir) if r.get("job_id") == job_id)
+    return max(int(os.environ.get("SLURM_RESTART_COUNT", "0")), recorded)
+
+
+def _record(run_dir: Path, job_id: str, restart: int) -> None:
+    line = {
+        "job_id": job_id,
+        "restart": restart,
+        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    with open(run_dir / REQUEUES, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def requeue_and_exit(run_dir: Path, rank: int, max_requeues: int) -> NoReturn:
+    """Rank 0 records the requeue and requeues (`scontrol requeue` on SLURM; a restart of all
+    ranks locally); every rank then exits without a result, so the requeued job starts from
+    the checkpoint. Past `max_requeues` every rank stops with an error instead."""
+    job_env = submitit.JobEnvironment()
+    restarts = restarts_so_far(run_dir, job_env.job_id)
+    dist.barrier()  # every rank has the count before rank 0 records this requeue
     if restarts >= max_requeues:
         raise RuntimeError(
             f"stopped by a signal after {restarts} requeues (cluster.max_requeues={max_requeues}); "
@@ -28,9 +68,10 @@ def requeue_and_exit(rank: int, max_requeues: int) -> NoReturn:
         )
     if rank == 0:
         log.info("requeueing (restart %d of at most %d)", restarts + 1, max_requeues)
+        _record(run_dir, job_env.job_id, restarts + 1)
         try:
             # submitit's per-backend requeue: scontrol on SLURM, the local controller's exit code otherwise.
-            submitit.JobEnvironment()._requeue(max_requeues - restarts - 1)
+            job_env._requeue(max_requeues - restarts - 1)
         except subprocess.CalledProcessError as err:
             # On preemption with PreemptMode=REQUEUE, SLURM is requeueing the job itself.
             log.warning("scontrol requeue failed (%s); relying on SLURM's own requeue", err)

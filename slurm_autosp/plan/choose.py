@@ -121,6 +121,11 @@ class TrainingChoices:
     offload_activations: bool
 
 
+def choices_from_plan(plan: MemoryPlan) -> TrainingChoices:
+    memory = plan.configured
+    return TrainingChoices(plan.zero_stage, memory.spec, memory.tile_tokens, memory.rung.offload)
+
+
 def _plan_decides(cfg: JobConfig) -> bool:
     c = cfg.compile
     open_choice = cfg.parallel.zero_stage is None or policy_from_plan(cfg)
@@ -134,11 +139,7 @@ def training_choices(cfg: JobConfig) -> TrainingChoices:
     one plan: tracing a large layer takes seconds, on every rank. Without a plan (CPU ranks,
     builder models) tiling and offload are off unless configured."""
     if _plan_decides(cfg):
-        plan = build_plan(cfg)
-        memory = plan.configured
-        return TrainingChoices(
-            plan.zero_stage, memory.spec, memory.tile_tokens, memory.rung.offload
-        )
+        return choices_from_plan(build_plan(cfg))
     return TrainingChoices(
         zero_stage_for(cfg),
         checkpoint_spec_for(cfg),

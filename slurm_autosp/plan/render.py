@@ -8,7 +8,12 @@ from typing import NamedTuple
 from slurm_autosp.checkpoint.estimate import signal_delay_warning
 from slurm_autosp.config import JobConfig
 from slurm_autosp.model import hf_config
-from slurm_autosp.plan.choose import build_plan, zero_stage_for
+from slurm_autosp.plan.choose import (
+    TrainingChoices,
+    build_plan,
+    choices_from_plan,
+    training_choices,
+)
 from slurm_autosp.plan.memory import GB, MemoryPlan
 from slurm_autosp.plan.verdict import verdict
 
@@ -92,7 +97,7 @@ class PlanVerdict(NamedTuple):
     text: str  # the plan as printed
     fits: bool
     reason: str  # why not; empty when it fits
-    zero_stage: int  # the stage the job will train with
+    choices: TrainingChoices  # what the job will train with
 
 
 def plan_verdict(cfg: JobConfig) -> PlanVerdict:
@@ -100,7 +105,7 @@ def plan_verdict(cfg: JobConfig) -> PlanVerdict:
     always fit."""
     if not cfg.cluster.uses_gpus:
         return PlanVerdict(
-            "memory plan: CPU ranks, no GPU memory to plan against", True, "", zero_stage_for(cfg)
+            "memory plan: CPU ranks, no GPU memory to plan against", True, "", training_choices(cfg)
         )
     if cfg.model.builder:
         return PlanVerdict(
@@ -108,7 +113,7 @@ def plan_verdict(cfg: JobConfig) -> PlanVerdict:
             "decoder layer); nothing checked",
             True,
             "",
-            zero_stage_for(cfg),
+            training_choices(cfg),
         )
     plan = build_plan(cfg)
     text = render(plan)
@@ -116,4 +121,4 @@ def plan_verdict(cfg: JobConfig) -> PlanVerdict:
     warning = signal_delay_warning(cfg, plan.parameters, plan.zero_stage)
     if warning:
         text += f"\nwarning: {warning}"
-    return PlanVerdict(text, fits, reason, plan.zero_stage)
+    return PlanVerdict(text, fits, reason, choices_from_plan(plan))

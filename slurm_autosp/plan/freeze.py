@@ -1,0 +1,37 @@
+"""The plan's choices written into the run's config before the job starts: every rank, every
+start and every requeue trains with what was planned at submission, even if the code, torch or
+the plan's figures changed in between (the engines' checkpoints differ by ZeRO stage, and a
+different policy, tiling or offload would change the memory the job was admitted with)."""
+
+from __future__ import annotations
+
+from slurm_autosp.compile.checkpointing import Policy
+from slurm_autosp.config import ActivationCheckpointing, JobConfig
+from slurm_autosp.plan.choose import TrainingChoices
+
+# The keys the plan may decide; `adopt_frozen_choices` copies exactly these.
+FROZEN_KEYS = (
+    ("parallel", "zero_stage"),
+    ("compile", "activation_checkpointing"),
+    ("compile", "activation_memory_budget"),
+    ("compile", "recompute_all_to_all"),
+    ("compile", "tile_tokens"),
+    ("compile", "offload_activations"),
+)
+
+
+def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> None:
+    """Set every key the plan may decide to what it decided, so no later start plans again."""
+    spec = choices.checkpointing
+    cfg.parallel.zero_stage = choices.zero_stage
+    cfg.compile.activation_checkpointing = ActivationCheckpointing(spec.policy.value)
+    cfg.compile.activation_memory_budget = spec.budget if spec.policy is Policy.sac else None
+    cfg.compile.recompute_all_to_all = spec.recompute_all_to_all
+    cfg.compile.tile_tokens = choices.tile_tokens
+    cfg.compile.offload_activations = choices.offload_activations
+
+
+def adopt_frozen_choices(cfg: JobConfig, recorded: JobConfig) -> None:
+    """Take the choices frozen into `recorded` (the config the run's first start wrote)."""
+    for section, key in FROZEN_KEYS:
+        setattr(getattr(cfg, section), key, getattr(getattr(recorded, section), key))

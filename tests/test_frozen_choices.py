@@ -1,0 +1,97 @@
+"""The plan's choices are decided once, at submission (or a hand-submitted job's first start),
+and written into the run's config: later starts and requeues never plan again."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import slurm_autosp.plan.choose as choose
+from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+from slurm_autosp.config import ConfigError, load_config, to_yaml
+from slurm_autosp.plan import TrainingChoices, plan_verdict, training_choices
+from slurm_autosp.plan.freeze import FROZEN_KEYS, freeze_choices
+from slurm_autosp.run import plan_or_adopt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_replanning(monkeypatch):
+    def refuse(cfg):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(choose, "build_plan", refuse)
+
+
+def frozen_llama70b(tmp_path):
+    cfg = load_config(["cfg=configs/llama70b_128k.yaml", f"run.output_root={tmp_path}"])
+    plan = plan_verdict(cfg)
+    freeze_choices(cfg, plan.choices)
+    return cfg, plan.choices
+
+
+def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_replanning):
+    cfg, choices = frozen_llama70b(tmp_path)
+    assert choices == TrainingChoices(
+        3, CheckpointSpec(Policy.full, recompute_all_to_all=True), 0, False
+    )
+    written = tmp_path / "config.yaml"
+    written.write_text(to_yaml(cfg))
+    reloaded = load_config([f"cfg={written}"])
+    frozen = [getattr(getattr(reloaded, section), key) for section, key in FROZEN_KEYS]
+    assert frozen == [3, "full", None, True, 0, False]  # the budget applies to sac only
+    assert training_choices(reloaded) == choices  # no plan: build_plan would raise
+
+
+def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
+    tmp_path, no_replanning
+):
+    first = load_config(
+        [
+            "cfg=configs/llama8b_32k.yaml",
+            f"run.output_root={tmp_path}",
+            "parallel.zero_stage=3",
+            "compile.activation_checkpointing=sac",
+            "compile.activation_memory_budget=0.5",
+            "compile.tile_tokens=1024",
+            "compile.offload_activations=true",
+        ]
+    )
+    first.run.dir.mkdir(parents=True)
+    (first.run.dir / "config.yaml").write_text(to_yaml(first))
+    requeued = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
+    plan_or_adopt(requeued, restarted=True)
+    assert training_choices(requeued) == TrainingChoices(
+        3, CheckpointSpec(Policy.sac, budget=0.5), 1024, True
+    )
+
+
+def test_a_first_start_plans_and_refuses_a_job_that_does_not_fit(tmp_path):
+    cfg = load_config(
+        ["cfg=configs/llama70b_128k.yaml", f"run.output_root={tmp_path}", "parallel.zero_stage=1"]
+    )
+    with pytest.raises(ConfigError, match="the job does not fit its GPUs: needs 343.1 GB"):
+        plan_or_adopt(cfg, restarted=False)
+
+
+def test_run_refuses_a_job_that_does_not_fit_on_every_rank_before_anything_is_written(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slurm_autosp.run",
+            "cfg=configs/llama70b_128k.yaml",
+            "parallel.zero_stage=1",
+            f"run.output_root={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": str(Path(sys.executable).parent), "SLURM_PROCID": "1"},
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: the job does not fit its GPUs" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
