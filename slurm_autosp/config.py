@@ -343,9 +343,11 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
 
 def _merge(base: DictConfig, update: DictConfig, where: str) -> DictConfig:
     try:
-        return OmegaConf.merge(base, update)
+        merged = OmegaConf.merge(base, update)
     except OmegaConfBaseException as err:
         raise ConfigError(_explain(err, where)) from err
+    assert isinstance(merged, DictConfig)  # two DictConfigs merge into one
+    return merged
 
 
 def _explain(err: OmegaConfBaseException, where: str) -> str:

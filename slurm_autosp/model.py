@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,6 +14,9 @@ from torch import nn
 from slurm_autosp.compile.attention_pattern import unsupported_attention
 from slurm_autosp.compile.chunked_loss import unsupported_logits
 from slurm_autosp.config import ConfigError, JobConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
@@ -73,16 +76,22 @@ def model_vocab_size(cfg: ModelConfig) -> int | None:
     return cfg.vocab_size if cfg.builder else hf_config(cfg).vocab_size
 
 
-def _hf_model_class(config: Any) -> type:
-    from transformers import AutoModelForCausalLM
+def _hf_model_class(config: Any) -> type[PreTrainedModel]:
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
-    return AutoModelForCausalLM._model_mapping[type(config)]
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    assert isinstance(model_class, type) and issubclass(model_class, PreTrainedModel)
+    return model_class
 
 
 def hf_decoder_layer_class(config: Any) -> type:
     """The repeated block of an HF causal LM family (the first module its `_no_split_modules` names)."""
     model_class = _hf_model_class(config)
-    return getattr(sys.modules[model_class.__module__], model_class._no_split_modules[0])
+    names = model_class._no_split_modules
+    assert isinstance(names, list) and names, (
+        f"{model_class.__name__} has no _no_split_modules list"
+    )
+    return getattr(sys.modules[model_class.__module__], names[0])
 
 
 def _attention_sinks(config: Any) -> list[str]:

@@ -172,7 +172,7 @@ def _special_ids_within(fields: dict[str, Any], vocab_size: int) -> dict[str, An
         value = getattr(config, key, None)
         ids = value if isinstance(value, list) else [value]
         if any(i is not None and i >= vocab_size for i in ids):
-            within = [min(i, vocab_size - 1) for i in ids]
+            within = [i if i is None else min(i, vocab_size - 1) for i in ids]
             moved[key] = within if isinstance(value, list) else within[0]
     return moved
 
@@ -390,6 +390,7 @@ def run_rank(
         ]
         model_cfg = shrink_model_config(cfg.model, options)
         seq_len = verify_seq_len(sp_size, options)
+        assert model_cfg.vocab_size is not None  # shrink_model_config sets it
         batch = make_batch(options.rows * options.dp, seq_len, model_cfg.vocab_size, options.seed)
 
         torch.manual_seed(options.seed)
@@ -474,6 +475,7 @@ def _describe(
         f"; INJECTED BUG: {options.inject.value}" if options.inject is not Inject.none else ""
     )
     heads, kv = model.num_attention_heads, model.num_key_value_heads
+    assert heads is not None and kv is not None  # shrink_model_config sets both
     padded = seq_len + (-seq_len % sp)
     return (
         f"AutoSP verify: {model.model_type}, {heads} query heads / {kv} KV heads (GQA {heads // kv}:1), shrunk to "

@@ -23,13 +23,14 @@ def export_hf(
 ) -> None:
     """Rank 0 calls this. `weights`: the gathered full state dict when the model holds only
     shards (parameter sharding); None when it holds the whole model (ZeRO-1)."""
-    if not hasattr(model, "save_pretrained"):
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if save_pretrained is None:
         log.info("model %s has no save_pretrained: no Hugging Face export", type(model).__name__)
         return
     target = hf_export_dir(run_dir)
     partial, previous = target.with_name(".hf.partial"), target.with_name(".hf.previous")
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, safe_serialization=True, state_dict=weights)
+    save_pretrained(partial, safe_serialization=True, state_dict=weights)
     if (
         target.exists()
     ):  # a killed export leaves the old model or the new one in hf/, never half of one

@@ -61,7 +61,7 @@ def run_settings(cfg: JobConfig, layout: ParallelLayout, zero_stage: int) -> dic
     }
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def _flatten(tree: dict[Any, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     for key, value in tree.items():
         if isinstance(value, dict):
             yield from _flatten(value, f"{prefix}{key}.")

@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypedDict
 
 MANIFEST = "manifest.json"
 _CHUNK = 8 * 2**20
@@ -21,6 +22,13 @@ _CHUNK = 8 * 2**20
 class FileRecord:
     size: int
     sha256: str
+
+
+class Manifest(TypedDict):
+    """manifest.json as read back: the save's metadata and each file's FileRecord fields."""
+
+    meta: dict[str, Any]
+    files: dict[str, dict[str, Any]]
 
 
 def list_files(directory: Path) -> list[str]:
@@ -62,7 +70,7 @@ def write_manifest(
         os.fsync(f.fileno())
 
 
-def read_manifest(directory: Path) -> dict[str, object]:
+def read_manifest(directory: Path) -> Manifest:
     """The manifest's contents; raises ValueError when it is missing or unreadable."""
     path = directory / MANIFEST
     try:
@@ -73,11 +81,9 @@ def read_manifest(directory: Path) -> dict[str, object]:
         raise ValueError(f"{path}: unreadable ({err})") from err
 
 
-def verify_share(
-    directory: Path, manifest: dict[str, object], rank: int, world_size: int
-) -> list[str]:
+def verify_share(directory: Path, manifest: Manifest, rank: int, world_size: int) -> list[str]:
     """Problems found in this rank's share of the manifest's files (empty: all good)."""
-    files: dict[str, dict] = manifest["files"]  # type: ignore[assignment]
+    files = manifest["files"]
     problems = []
     present = set(list_files(directory))
     missing = sorted(set(files) - present)

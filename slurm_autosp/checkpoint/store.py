@@ -285,7 +285,9 @@ def _fsync_dir(path: Path) -> None:
 def _rng_state() -> dict[str, Any]:
     """Every generator's state as tensors, ints and strings only, so it loads with weights_only=True."""
     version, mt, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)
+    assert isinstance(numpy_state, tuple)  # the legacy form: MT19937 keys and position
+    kind, keys, pos, has_gauss, cached = numpy_state
     state: dict[str, Any] = {
         "python": [version, list(mt), gauss],
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],

@@ -30,10 +30,10 @@ class UnsupportedAttention(RuntimeError):
     """A model whose attention the AutoSP graph would not compute exactly."""
 
 
-def window_matters(window: int | None, seq_len: int) -> bool:
+def window_matters(window: int | None, seq_len: int | torch.SymInt) -> bool:
     """A window (or chunk) of `window` tokens changes causal attention only when the sequence is
     longer: the farthest pair of a `seq_len` sequence is `seq_len - 1` tokens apart."""
-    return bool(window) and seq_len > int(window)  # type: ignore[arg-type]
+    return window is not None and window != 0 and bool(seq_len > window)
 
 
 def _layers(indices: list[int], total: int) -> str:

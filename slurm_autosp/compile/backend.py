@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
+from torch.fx.node import Argument
 
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy, inductor_config_patches
@@ -82,13 +83,13 @@ def _where(node: fx.Node) -> str:
     return f"{trace[-2]} ({trace[-1]})" if len(trace) >= 2 else node.name
 
 
-def _sdpa_arguments(node: fx.Node) -> dict[str, object]:
-    arguments: dict[str, object] = dict(zip(_SDPA_PARAMS, node.args, strict=False))
+def _sdpa_arguments(node: fx.Node) -> dict[str, Argument]:
+    arguments: dict[str, Argument] = dict(zip(_SDPA_PARAMS, node.args, strict=False))
     arguments.update(node.kwargs)
     return arguments
 
 
-def _check_causal_without_mask(node: fx.Node, arguments: dict[str, object]) -> None:
+def _check_causal_without_mask(node: fx.Node, arguments: dict[str, Argument]) -> None:
     if arguments.get("attn_mask") is not None:
         raise AutoSPCompileError(
             f"scaled_dot_product_attention at {_where(node)} receives an attn_mask. AutoSP attends "
@@ -163,7 +164,9 @@ def compile_with_inductor(
     """Compile a rewritten graph to code with inductor, partitioning forward and backward under
     `checkpointing` (None: torch's default partitioner heuristics)."""
     spec = checkpointing or CheckpointSpec(Policy.torch_default)
-    return compile_fx(gm, list(example_inputs), config_patches=inductor_config_patches(spec))
+    compiled = compile_fx(gm, list(example_inputs), config_patches=inductor_config_patches(spec))
+    assert callable(compiled)  # ahead-of-time modes return paths or weights; this one code
+    return compiled
 
 
 class AutoSPBackend:

@@ -85,7 +85,8 @@ def _output_embedding_as_identity(module: torch.nn.Module) -> Iterator[torch.nn.
     """Swap the model's output embedding for an identity for the duration of a forward, so its
     `logits` are the final hidden states; yields the real output embedding (None if the model
     has no plain Linear one)."""
-    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    get_output_embeddings = getattr(module, "get_output_embeddings", None)
+    head = get_output_embeddings() if get_output_embeddings is not None else None
     name = next((n for n, child in module.named_children() if child is head), None)
     if not isinstance(head, torch.nn.Linear) or name is None:
         yield None

@@ -195,6 +195,7 @@ class _Session:
         if packed.device_copy is None:
             self._fetch(packed)
         tensor, ready = packed.device_copy, packed.ready
+        assert tensor is not None, "_fetch leaves the device copy in the record"
         packed.device_copy = packed.ready = None
         self._ahead_bytes -= packed.nbytes
         self._offload.hand_over(tensor, ready)

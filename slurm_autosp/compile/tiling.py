@@ -27,14 +27,14 @@ from slurm_autosp.compile.layers import decoder_layers
 MLP_ATTRIBUTE = "mlp"
 
 
-def _tiles(length: int, tile_tokens: int) -> list[slice]:
+def sequence_tiles(length: int, tile_tokens: int) -> list[slice]:
     """Slices of the sequence dim (dim 1 of the MLP's [batch, sequence, hidden] input)."""
     return [
         slice(start, min(start + tile_tokens, length)) for start in range(0, length, tile_tokens)
     ]
 
 
-def _untiled(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _untiled(mlp: "SequenceTiled", x: torch.Tensor) -> torch.Tensor:
     """The MLP's own forward, without its hooks: those ran once around the tiles."""
     return super(SequenceTiled, mlp).forward(x)
 
@@ -45,23 +45,24 @@ class _TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, mlp: torch.nn.Module, tile_tokens: int, *params: torch.Tensor
+        ctx, x: torch.Tensor, mlp: "SequenceTiled", tile_tokens: int, *params: torch.Tensor
     ) -> torch.Tensor:
         ctx.mlp, ctx.tile_tokens = mlp, tile_tokens
         ctx.save_for_backward(x)
         out = None
-        for tile in _tiles(x.shape[1], tile_tokens):
+        for tile in sequence_tiles(x.shape[1], tile_tokens):
             y = _untiled(mlp, x[:, tile])
             if out is None:
                 out = y.new_empty((*x.shape[:2], *y.shape[2:]))
             out[:, tile] = y
+        assert out is not None, "an empty sequence has no tiles"
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        for tile in _tiles(x.shape[1], ctx.tile_tokens):
+        for tile in sequence_tiles(x.shape[1], ctx.tile_tokens):
             x_tile = x[:, tile].detach().requires_grad_(grad_x is not None)
             with torch.enable_grad():
                 y = _untiled(ctx.mlp, x_tile)
@@ -124,7 +125,7 @@ def _mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
             f"cannot tile the MLPs of {type(model).__name__}: its decoder layers {missing} have no "
             f"`{MLP_ATTRIBUTE}` submodule; leave its MLPs untiled (tile_tokens=0)"
         )
-    return mlps
+    return [mlp for mlp in mlps if isinstance(mlp, torch.nn.Module)]  # all of them, typed
 
 
 def tile_mlps(model: torch.nn.Module, tile_tokens: int) -> None:
@@ -135,4 +136,5 @@ def tile_mlps(model: torch.nn.Module, tile_tokens: int) -> None:
     for mlp in _mlps(model):
         if not isinstance(mlp, SequenceTiled):
             mlp.__class__ = _tiled_class(type(mlp))
+        assert isinstance(mlp, SequenceTiled)
         mlp.tile_tokens = tile_tokens

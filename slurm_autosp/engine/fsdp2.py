@@ -76,7 +76,7 @@ class FSDP2Engine:
         if self._micro_steps % self._grad_accum:
             return
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         torch.nn.utils.clip_grads_with_norm_(params, self._max_norm, norm)
         self._grad_norm = float(norm)
@@ -85,7 +85,7 @@ class FSDP2Engine:
         self.optimizer.zero_grad(set_to_none=True)
 
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])
 
     def grad_norm(self) -> float:
         return self._grad_norm
@@ -99,13 +99,9 @@ class FSDP2Engine:
 
     def load(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.module, self.optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(
-            self.module,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
+        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+        set_state_dict(  # dcp.load filled these dicts in place
+            self.module, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state
         )
         self.scheduler.load_state_dict(torch.load(path / SCHEDULE_FILE, weights_only=True))
         apply_hyperparameters(self.optimizer, self.scheduler, self._train)
@@ -131,7 +127,7 @@ class FSDP2Engine:
         """Collective: rank 0's whole-model `weights` (a pretrained checkpoint) into every
         rank's shards; the other ranks pass an empty dict."""
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(self.module, weights, options=options)
+        set_model_state_dict(self.module, {**weights}, options=options)
 
     def close(self) -> None:
         """Nothing to release: the process group belongs to the job."""
@@ -175,7 +171,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             )
         init(module)
         for name, p in sharded.items():
-            _copy_slice(p, module._parameters[name].data)
+            initialised = module._parameters[name]
+            assert initialised is not None  # set above; init may replace it, never remove it
+            _copy_slice(p, initialised.data)
             module._parameters[name] = p
 
 

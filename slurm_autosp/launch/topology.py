@@ -198,7 +198,7 @@ def parse_rocm_smi_topology(text: str) -> LinkMatrix:
     if header_at is None:
         raise TopologyError("rocm-smi link-type table has no header row starting with GPU0")
     names = lines[header_at].split()
-    links = []
+    links: list[tuple[str, ...]] = []
     for line in lines[header_at + 1 : header_at + 1 + len(names)]:
         tokens = line.split()
         if len(tokens) != len(names) + 1 or tokens[0] != names[len(links)]:

@@ -49,7 +49,7 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
         if sp <= cfg.parallel.sp_size or sp > cfg.cluster.world_size:
             continue
         scale = cfg.parallel.sp_size / sp
-        fitting = []
+        fits = []
         for stage, memories in plan.memories.items():
             for memory in memories.values():
                 tokens = memory.trace.tokens * scale
@@ -60,11 +60,11 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
                 if (
                     total <= plan.gpu_bytes and host_fits
                 ):  # prefer no sharding, the least recomputation, no offload
-                    fitting.append(
+                    fits.append(
                         ((stage, memory.trace.recompute_flops, memory.rung.offload), memory, stage)
                     )
-        if fitting:
-            _, memory, stage = min(fitting, key=lambda item: item[0])
+        if fits:
+            _, memory, stage = min(fits, key=lambda item: item[0])
             where = "" if sp <= domain else f" (beyond the NVLink domain of {domain})"
             setting = _stage_setting(cfg, stage)
             options.append(

@@ -3,6 +3,13 @@ memory over ranks), run text (config, layout, environment) and memory traces of 
 and ranks. `StepTracer` is what the training loop uses; `python -m slurm_autosp.traces RUN_DIR`
 summarises a run in the terminal."""
 
-from slurm_autosp.trace.tracer import UNTIMED, PhaseClock, StepTracer, memory_dir, tensorboard_dir
+from slurm_autosp.trace.tracer import (
+    UNTIMED,
+    PhaseClock,
+    Phases,
+    StepTracer,
+    memory_dir,
+    tensorboard_dir,
+)
 
-__all__ = ["UNTIMED", "PhaseClock", "StepTracer", "memory_dir", "tensorboard_dir"]
+__all__ = ["UNTIMED", "PhaseClock", "Phases", "StepTracer", "memory_dir", "tensorboard_dir"]

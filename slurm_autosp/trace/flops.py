@@ -88,8 +88,9 @@ def count_flops(model: torch.nn.Module, seq_len: int, sequences_per_step: int) -
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None)
-    if head_dim is None and heads and getattr(config, "hidden_size", None):
-        head_dim = config.hidden_size // heads
+    hidden = getattr(config, "hidden_size", None)
+    if head_dim is None and heads and hidden:
+        head_dim = hidden // heads
     attn_width = heads * head_dim if heads and head_dim else None
     return FlopCount(
         params, layers if attn_width else None, attn_width, seq_len, sequences_per_step

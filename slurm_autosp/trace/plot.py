@@ -3,6 +3,8 @@ marked) and a short markdown text (the peak, where it happened, each phase's num
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 
 from slurm_autosp.trace.memory import MemoryTrace
@@ -20,6 +22,9 @@ PEAK_MARK = (200, 20, 20)
 AXIS = (90, 90, 90)
 MIB = 2**20
 
+# One time or byte count, or an array of them: the chart maps both to pixels the same way.
+ScalarOrArray = TypeVar("ScalarOrArray", float, np.ndarray)
+
 
 def render_memory_trace(
     trace: MemoryTrace, role: str = "", width: int = 960, height: int = 380
@@ -33,10 +38,10 @@ def render_memory_trace(
     pad = max((high - low) * 0.08, 0.5)
     low, high = max(low - pad, 0.0), high + pad
 
-    def x(t: float) -> float:
+    def x(t: ScalarOrArray) -> ScalarOrArray:
         return left + (right - left) * t / end
 
-    def y(nbytes: float) -> float:
+    def y(nbytes: ScalarOrArray) -> ScalarOrArray:
         return bottom - (bottom - top) * (nbytes / MIB - low) / (high - low)
 
     for name, start, stop in trace.phases:
@@ -120,7 +125,7 @@ def phase_table(trace: MemoryTrace) -> list[tuple[str, float, float, float, floa
 
 
 def memory_trace_markdown(
-    trace: MemoryTrace, role: str = "", peaks_by_rank: dict[int, int] = None
+    trace: MemoryTrace, role: str = "", peaks_by_rank: dict[int, int] | None = None
 ) -> str:
     measure = "allocated" if trace.measure == "allocated" else "resident (RSS)"
     lines = [

@@ -17,9 +17,10 @@ import platform
 import socket
 import sys
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from slurm_autosp.trace.memory import (
 from slurm_autosp.trace.plot import memory_trace_markdown, render_memory_trace
 from slurm_autosp.trace.png import encode_png
 
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
 log = logging.getLogger(__name__)
 MIB = 2**20
 _STATS = ("peak", "peak_reserved", "data", "forward_backward", "optimizer")
@@ -49,6 +53,12 @@ def tensorboard_dir(run_dir: Path) -> Path:
 def memory_dir(run_dir: Path) -> Path:
     """Memory traces (JSON, PNG) and PyTorch memory snapshots, next to the event files."""
     return tensorboard_dir(run_dir) / "memory"
+
+
+class Phases(Protocol):
+    """What the training loop times its phases with: `with phases("forward"): ...`."""
+
+    def __call__(self, name: str) -> AbstractContextManager[None]: ...
 
 
 class PhaseClock:
@@ -100,13 +110,13 @@ class PhaseClock:
 class _Untimed:
     """Phases of a step nobody traces (callers outside the training loop)."""
 
-    def __call__(self, name: str):
+    def __call__(self, name: str) -> _Untimed:
         return self
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         return None
 
 
@@ -148,7 +158,7 @@ class StepTracer:
         self.memory_dir = memory_dir(cfg.run.dir)
         self.worst_rank = 0  # by peak memory, as of the last step: all ranks agree
         self._last: _StepRecord | None = None
-        self.writer = None
+        self.writer: SummaryWriter | None = None
         if rank == 0 and cfg.trace.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -156,7 +166,7 @@ class StepTracer:
             # purge_step makes TensorBoard drop those, so curves have no duplicate steps.
             purge = first_step + 1 if first_step else None
             self.writer = SummaryWriter(str(tensorboard_dir(cfg.run.dir)), purge_step=purge)
-            self._write_run_text(first_step, layout)
+            self._write_run_text(self.writer, first_step, layout)
 
     # ------------------------------------------------------------------ the step
 
@@ -185,7 +195,7 @@ class StepTracer:
             values = [Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
             self.writer._get_file_writer().add_summary(Summary(value=values), step)
             if traces:
-                self._write_traces(step, traces, peaks)
+                self._write_traces(self.writer, step, traces, peaks)
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
             mfu = (
                 f" | MFU {scalars['throughput/mfu_pct']:.1f}%"
@@ -237,7 +247,7 @@ class StepTracer:
         mine = trace.to_dict() if self.rank in roles else None
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
-        if self.rank != 0:
+        if gathered is None:  # not rank 0
             return []
         return [
             (roles[r], MemoryTrace.from_dict(d)) for r, d in enumerate(gathered) if d is not None
@@ -278,7 +288,9 @@ class StepTracer:
             scalars[f"memory/{name}/mean"] = float(values.mean())
         return scalars
 
-    def _write_traces(self, step: int, traces: list[tuple], peaks: torch.Tensor) -> None:
+    def _write_traces(
+        self, writer: SummaryWriter, step: int, traces: list[tuple], peaks: torch.Tensor
+    ) -> None:
         by_rank = {r: int(b) for r, b in enumerate(peaks.tolist())}
         self.memory_dir.mkdir(parents=True, exist_ok=True)
         for roles, trace in traces:
@@ -293,12 +305,10 @@ class StepTracer:
             )
             for role in roles:
                 tag = f"memory_trace/{role}"
-                self.writer._get_file_writer().add_summary(
+                writer._get_file_writer().add_summary(
                     Summary(value=[Summary.Value(tag=tag, image=image)]), step
                 )
-                self.writer.add_text(
-                    tag, memory_trace_markdown(trace, ", ".join(roles), by_rank), step
-                )
+                writer.add_text(tag, memory_trace_markdown(trace, ", ".join(roles), by_rank), step)
         sidecar = {
             "step": step,
             "measure": traces[0][1].measure,
@@ -306,10 +316,9 @@ class StepTracer:
             "traces": [dict(trace.to_dict(), roles=roles) for roles, trace in traces],
         }
         (self.memory_dir / f"step_{step:08d}.json").write_text(json.dumps(sidecar))
-        self.writer.flush()
+        writer.flush()
 
-    def _write_run_text(self, first_step: int, layout: Any) -> None:
-        w = self.writer
+    def _write_run_text(self, w: SummaryWriter, first_step: int, layout: Any) -> None:
         w.add_text("run/config", "```\n" + to_yaml(self.cfg) + "\n```", first_step)
         w.add_text("run/layout", "```\n" + repr(layout) + "\n```", first_step)
         w.add_text(
