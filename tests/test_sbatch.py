@@ -1,12 +1,15 @@
 """The hand-submittable sbatch script stays consistent with what submit generates, and runs."""
 
+import os
 import re
+import socket
 import subprocess
 import time
 
 import pytest
 from slurm_helpers import REPO, job_state
 
+from slurm_autosp.checkpoint.lock import RunLock, acquire_lock, read_lock
 from slurm_autosp.config import ClusterConfig, load_config
 from slurm_autosp.launch.executor import sbatch_script
 
@@ -48,9 +51,8 @@ def test_both_run_every_task_through_srun_into_the_same_training_job(generated):
     assert "TrainingJob(cfg, LockClaim(" in run_module
 
 
-@pytest.mark.slurm
-@pytest.mark.usefixtures("slurm_cluster")
-def test_hand_submitted_script_trains_on_slurm(tmp_path):
+def sbatch_train(tmp_path, *overrides, timeout_s=300):
+    """Submit sbatch/train.sbatch for 2 CPU tasks, wait for the job to end; its output."""
     submitted = subprocess.run(
         [
             "sbatch",
@@ -64,17 +66,45 @@ def test_hand_submitted_script_trains_on_slurm(tmp_path):
             str(REPO / "sbatch" / "train.sbatch"),
             "cfg=configs/tiny_cpu.yaml",
             f"run.output_root={tmp_path}",
-            "train.steps=4",
+            *overrides,
         ],
         capture_output=True,
         text=True,
         check=True,
     )
     job_id = submitted.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     while job_state(job_id) and time.monotonic() < deadline:
         time.sleep(1)
+    still = job_state(job_id)
+    if still:
+        subprocess.run(["scancel", job_id])
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert not still, f"job {job_id} still {still} after {timeout_s} s:\n{log}"
+    return log
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_hand_submitted_script_trains_on_slurm(tmp_path):
+    log = sbatch_train(tmp_path, "train.steps=4")
     assert "step 4/4" in log, log
     assert (tmp_path / "tiny_cpu" / "checkpoints" / "latest").read_text() == "step_00000004"
     assert (tmp_path / "tiny_cpu" / "hf" / "model.safetensors").exists()
+    assert not (tmp_path / "tiny_cpu" / "job.lock").exists()  # released at the end
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_every_rank_of_a_hand_submitted_job_exits_when_its_run_is_held(tmp_path):
+    """Rank 0 cannot take the run: no rank waits for it in the process group's rendezvous."""
+    run_dir = tmp_path / "tiny_cpu"
+    run_dir.mkdir()
+    holder = RunLock(str(os.getpid()), "local", socket.gethostname())  # this test: alive
+    acquire_lock(run_dir, holder)
+    log = sbatch_train(tmp_path, "train.steps=4", timeout_s=240)
+    refusal = f"error: run.name=tiny_cpu: {run_dir} is being trained by {holder.describe()}"
+    assert log.count(refusal) == 2, log  # both ranks
+    assert "step 1/4" not in log
+    assert not (run_dir / "config.yaml").exists()
+    assert read_lock(run_dir) == holder
