@@ -18,6 +18,7 @@ from slurm_autosp.compile.hf_attention import SP_ATTENTION, use_sp_attention
 from slurm_autosp.compile.inputs import IGNORE_INDEX, SPBatch, prepare_sp_inputs
 from slurm_autosp.compile.layers import decoder_layers
 from slurm_autosp.compile.loss import loss_scale
+from slurm_autosp.compile.tiled_layer import tile_layers
 from slurm_autosp.compile.tiling import tile_mlps
 from slurm_autosp.heads import valid_sp_sizes
 
@@ -37,6 +38,7 @@ __all__ = [
     "set_sp_group",
     "sp_all_to_all",
     "sp_group_context",
+    "tile_layers",
     "tile_mlps",
     "use_sp_attention",
     "valid_sp_sizes",

@@ -26,6 +26,7 @@ from slurm_autosp.compile.attention_pattern import check_attention_call, check_m
 from slurm_autosp.compile.backend import AutoSPCompileError
 
 SP_ATTENTION = "slurm_autosp_sdpa"
+TILED_ATTENTION = "slurm_autosp_tiled_sdpa"  # the attention of sequence-tiled layers (tiled_layer)
 
 
 def _no_mask(
@@ -59,12 +60,14 @@ def _sp_sdpa_attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> An
 
 AttentionInterface.register(SP_ATTENTION, _sp_sdpa_attention)
 AttentionMaskInterface.register(SP_ATTENTION, _no_mask)
+AttentionMaskInterface.register(TILED_ATTENTION, _no_mask)
 
 
 def use_sp_attention(model: PreTrainedModel) -> None:
-    """Switch an HF model from "sdpa" to `SP_ATTENTION` (a no-op when already switched)."""
+    """Switch an HF model from "sdpa" to `SP_ATTENTION` (a no-op when already switched, or when
+    its layers are tiled: their attention is `TILED_ATTENTION`)."""
     current = model.config._attn_implementation
-    if current == SP_ATTENTION:
+    if current in (SP_ATTENTION, TILED_ATTENTION):
         return
     if current != "sdpa":
         raise AutoSPCompileError(

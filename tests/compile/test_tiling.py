@@ -1,6 +1,7 @@
-"""MLP sequence tiling (`compile_model(..., tile_tokens=N)`, `tile_mlps`) trains exactly as the
-untiled MLP, single-device, under AutoSP and through both engines, while no tensor of the MLP's
-width spans more than one tile. Rank-side code is in tiling_cases.py."""
+"""Sequence tiling (`compile_model(..., tile_tokens=N)`: `tile_mlps`, and under `full`
+`tile_layers`) trains exactly as untiled, single-device, under AutoSP and through both engines,
+while no tensor of the MLP's width spans more than one tile. Rank-side code is in
+tiling_cases.py."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from slurm_autosp.compile import AutoSPCompileError, compile_model, tile_mlps
+from slurm_autosp.compile.tiled_layer import tile_layers
 
 TOLERANCE = 1e-5
 HIDDEN, INTERMEDIATE = 32, 256  # an MLP 8x as wide as the hidden states, so its tensors stand out
@@ -43,13 +45,17 @@ def loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torc
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
+TILERS = pytest.mark.parametrize("tiler", [tile_mlps, tile_layers], ids=["mlps", "whole_layers"])
+
+
+@TILERS
 @pytest.mark.parametrize(
     "tile", [16, 64], ids=["seq_50_in_tiles_of_16", "tile_64_longer_than_seq_50"]
 )
-def test_tiled_mlp_loss_and_every_gradient_equal_untiled(tile):
+def test_tiled_loss_and_every_gradient_equal_untiled(tile, tiler):
     ref_loss, ref_grads = loss_and_grads(wide_llama())
     model = wide_llama()
-    tile_mlps(model, tile)
+    tiler(model, tile)
     loss, grads = loss_and_grads(model)
     assert grads.keys() == ref_grads.keys(), "tiling renamed parameters"
     assert float((loss - ref_loss).abs() / ref_loss.abs()) <= TOLERANCE
@@ -85,12 +91,12 @@ class _WidestMLPTensors(TorchDispatchMode):
         return out
 
 
-def widest_mlp_tensors(tile: int) -> tuple[int, int]:
+def widest_mlp_tensors(tile: int, tiler=tile_mlps) -> tuple[int, int]:
     """Over a forward and backward (the tiles' recompute included): the most tokens a tensor of
     the MLP's width spans, among all tensors created and among those saved for backward."""
     model = wide_llama()
     if tile:
-        tile_mlps(model, tile)
+        tiler(model, tile)
     saved = [0]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,6 +116,34 @@ def test_no_tensor_of_the_mlp_width_spans_more_than_one_tile():
         "the untiled MLP's width was not detected"
     )
     assert widest_mlp_tensors(16) == (BATCH * 16, BATCH * 16)
+    assert widest_mlp_tensors(16, tile_layers) == (BATCH * 16, BATCH * 16)
+
+
+def _forward_saves(model: torch.nn.Module) -> list[tuple[int, ...]]:
+    """The shapes of the non-parameter tensors a forward saves for backward, in order."""
+    shapes = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter):
+            shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ids = input_ids()
+        model(input_ids=ids, labels=ids, use_cache=False)
+    return shapes
+
+
+def test_a_tiled_layer_keeps_only_its_input_for_backward():
+    """Between the embedding's saved ids and what the final norm, lm_head and loss save (as
+    untiled), each of the two tiled layers keeps one [batch, sequence, hidden] tensor."""
+    untiled = _forward_saves(wide_llama())
+    model = wide_llama()
+    tile_layers(model, 16)
+    tiled = _forward_saves(model)
+    tail = tiled[3:]
+    assert tiled[:3] == [(BATCH, SEQ), (BATCH, SEQ, HIDDEN), (BATCH, SEQ, HIDDEN)], tiled
+    assert untiled[0] == (BATCH, SEQ) and untiled[-len(tail) :] == tail, (untiled, tiled)
 
 
 def test_one_graph_pair_serves_every_tiled_layer():
@@ -142,34 +176,51 @@ def test_tile_mlps_refuses_layers_without_an_mlp_and_tiles_under_one_token():
 
 
 def assert_matches_reference(results: list[dict]) -> None:
-    assert all(r["tiled_mlps"] == [2] for r in results), (
-        f"the SP model's MLPs were not all tiled: {results}"
+    assert all(r["tiled"] == [2] for r in results), (
+        f"the SP model's MLPs or layers were not all tiled: {results}"
     )
     for key in ("loss_rel_error", "token_error", "grad_rel_error"):
         assert max(r[key] for r in results) <= TOLERANCE, (key, results)
 
 
-def test_sp2_with_tiled_mlps_matches_single_device(pool2):
+WHAT = pytest.mark.parametrize("whole_layers", [False, True], ids=["mlps", "whole_layers"])
+
+
+@pytest.mark.slow
+@WHAT
+def test_sp2_tiled_matches_single_device(pool2, whole_layers):
     """One sequence, as in the engine tests below: they reuse this test's compiled graphs."""
     case = Case(batch=1, seq=127, labels="uneven", per_layer=True)
-    assert_matches_reference(pool2.run(tiled_sp_step, case, 2, SP_TILE))
+    assert_matches_reference(pool2.run(tiled_sp_step, case, 2, SP_TILE, whole_layers))
 
 
-def test_sp2_dp2_with_tiled_mlps_matches_single_device(pool4):
+@pytest.mark.slow
+@WHAT
+def test_sp2_dp2_tiled_matches_single_device(pool4, whole_layers):
     """Two sequences per rank: the tiles are slices of a batch."""
     case = Case(batch=4, seq=127, labels="uneven", per_layer=True)
-    assert_matches_reference(pool4.run(tiled_sp_step, case, 2, SP_TILE))
+    assert_matches_reference(pool4.run(tiled_sp_step, case, 2, SP_TILE, whole_layers))
 
 
+@pytest.mark.slow
+def test_sp2_tiled_qwen2_layers_with_one_kv_head_match_single_device(pool2):
+    """Qwen2's q, k, v projections have biases; its one KV head is repeated to both SP ranks
+    (the tiled layer's own all-to-alls, and the sum of the copies' gradients in backward)."""
+    case = Case(family="qwen2", kv_heads=1, batch=1, seq=127, labels="uneven", per_layer=True)
+    assert_matches_reference(pool2.run(tiled_sp_step, case, 2, SP_TILE, True))
+
+
+@pytest.mark.slow
+@WHAT
 @pytest.mark.parametrize("zero_stage", [1, 3], ids=["deepspeed_zero1", "fsdp2"])
-def test_sp2_optimizer_steps_with_tiled_mlps_equal_untiled(pool2, zero_stage):
+def test_sp2_optimizer_steps_tiled_equal_untiled(pool2, zero_stage, whole_layers):
     """Two steps of two micro-batches each: the tiles' gradients accumulate into .grad where
     the engine expects them, so the losses (the second step's is the updated weights'), the
     gradients and their norms are the untiled ones. The weights are held to the bound that
     train_cases holds them to against one device: AdamW's first steps move a weight by about
     lr * g / (|g| + eps), so where |g| is near eps (1e-8) float rounding of g moves it visibly."""
-    result = pool2.run(engine_tiled_vs_untiled, zero_stage, 2, SP_TILE)[0]
-    assert result["same_initial_weights"] and result["tiled_mlps"] == (0, 2), result
+    result = pool2.run(engine_tiled_vs_untiled, zero_stage, 2, SP_TILE, 2, whole_layers)[0]
+    assert result["same_initial_weights"] and result["tiled"] == (0, 2), result
     for key in ("loss_rel_error", "grad_norm_rel_error", "grad_rel_error"):
         assert result[key] <= TOLERANCE, (key, result)
     assert result["weight_rel_error"] <= 1e-2, result

@@ -1,5 +1,6 @@
-"""What every rank runs in the MLP tiling tests: an AutoSP step with tiled MLPs against the
-single-device reference, and optimizer steps through the real engines with tiling off and on.
+"""What every rank runs in the tiling tests: an AutoSP step with tiled MLPs or tiled decoder
+layers against the single-device reference, and optimizer steps through the real engines with
+tiling off and on.
 
 Backends, SP groups, engines and batches come from sp_cases and train_cases, so these cases
 share the pools' compiled graphs with the equivalence tests.
@@ -12,7 +13,7 @@ from contextlib import contextmanager
 import sp_cases
 import torch
 import torch.distributed as dist
-from sp_cases import VOCAB, Case, backend_for, contiguous_sp_group, sp_step
+from sp_cases import VOCAB, Case, contiguous_sp_group, sp_step
 from train_cases import (
     LOSS_CHUNK,
     SEQ,
@@ -24,39 +25,58 @@ from train_cases import (
     _whole_weights,
 )
 
-from slurm_autosp.compile import compile_model, set_sp_group
+from slurm_autosp.compile import AutoSPBackend, compile_model, set_sp_group
+from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
+from slurm_autosp.compile.tiled_layer import SequenceTiledLayer
 from slurm_autosp.compile.tiling import SequenceTiled
 from slurm_autosp.verify import make_batch
 
+_full_backends: dict[tuple[int, bool], AutoSPBackend] = {}
 
-def _tiled_mlps(model: torch.nn.Module) -> int:
-    return sum(isinstance(m, SequenceTiled) for m in model.modules())
+
+def backend_for(sp_size: int, per_layer: bool, whole_layers: bool = False) -> AutoSPBackend:
+    """sp_cases' backend, or under `full` (where tile_tokens tiles whole decoder layers) one per
+    layout and process of our own."""
+    if not whole_layers:
+        return sp_cases.backend_for(sp_size, per_layer)
+    spec = CheckpointSpec(Policy.full)
+    return _full_backends.setdefault((sp_size, per_layer), AutoSPBackend(sp_size, spec))
+
+
+def _tiled(model: torch.nn.Module) -> int:
+    """How many MLPs or decoder layers run in sequence tiles."""
+    return sum(isinstance(m, SequenceTiled | SequenceTiledLayer) for m in model.modules())
 
 
 @contextmanager
-def _sp_step_compiles_tiled(tile_tokens: int) -> Iterator[list[int]]:
-    """Make sp_step compile its SP model with tiled MLPs (it calls sp_cases' compile_model) and
-    yield, per model it compiled, how many MLPs are tiled: a test that tiled nothing must fail."""
+def _sp_step_compiles_tiled(tile_tokens: int, whole_layers: bool) -> Iterator[list[int]]:
+    """Make sp_step compile its SP model tiled (it calls sp_cases' compile_model and
+    backend_for; `whole_layers`: under `full`, so whole layers are tiled) and yield, per model
+    it compiled, how many MLPs or layers are tiled: a test that tiled nothing must fail."""
     tiled: list[int] = []
 
     def compile_tiled(model: torch.nn.Module, *args, **kwargs) -> None:
         compile_model(model, *args, **kwargs, tile_tokens=tile_tokens)
-        tiled.append(_tiled_mlps(model))
+        tiled.append(_tiled(model))
 
-    original, sp_cases.compile_model = sp_cases.compile_model, compile_tiled
+    def backend(sp_size: int, per_layer: bool) -> AutoSPBackend:
+        return backend_for(sp_size, per_layer, whole_layers)
+
+    originals = sp_cases.compile_model, sp_cases.backend_for
+    sp_cases.compile_model, sp_cases.backend_for = compile_tiled, backend
     try:
         yield tiled
     finally:
-        sp_cases.compile_model = original
+        sp_cases.compile_model, sp_cases.backend_for = originals
 
 
-def tiled_sp_step(case: Case, sp_size: int, tile_tokens: int) -> dict:
+def tiled_sp_step(case: Case, sp_size: int, tile_tokens: int, whole_layers: bool = False) -> dict:
     """sp_cases.sp_step (errors against the plain single-device model) with the SP model's MLPs
-    tiled, plus how many MLPs it tiled."""
-    with _sp_step_compiles_tiled(tile_tokens) as tiled:
+    (or, `whole_layers`, its decoder layers) tiled, plus how many it tiled."""
+    with _sp_step_compiles_tiled(tile_tokens, whole_layers) as tiled:
         result = sp_step(case, sp_size)
-    return {**result, "tiled_mlps": tiled}
+    return {**result, "tiled": tiled}
 
 
 def _first_grads(engine, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -69,9 +89,12 @@ def _first_grads(engine, zero_stage: int) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in params}
 
 
-def _engine_run(zero_stage: int, sp_size: int, tile_tokens: int, steps: int) -> dict:
+def _engine_run(
+    zero_stage: int, sp_size: int, tile_tokens: int, steps: int, whole_layers: bool
+) -> dict:
     """`steps` optimizer steps of two micro-batches each through the engine for `zero_stage`
-    (train_cases.engine_steps' set-up), with the MLPs tiled when tile_tokens > 0: the initial
+    (train_cases.engine_steps' set-up), with the MLPs (`whole_layers`: the decoder layers, under
+    `full`) tiled when tile_tokens > 0: the initial
     and final whole weights (rank 0's under FSDP2), each step's loss and gradient norm, and the
     first micro-batch's gradients."""
     grad_accum = 2
@@ -80,7 +103,10 @@ def _engine_run(zero_stage: int, sp_size: int, tile_tokens: int, steps: int) -> 
     engine = _engine(zero_stage, cfg)
     initial = _whole_weights(engine)
     compile_model(
-        engine.module, backend_for(sp_size, True), per_layer=True, tile_tokens=tile_tokens
+        engine.module,
+        backend_for(sp_size, True, whole_layers),
+        per_layer=True,
+        tile_tokens=tile_tokens,
     )
     set_sp_group(contiguous_sp_group(sp_size))
     losses, grad_norms, first_grads = [], [], {}
@@ -99,7 +125,7 @@ def _engine_run(zero_stage: int, sp_size: int, tile_tokens: int, steps: int) -> 
         losses.append(float(step_loss))
         grad_norms.append(engine.grad_norm())
     final = _whole_weights(engine)
-    tiled = _tiled_mlps(engine.module)
+    tiled = _tiled(engine.module)
     engine.close()
     return {
         "initial": initial,
@@ -107,7 +133,7 @@ def _engine_run(zero_stage: int, sp_size: int, tile_tokens: int, steps: int) -> 
         "losses": losses,
         "grad_norms": grad_norms,
         "first_grads": first_grads,
-        "tiled_mlps": tiled,
+        "tiled": tiled,
     }
 
 
@@ -122,16 +148,17 @@ def _worst_over_ranks(value: float) -> float:
 
 
 def engine_tiled_vs_untiled(
-    zero_stage: int, sp_size: int, tile_tokens: int, steps: int = 2
+    zero_stage: int, sp_size: int, tile_tokens: int, steps: int = 2, whole_layers: bool = False
 ) -> dict | None:
-    """The same optimizer steps through the engine with the MLPs untiled, then tiled; rank 0
+    """The same optimizer steps through the engine with the MLPs (`whole_layers`: the decoder
+    layers, both runs under `full`) untiled, then tiled; rank 0
     returns their relative differences: per-step loss and gradient norm; the first micro-batch's
     gradients (worst parameter's max|g - g_ref| / max|g_ref|, worst rank); the final weights
     (worst parameter's max|w - w_ref| over how far the untiled steps moved it, max|w_ref - w_0|)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
-    untiled = _engine_run(zero_stage, sp_size, 0, steps)
-    tiled = _engine_run(zero_stage, sp_size, tile_tokens, steps)
+    untiled = _engine_run(zero_stage, sp_size, 0, steps, whole_layers)
+    tiled = _engine_run(zero_stage, sp_size, tile_tokens, steps, whole_layers)
     grad_error = _worst_over_ranks(
         max(
             _grad_error(tiled["first_grads"][name], g) for name, g in untiled["first_grads"].items()
@@ -144,7 +171,7 @@ def engine_tiled_vs_untiled(
         "same_initial_weights": all(
             torch.equal(tiled["initial"][k], v) for k, v in initial.items()
         ),
-        "tiled_mlps": (untiled["tiled_mlps"], tiled["tiled_mlps"]),
+        "tiled": (untiled["tiled"], tiled["tiled"]),
         "loss_rel_error": _relative(tiled["losses"], untiled["losses"]),
         "grad_norm_rel_error": _relative(tiled["grad_norms"], untiled["grad_norms"]),
         "grad_rel_error": grad_error,
