@@ -170,9 +170,16 @@ class _Attention:
             self.qkv.append(_heads_to_sequence(t, sp, self.chunk).requires_grad_(grad))
             del t
         with torch.set_grad_enabled(grad):
+            query, key, value = self.qkv
             output = torch.nn.functional.scaled_dot_product_attention(
-                *self.qkv, is_causal=True, scale=tap.scaling, enable_gqa=self.layout.local_grouped
+                query,
+                key,
+                value,
+                is_causal=True,
+                scale=tap.scaling,
+                enable_gqa=self.layout.local_grouped,
             )
+            del query, key, value
         if not grad:
             self.qkv = []
         self.local_output = _sequence_to_heads(output.detach(), sp, self.chunk).transpose(1, 2)
@@ -188,11 +195,13 @@ class _Attention:
         """The gradients of the recorded q, k, v on this rank's tokens, from the whole output's;
         frees attention's tensors as it goes."""
         sp, repeat = self.layout.sp_size, self.layout.kv_repeat
+        assert self.output is not None, "attention ran without autograd"
         torch.autograd.backward(self.output, grad_output)
         self.output = None
-        grads = []
+        grads: list[torch.Tensor] = []
         while self.qkv:
             leaf = self.qkv.pop(0)
+            assert leaf.grad is not None
             grad = _sequence_to_heads(leaf.grad, sp, self.chunk)
             del leaf
             if repeat > 1 and grads:  # key and value: the repeated heads' gradients summed
@@ -242,12 +251,11 @@ class _TiledLayer(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.layer, ctx.kwargs = layer, kwargs  # the kwargs (rotary cos/sin) are every layer's
         ctx.save_for_backward(hidden)
-        attention = layer.attend(hidden, kwargs, grad=False)
+        local_output = layer.attend(hidden, kwargs, grad=False).local_output
+        assert local_output is not None
         out = torch.empty_like(hidden)
         for tile in sequence_tiles(hidden.shape[1], layer.tile_tokens):
-            out[:, tile] = layer.run_tile(
-                hidden[:, tile], kwargs, tile, attention.local_output[:, tile]
-            )
+            out[:, tile] = layer.run_tile(hidden[:, tile], kwargs, tile, local_output[:, tile])
         return out
 
     @staticmethod
@@ -256,6 +264,7 @@ class _TiledLayer(torch.autograd.Function):
         layer, kwargs = ctx.layer, ctx.kwargs
         attention = layer.attend(hidden, kwargs, grad=True)
         local_output = attention.local_output
+        assert local_output is not None
         attention.local_output = None
         grad_hidden = torch.empty_like(hidden)
         grad_local_output = torch.empty_like(local_output)
@@ -361,7 +370,7 @@ def _tiled_class(cls: type) -> type:
         _tiled_classes[cls] = type(
             f"SequenceTiled{cls.__name__}",
             (SequenceTiledLayer, cls),
-            {"untiled_forward": cls.forward},
+            {"untiled_forward": getattr(cls, "forward")},  # noqa: B009 - a class, not an nn.Module
         )
     return _tiled_classes[cls]
 
@@ -399,6 +408,7 @@ def tile_layers(
     for layer in layers:
         if not isinstance(layer, SequenceTiledLayer):
             layer.__class__ = _tiled_class(type(layer))
+        assert isinstance(layer, SequenceTiledLayer)
         layer.tile_tokens = tile_tokens
         layer.sp_size = backend.sp_size if backend is not None else 1
         layer.tile_forward = tile_forward
