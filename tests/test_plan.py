@@ -148,6 +148,33 @@ def test_tiling_and_offload_extend_the_longest_sequence_llama8b(llama8b_plan):
     assert offloaded.host_bytes > 0 and untiled.host_bytes == 0
 
 
+def test_llama8b_4m_fits_one_node_with_tiled_offloaded_layers():
+    """The issue's goal: 4M tokens of Llama-3.1-8B on one node of 8 x 80 GB (2 TB of host
+    memory). Each tiled layer keeps only its input (8 KiB per token, to host memory), and no
+    all-to-all spans the sequence (chunked by tile)."""
+    plan = build_plan(load_config(["cfg=configs/llama8b_4m.yaml"]))
+    text, fits, _ = verdict(plan)
+    memory = plan.configured
+    assert fits and plan.zero_stage == 3, text
+    assert memory.label == "full (all-to-all recomputed) + tiled layers + offload", memory.label
+    assert memory.tile_tokens == 8192 and memory.trace.largest_all_to_all_bytes == 0
+    assert memory.trace.activation_bytes == memory.trace.tokens * 4096 * 2
+    assert plan.longest_seq(memory) >= 4 * 2**20
+    assert memory.host_bytes * 8 <= 2048e9 * 0.8
+
+
+def test_tiled_layers_reach_1m_tokens_for_llama70b_on_8_nodes():
+    """With 2 TB of host memory per node, 70B's limit is the host memory the offload fills."""
+    plan = build_plan(
+        load_config(["cfg=configs/llama70b_128k.yaml", "cluster.host_memory_gb=2048"])
+    )
+    full_a2a = CheckpointSpec(Policy.full, recompute_all_to_all=True)
+    offloaded = plan.memories[3][Rung(full_a2a, tiled=True, offload=True)]
+    assert plan.longest_seq(offloaded) >= 2**20
+    local = plan.longest_seq(offloaded) // 8
+    assert local * offloaded.host_per_token <= offloaded.host_bytes_per_rank
+
+
 def test_zero3_terms_are_fsdp2_fp32_shards_plus_gathered_bf16_layers(llama70b_plan):
     """Sharded fp32 parameters, fp32 gradients and Adam m, v: 16 bytes per parameter over the
     world. Gathered: bf16 root group (embedding, lm_head, final norm) and two layers, the

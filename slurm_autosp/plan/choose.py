@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import ActivationCheckpointing, JobConfig, Precision
 from slurm_autosp.plan.memory import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
 from slurm_autosp.plan.policies import (
@@ -22,7 +23,7 @@ from slurm_autosp.plan.policies import (
     policy_from_plan,
     traced_specs,
 )
-from slurm_autosp.plan.trace import trace_decoder_layer
+from slurm_autosp.plan.trace import tiled_layer_trace, trace_decoder_layer
 
 
 def _choose_rung(
@@ -61,7 +62,8 @@ def _choose_stage(cfg: JobConfig, fits_under_zero1: bool) -> tuple[int, str]:
 
 
 def build_plan(cfg: JobConfig) -> MemoryPlan:
-    """Trace one decoder layer under every policy (and, for the tiled rungs, without its MLP),
+    """Trace one decoder layer under every policy (and, for the MLP-tiled rungs, without its MLP;
+    whole tiled layers are derived from the layer traced under `none`),
     lay out the per-GPU memory under ZeRO-1 and ZeRO-3, and choose the stage and rung the
     config leaves open."""
     sp = cfg.parallel.sp_size
@@ -70,7 +72,15 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
     rungs = [*(Rung(spec) for spec in traced_specs(cfg)), *ladder(cfg)]
     traces = {}
     for tiled in sorted({r.tiled for r in rungs}):
-        specs = list(dict.fromkeys(r.spec for r in rungs if r.tiled == tiled))
+        specs = list(
+            dict.fromkeys(
+                r.spec
+                for r in rungs
+                if r.tiled == tiled and not (tiled and tiles_whole_layers(r.spec))
+            )
+        )
+        if not specs:
+            continue
         layer_traces = trace_decoder_layer(
             cfg.model,
             local_seq=local_seq,
@@ -81,6 +91,10 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
             tiled=tiled,
         )
         traces.update({(spec, tiled): t for spec, t in zip(specs, layer_traces, strict=True)})
+    keep_all = next(t for (spec, tiled), t in traces.items() if spec.policy is Policy.none)
+    for rung in rungs:
+        if rung.tiled and tiles_whole_layers(rung.spec):
+            traces[rung.spec, True] = tiled_layer_trace(cfg.model, rung.spec, keep_all, dtype)
     size = model_size(cfg)
     gpu_bytes = cfg.cluster.gpu_memory_gb * GB
     memories = {

@@ -184,9 +184,10 @@ def policy_memory(
 ) -> PolicyMemory:
     """One rung's terms under one ZeRO stage, and the bytes per token of those that grow with the sequence.
 
-    Offload moves the layers' saved tensors and the loss's saved inputs to host memory: on the
-    GPU stay two layers' worth (the one being written out or the one in use, and the one
-    fetched ahead) and the shared rotary tensors. Tiling adds one tile's recompute working set.
+        Offload moves the layers' saved tensors and the loss's saved inputs to host memory: on the
+        GPU stay two layers' worth (the one being written out or the one in use, and the one
+        fetched ahead) and the shared rotary tensors. Tiling adds one tile's recompute working set (a
+    whole layer's tiles under `full`: then no all-to-all spans the sequence, see tiled_layer_trace).
     """
     b = _bytes_per_element(cfg)
     hf = hf_config(cfg.model)
@@ -205,8 +206,7 @@ def policy_memory(
         "recompute_working": trace.working_bytes / tokens,
     }
     tile = tile_tokens_for(cfg, hf.intermediate_size, b, tokens) if rung.tiled else 0
-    # one tile's gate, up, activation and product and their gradients; its input and output gradient
-    tile_working = tile * (8 * hf.intermediate_size + 2 * hidden) * b
+    tile_working = tile * trace.tile_bytes_per_token
     logits_chunk = chunk * vocab * (b + 4 + 4)  # logits in the model dtype, fp32, fp32 gradient
     buckets = 2 * ZERO_BUCKET_ELEMENTS * b if zero_stage == 1 else 0.0
     terms = {

@@ -1,8 +1,9 @@
 """The memory ladder a config lets training run with and the plan traces, and the names it
 prints them by: one vocabulary shared by the memory terms, the choice and the text.
 
-A rung is a checkpointing policy, optionally with sequence tiling of the MLP (no
-full-sequence tensor of the MLP's width) and activation offload to host memory; `auto` climbs
+A rung is a checkpointing policy, optionally with sequence tiling (under `full` of whole layers:
+no full-sequence tensor outside attention; under the others of the MLP: none of its width) and
+activation offload to host memory; `auto` climbs
 the ladder from the least recomputation and traffic to the least memory.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 
 SAC_BUDGETS = (1.0, 0.75, 0.5, 0.25, 0.0)
@@ -85,10 +87,12 @@ def tile_tokens_for(
 
 
 def rung_label(rung: Rung) -> str:
-    """e.g. "full (all-to-all recomputed) + tiling + offload"."""
+    """e.g. "full (all-to-all recomputed) + tiled layers + offload": under `full` tiling tiles
+    whole layers, under the other policies the MLPs (compile.tiled_layer)."""
+    tiling = " + tiled layers" if tiles_whole_layers(rung.spec) else " + tiled MLPs"
     return (
         spec_label(rung.spec)
-        + (" + tiling" if rung.tiled else "")
+        + (tiling if rung.tiled else "")
         + (" + offload" if rung.offload else "")
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from slurm_autosp.checkpoint.estimate import signal_delay_warning
+from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import JobConfig
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan.choose import (
@@ -55,8 +56,14 @@ def render(plan: MemoryPlan) -> str:
         f"{t.all_to_all_backward}"
     )
     if memory.tile_tokens:
+        what = (
+            "the layer outside attention runs in tiles of {:,} tokens, all-to-alls in chunks of "
+            "a tile"
+            if tiles_whole_layers(memory.spec)
+            else "the MLP runs in tiles of {:,} tokens"
+        )
         lines.append(
-            f"  sequence tiling: the MLP runs in tiles of {memory.tile_tokens:,} tokens (recomputed tile by tile)"
+            f"  sequence tiling: {what.format(memory.tile_tokens)} (recomputed tile by tile)"
         )
     if memory.rung.offload:
         lines.append("  " + offload_line(plan))

@@ -65,6 +65,7 @@ class LayerTrace:
     largest_all_to_all_bytes: int = 0
     forward_peak_bytes: int = 0  # peak of the tensors each graph allocates itself (liveness in
     backward_peak_bytes: int = 0  # graph order), beyond its inputs
+    tile_bytes_per_token: int = 0  # tiled: what one tile's recompute holds, per token of the tile
 
     @property
     def activation_bytes(self) -> int:
@@ -231,6 +232,10 @@ def trace_decoder_layer(
         mlp_flops = 2 * 3 * config.hidden_size * config.intermediate_size * micro_batch * local_seq
         for trace in traces:
             trace.tiled = True
+            # the tile's gate, up, activation and product and their gradients; its input and output gradient
+            trace.tile_bytes_per_token = (8 * config.intermediate_size + 2 * config.hidden_size) * (
+                dtype.itemsize
+            )
             trace.saved.append(
                 SavedTensor(
                     "tiled_mlp_input",
@@ -308,3 +313,73 @@ def _read_partition(
     trace.forward_peak_bytes = peak_live_bytes(forward.graph)
     trace.backward_peak_bytes = peak_live_bytes(backward.graph)
     return trace
+
+
+def tiled_layer_trace(
+    model: ModelConfig, spec: CheckpointSpec, whole: LayerTrace, dtype: torch.dtype
+) -> LayerTrace:
+    """A decoder layer tiled whole (compile.tiled_layer), from `whole`, the untiled layer traced
+    under `none` at the same length (every tensor its backward needs saved).
+
+    It saves its input; the rotary cos/sin stay shared. Full-sequence tensors live only between
+    the tiles, at the points of compile.tiled_layer's schedule counted here, per local token
+    (b bytes per element; q and o the query heads' width, kv the key and value heads' after
+    repetition to the SP size, kv0 before; h the hidden size; lse fp32 per query head):
+    forward: q + kv0 + q (an all-to-all's output beside all three inputs), then q + kv + o + lse
+    + o (attention's inputs and output, and the output back on this rank's tokens); backward,
+    besides the layer's input: h + q + kv0 + q (the same, beside the incoming gradient), then
+    h + q + kv + o + lse + o + o + h (attention with its autograd, the local output, its
+    gradient, the input's gradient), then h + q + kv + o + lse + o + (q + kv) + 2q (attention's
+    backward: the output's gradient, q, k, v's, and the fp32 dq accumulator of flash
+    attention's backward kernel), then h + 2 (q + kv) (the gradients back to this rank's
+    tokens). One tile holds `whole`'s saved tensors and working set per token, plus the
+    chunked all-to-alls' buffers (four of the widest per token: input slice, send, receive,
+    output slice). The q, k, v projections run four times a step, not twice.
+    """
+    config = hf_config(model)
+    b = dtype.itemsize
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    repeat = max(1, whole.sp_size // kv_heads)
+    q = heads * head_dim * b
+    kv0, kv = 2 * kv_heads * head_dim * b, 2 * kv_heads * repeat * head_dim * b
+    o, h, lse = q, config.hidden_size * b, heads * 4
+    forward = max(2 * q + kv0, q + kv + 2 * o + lse)
+    backward = max(
+        h + 2 * q + kv0,
+        2 * h + q + kv + 3 * o + lse,
+        h + 2 * q + 2 * kv + 2 * o + lse + 2 * q,
+        h + 2 * (q + kv),
+    )
+    tokens = whole.tokens
+    projections = 2 * tokens * config.hidden_size * (heads + 2 * kv_heads) * head_dim
+    saved = [
+        SavedTensor(
+            "layer_input",
+            (whole.micro_batch, whole.local_seq, config.hidden_size),
+            str(dtype).removeprefix("torch."),
+            h * tokens,
+            "activation",
+        ),
+        *(t for t in whole.saved if t.kind in ("shared", "parameter")),
+    ]
+    recompute = whole.forward_flops + 2 * projections
+    return LayerTrace(
+        spec=spec,
+        local_seq=whole.local_seq,
+        micro_batch=whole.micro_batch,
+        sp_size=whole.sp_size,
+        tiled=True,
+        saved=saved,
+        forward_flops=whole.forward_flops + projections,
+        backward_flops=whole.backward_flops + recompute,
+        recompute_flops=recompute,
+        recomputed_attention=1,
+        all_to_all_forward=whole.all_to_all_forward,
+        all_to_all_backward=2 * whole.all_to_all_forward,
+        largest_forward_bytes=max(q, h) * tokens,
+        forward_peak_bytes=forward * tokens,
+        backward_peak_bytes=backward * tokens,
+        tile_bytes_per_token=(whole.activation_bytes + whole.working_bytes) // tokens
+        + 4 * max(q, kv),
+    )
