@@ -264,6 +264,9 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     dry_run: bool = False
+    # stream rank 0's log until the job ends; null: yes for local processes, no on SLURM
+    # (submit returns once the job is queued, printing how to follow, check and cancel it)
+    follow: bool | None = None
 
     @property
     def precision(self) -> Precision:

@@ -1,7 +1,8 @@
-"""python -m slurm_autosp.status RUN_DIR
+"""python -m slurm_autosp.status RUN_DIR [--follow]
 
 Where a run stands, from its directory alone: steps done, the last good checkpoint, the jobs
-that trained it, how often it was requeued, and whether a job holds it now.
+that trained it, how often it was requeued, and whether a job holds it now. --follow then
+streams rank 0's log of the SLURM job holding the run until it ends (Ctrl-C detaches).
 """
 
 from __future__ import annotations
@@ -10,13 +11,18 @@ import json
 import sys
 from pathlib import Path
 
-from slurm_autosp.checkpoint.lock import Liveness, holder_liveness, read_lock
+import submitit
+
+from slurm_autosp.checkpoint.lock import holder_liveness, read_lock
 from slurm_autosp.checkpoint.manifest import MANIFEST, list_files, read_manifest
 from slurm_autosp.checkpoint.schedule import checkpoint_dir
 from slurm_autosp.checkpoint.store import TRAINER_STATE, CheckpointStore
+from slurm_autosp.cli import config_error, take_flag
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.executor import submitit_dir
 from slurm_autosp.launch.requeue import recorded_requeues
+from slurm_autosp.launch.scheduler import Liveness
+from slurm_autosp.launch.watch import follow
 
 
 def last_good_checkpoint(run_dir: Path) -> Path | None:
@@ -43,9 +49,7 @@ def describe(run_dir: Path) -> list[str]:
     steps = _planned_steps(run_dir)
     good = last_good_checkpoint(run_dir)
     if good is None:
-        lines.append(
-            f"steps done: 0{f' of {steps}' if steps else ''} (no complete checkpoint)"
-        )
+        lines.append(f"steps done: 0{f' of {steps}' if steps else ''} (no complete checkpoint)")
     else:
         state = json.loads((good / TRAINER_STATE).read_text())
         lines.append(f"steps done: {state['step']}{f' of {steps}' if steps else ''}")
@@ -95,8 +99,23 @@ def _job_order(job_id: str):
     return (0, int(job_id)) if job_id.isdigit() else (1, job_id)
 
 
+def holding_job(run_dir: Path) -> submitit.SlurmJob:
+    """The SLURM job that holds the run, to follow; a ConfigError says why there is none."""
+    lock = read_lock(run_dir)
+    if lock is None or lock.backend != "slurm":
+        held = "no job holds it" if lock is None else f"it is held by {lock.describe()}"
+        raise ConfigError(
+            f"{run_dir}: no SLURM job to follow ({held}); a local job is followed by the "
+            "submit that started it"
+        )
+    config = run_dir / "config.yaml"
+    world_size = load_config([f"cfg={config}"]).cluster.world_size
+    return submitit.SlurmJob(submitit_dir(run_dir), lock.job_id, tasks=tuple(range(world_size)))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    argv, follows = take_flag(argv, "--follow")
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
@@ -107,8 +126,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    print("\n".join(describe(run_dir)))
-    return 0
+    print("\n".join(describe(run_dir)), flush=True)
+    if not follows:
+        return 0
+    try:
+        job = holding_job(run_dir)
+    except ConfigError as err:
+        return config_error(err)
+    return follow(job, run_dir)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ start and requeue of the job trains with them.
   python -m slurm_autosp.submit cfg=configs/tiny_cpu.yaml train.steps=50
   python -m slurm_autosp.submit cfg=configs/llama70b_128k.yaml cluster.nodes=8 dry_run=true
 
+On SLURM, submit returns once the job is queued and prints how to follow it (follow=true
+streams rank 0's log instead; Ctrl-C then detaches, the job runs on); local jobs are followed
+until they end (Ctrl-C cancels them).
+
 One job trains a run at a time: a run held by a live job is refused. --force takes over a run
 whose job cannot be checked (the SLURM controller does not answer), once you know it is gone.
 
@@ -39,7 +43,7 @@ from slurm_autosp.launch.job import LockClaim, TrainingJob, collective_env_for
 from slurm_autosp.launch.layout import ParallelLayout
 from slurm_autosp.launch.placement import plan_layout
 from slurm_autosp.launch.run_dir import prepare_run_dir
-from slurm_autosp.launch.watch import JobFailed, wait_for_job
+from slurm_autosp.launch.watch import follow, next_steps
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
 from slurm_autosp.plan import plan_verdict
 from slurm_autosp.plan.freeze import freeze_choices
@@ -109,19 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         f"run directory {cfg.run.dir}; per-rank logs in {submitit_dir(cfg.run.dir)}",
         flush=True,
     )
-    try:
-        wait_for_job(job, echo=lambda line: print(line, flush=True))
-    except JobFailed as err:
-        print(f"error: job {job.job_id}: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        job.cancel(check=False)
-        print(f"\ninterrupted: cancelled job {job.job_id}", file=sys.stderr)
-        return 130
-    print(
-        f"job {job.job_id} finished; TensorBoard: tensorboard --logdir {cfg.run.dir / 'tensorboard'}"
-    )
-    return 0
+    if cfg.follow is False or (cfg.follow is None and backend is Backend.slurm):
+        print(next_steps(job, cfg.run.dir))
+        return 0
+    return follow(job, cfg.run.dir)
 
 
 if __name__ == "__main__":

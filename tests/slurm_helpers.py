@@ -12,7 +12,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def submit_cmd(*overrides):
-    return [sys.executable, "-m", "slurm_autosp.submit", "cfg=configs/tiny_cpu.yaml", *overrides]
+    """submit of tiny_cpu, following the job to its end (on SLURM submit would return)."""
+    return [
+        sys.executable,
+        "-m",
+        "slurm_autosp.submit",
+        "cfg=configs/tiny_cpu.yaml",
+        "follow=true",
+        *overrides,
+    ]
 
 
 def final_result(run_dir: Path):

@@ -13,7 +13,6 @@ import pytest
 from slurm_autosp.checkpoint.lock import (
     LOCK,
     SUBMITTING,
-    Liveness,
     RunLock,
     acquire_lock,
     holder_liveness,
@@ -22,6 +21,7 @@ from slurm_autosp.checkpoint.lock import (
 )
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.run_dir import prepare_run_dir
+from slurm_autosp.launch.scheduler import Liveness
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = socket.gethostname()

@@ -11,24 +11,18 @@ lock anyway, for a user who knows the job is gone."""
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import socket
-import subprocess
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from slurm_autosp.config import ConfigError
+from slurm_autosp.launch.scheduler import Liveness, slurm_job_liveness
 
 LOCK = "job.lock"
 SUBMITTING = "submit"  # the backend named by a lock a submission holds until its job is queued
-# What squeue prints for a job that will not run again (it shows these for MinJobAge seconds).
-ENDED_STATES = frozenset(
-    "BOOT_FAIL CANCELLED COMPLETED DEADLINE FAILED NODE_FAIL OUT_OF_MEMORY PREEMPTED "
-    "SPECIAL_EXIT TIMEOUT".split()
-)
 
 
 @dataclass(frozen=True)
@@ -41,12 +35,6 @@ class RunLock:
         if self.backend == SUBMITTING:
             return f"a submission in progress (process {self.job_id} on {self.host})"
         return f"job {self.job_id} ({self.backend} on {self.host})"
-
-
-class Liveness(enum.Enum):
-    alive = "alive"
-    gone = "gone"
-    unknown = "unknown"
 
 
 def read_lock(run_dir: Path) -> RunLock | None:
@@ -64,7 +52,7 @@ def read_lock(run_dir: Path) -> RunLock | None:
 def holder_liveness(lock: RunLock) -> tuple[Liveness, str]:
     """Whether the lock's holder still runs, and why it is unknown when it is."""
     if lock.backend == "slurm":
-        return _slurm_liveness(lock.job_id)
+        return slurm_job_liveness(lock.job_id)
     if lock.host != socket.gethostname():
         return Liveness.unknown, f"a process on {lock.host} cannot be checked from here"
     try:
@@ -74,21 +62,6 @@ def holder_liveness(lock: RunLock) -> tuple[Liveness, str]:
     except PermissionError:
         return Liveness.alive, ""
     return Liveness.alive, ""
-
-
-def _slurm_liveness(job_id: str) -> tuple[Liveness, str]:
-    try:
-        proc = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return Liveness.unknown, f"squeue failed: {err}"
-    if proc.returncode == 0:
-        states = set(proc.stdout.split())
-        return (Liveness.alive if states - ENDED_STATES else Liveness.gone), ""
-    if "Invalid job id" in proc.stderr:
-        return Liveness.gone, ""  # SLURM has forgotten the job: it ended long ago
-    return Liveness.unknown, f"squeue failed: {proc.stderr.strip() or f'exit {proc.returncode}'}"
 
 
 def acquire_lock(

@@ -1,9 +1,14 @@
-"""Follow a submitted job from the submitting terminal: echo rank 0's log as it grows, and on
-the first failing rank stop the job and show that rank's error and the tail of its log."""
+"""Follow a submitted job from a terminal: echo rank 0's log as it grows, and on the first
+failing rank stop the job and show that rank's error and the tail of its log.
+
+The log and the ranks' result files are read twice a second; the scheduler is asked whether a
+SLURM job is still queued or running at most every SCHEDULER_POLL_S seconds per follower
+(cluster admins block tools that call squeue in a loop). It is only needed when a job ends
+without results (killed, out of memory), which is then noticed within that interval."""
 
 from __future__ import annotations
 
-import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +17,8 @@ from typing import Any
 
 import submitit
 from submitit.core.utils import pickle_load
+
+from slurm_autosp.launch.scheduler import Liveness, slurm_job_liveness
 
 
 class JobFailed(RuntimeError):
@@ -34,12 +41,38 @@ class _LogFollower:
         return complete.decode(errors="replace")
 
 
+SCHEDULER_POLL_S = 30.0
+
+
+class _SchedulerPoll:
+    """Whether the job has left the queue, asking SLURM at most every `interval_s` seconds
+    (the first time one interval after following starts); local jobs are asked directly."""
+
+    def __init__(self, job: submitit.Job, interval_s: float):
+        self.job, self.interval_s = job, interval_s
+        self.last = time.monotonic()
+        self.queries = 0
+
+    def ended(self) -> bool:
+        if not isinstance(self.job, submitit.SlurmJob):
+            return bool(self.job.done())
+        if time.monotonic() - self.last < self.interval_s:
+            return False
+        self.last = time.monotonic()
+        self.queries += 1
+        return slurm_job_liveness(str(self.job.job_id))[0] is Liveness.gone
+
+
 def wait_for_job(
-    job: submitit.Job, echo: Callable[[str], None] = print, poll_s: float = 0.5
+    job: submitit.Job,
+    echo: Callable[[str], None] = print,
+    poll_s: float = 0.5,
+    scheduler_poll_s: float = SCHEDULER_POLL_S,
 ) -> list[Any]:
     """Every rank's result, in rank order; raises JobFailed naming the first rank that failed."""
     tasks = [job.task(i) for i in range(job.num_tasks)]
     follower = _LogFollower(tasks[0].paths.stdout)
+    scheduler = _SchedulerPoll(job, scheduler_poll_s)
     while True:
         _echo_lines(follower.new_text(), echo)
         failure = _first_failure(tasks)
@@ -50,46 +83,13 @@ def wait_for_job(
         if all(t.paths.result_pickle.exists() for t in tasks):
             _echo_lines(follower.new_text(), echo)
             return [pickle_load(t.paths.result_pickle)[1] for t in tasks]
-        if _ended(job):
+        if scheduler.ended():
             missing = [i for i, t in enumerate(tasks) if not t.paths.result_pickle.exists()]
             raise JobFailed(
                 f"job {job.job_id} ended (state {job.state}) but rank(s) {missing} returned no "
                 f"result: killed or out of memory?\n" + _log_tail(tasks[missing[0]], missing[0])
             )
         time.sleep(poll_s)
-
-
-def _ended(job: submitit.Job) -> bool:
-    """Whether the job has left the queue. Without SLURM accounting (sacct) submitit never
-    learns that a SLURM job ended, so ask squeue, which lists only live jobs."""
-    if not isinstance(job, submitit.SlurmJob):
-        return job.done()
-    try:
-        state = subprocess.run(
-            ["squeue", "-h", "-j", str(job.job_id), "-o", "%T"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return state not in _LIVE_STATES
-
-
-_LIVE_STATES = {
-    "PENDING",
-    "CONFIGURING",
-    "RUNNING",
-    "COMPLETING",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "RESIZING",
-    "SUSPENDED",
-    "PREEMPTED",
-    "STOPPED",
-    "SIGNALING",
-    "STAGE_OUT",
-}
 
 
 def _first_failure(tasks: list[submitit.Job]) -> JobFailed | None:
@@ -118,3 +118,37 @@ def _log_tail(task: submitit.Job, rank: int, lines: int = 30) -> str:
 def _echo_lines(text: str, echo: Callable[[str], None]) -> None:
     for line in text.splitlines():
         echo(line)
+
+
+def next_steps(job: submitit.Job, run_dir: Path) -> str:
+    """How to follow, check and cancel a job that runs on without this terminal."""
+    cancel = f"scancel {job.job_id}" if isinstance(job, submitit.SlurmJob) else f"kill {job.job_id}"
+    return "\n".join(
+        [
+            f"  follow:      python -m slurm_autosp.status {run_dir} --follow",
+            f"  rank 0 log:  {job.task(0).paths.stdout}",
+            f"  status:      python -m slurm_autosp.status {run_dir}",
+            f"  cancel:      {cancel}",
+            f"  TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}",
+        ]
+    )
+
+
+def follow(job: submitit.Job, run_dir: Path) -> int:
+    """Echo rank 0's log until the job ends: 0 when every rank finished, 1 when one failed.
+    Ctrl-C detaches from a SLURM job, which runs on (a terminal never cancels a multi-node
+    job by itself), and cancels local processes."""
+    try:
+        wait_for_job(job, echo=lambda line: print(line, flush=True))
+    except JobFailed as err:
+        print(f"error: job {job.job_id}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if isinstance(job, submitit.SlurmJob):
+            print(f"\ndetached: job {job.job_id} keeps running\n{next_steps(job, run_dir)}")
+            return 0
+        job.cancel(check=False)
+        print(f"\ninterrupted: cancelled job {job.job_id}", file=sys.stderr)
+        return 130
+    print(f"job {job.job_id} finished; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    return 0
