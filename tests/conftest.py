@@ -4,9 +4,48 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from reference_run import train_reference
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_SCRIPTS = REPO / "tests" / "slurm_cluster"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="run every tier: also the tests marked slow and slurm, which pyproject's addopts "
+        "deselect by default",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--full"):
+        config.option.markexpr = ""  # no mark expression: nothing is deselected
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+    """A test that starts the local Slurm is in the slurm tier whether or not it says so, so
+    the fast tier never needs Slurm."""
+    for item in items:
+        if "slurm_cluster" in item.fixturenames and not item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.slurm)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_run(tmp_path_factory):
+    """`run(zero_stage)`: the run directory of the uninterrupted local reference run under that
+    stage, trained once per session however many test files compare against it."""
+    runs = {}
+
+    def run(zero_stage):
+        if zero_stage not in runs:
+            root = tmp_path_factory.mktemp(f"reference_stage{zero_stage}")
+            runs[zero_stage] = train_reference(root, zero_stage)
+        return runs[zero_stage]
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ under both engines (DeepSpeed ZeRO-1 and FSDP2 parameter sharding, one rank each
 import json
 import os
 import random
-import socket
 
 import pytest
 import torch
@@ -29,15 +28,13 @@ STAGES = {"deepspeed_zero1": 1, "fsdp2": 3}
 
 
 @pytest.fixture(scope="module")
-def single_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def single_rank_group(tmp_path_factory):
+    init_file = tmp_path_factory.mktemp("rendezvous") / "file"  # no port to race for
     saved = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = (
         "0"  # DeepSpeed insists on it; restored so later subprocesses don't inherit it
     )
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
     if saved is None:

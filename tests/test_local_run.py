@@ -87,6 +87,7 @@ def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):
     assert "rank one cannot build its model" in proc.stderr
 
 
+@pytest.mark.slow
 def test_tiled_and_offloaded_run_trains_the_same_steps(tiny_run, tmp_path):
     """compile.tile_tokens and compile.offload_activations reach training: the MLPs run in
     tiles (48 tokens: 3 per rank's 128, the last one short) and the losses are the untiled,

@@ -284,6 +284,7 @@ def _forward_rss(seqs, budget, queue):
     queue.put(measured)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [0.0, 1.0])
 def test_predicted_activation_memory_is_within_15_percent_of_measured_on_cpu(tmp_path, budget):
     """Measured: the resident set grows by what the forward keeps for backward (glibc returns

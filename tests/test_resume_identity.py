@@ -131,6 +131,7 @@ def submit(root, *overrides):
     )
 
 
+@pytest.mark.slow
 def test_resubmission_with_another_model_is_refused_and_with_more_steps_continues(tmp_path):
     first = submit(tmp_path, "train.steps=2")
     assert first.returncode == 0, first.stderr

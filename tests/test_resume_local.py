@@ -9,18 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_run import REFERENCE_ARGS, REFERENCE_STEPS
 from safetensors.torch import load_file
 from submitit.core.utils import pickle_load
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 160
-ARGS = [
-    "cfg=configs/tiny_cpu.yaml",
-    "cluster.backend=local",
-    f"train.steps={STEPS}",
-    "train.log_every=1",
-]
+STEPS = REFERENCE_STEPS
+ARGS = [*REFERENCE_ARGS, "cluster.backend=local"]
 
 
 def submit_cmd(root, name, zero_stage=1):
@@ -52,28 +48,6 @@ def hf_weights(run_dir):
     return load_file(run_dir / "hf" / "model.safetensors")
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The uninterrupted run's directory under a zero stage, run once per stage."""
-    runs = {}
-
-    def run(zero_stage):
-        if zero_stage not in runs:
-            root = tmp_path_factory.mktemp(f"ref_stage{zero_stage}")
-            proc = subprocess.run(
-                submit_cmd(root, "ref", zero_stage),
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            assert proc.returncode == 0, proc.stderr
-            runs[zero_stage] = root / "ref"
-        return runs[zero_stage]
-
-    return run
-
-
 def interrupt_after_step(root, name, step, send, zero_stage):
     """Run a job and call `send()` once rank 0 has logged `step`; returns submit's stdout."""
     proc = subprocess.Popen(
@@ -94,9 +68,10 @@ def interrupt_after_step(root, name, step, send, zero_stage):
     return "".join(lines) + out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
 def test_signalled_run_requeues_and_resumes_with_identical_losses(
-    tmp_path, uninterrupted, zero_stage
+    tmp_path, uninterrupted_run, zero_stage
 ):
     folder = tmp_path / "resumed" / "submitit"
     stdout = interrupt_after_step(
@@ -109,7 +84,7 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(
         ),
         zero_stage,
     )
-    uninterrupted = uninterrupted(zero_stage)
+    uninterrupted = uninterrupted_run(zero_stage)
     stopped = int(re.search(r"stopping at step (\d+) on SIGUSR2", stdout).group(1))
     assert 7 <= stopped < STEPS
     assert (
@@ -147,6 +122,7 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(
     assert all(torch.equal(exported[name], reference_weights[name]) for name in exported)
 
 
+@pytest.mark.slow
 def test_unwritable_checkpoint_directory_fails_before_training(tmp_path):
     run_dir = tmp_path / "blocked"
     run_dir.mkdir()

@@ -5,26 +5,19 @@ import re
 import subprocess
 
 import pytest
+from reference_run import REFERENCE_STEPS
 from slurm_helpers import REPO, RunningSubmit, final_result, release_requeued, submit_cmd
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
-STEPS = 200
-TRAIN = [f"train.steps={STEPS}", "train.log_every=1"]
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+STEPS = REFERENCE_STEPS
+TRAIN = [f"train.steps={STEPS}", "train.log_every=1", "parallel.zero_stage=1"]
 
 
 @pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory):
-    """The uninterrupted run, on local processes: Slurm must not change a single bit."""
-    root = tmp_path_factory.mktemp("reference")
-    proc = subprocess.run(
-        submit_cmd("cluster.backend=local", f"run.output_root={root}", *TRAIN),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return final_result(root / "tiny_cpu").losses
+def reference_losses(uninterrupted_run):
+    """The uninterrupted run on local processes (the one test_resume_local compares with):
+    Slurm must not change a single bit."""
+    return final_result(uninterrupted_run(1)).losses
 
 
 @pytest.mark.parametrize("tasks", [2, 4])

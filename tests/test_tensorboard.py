@@ -7,7 +7,7 @@ and TensorBoard must show each once.
 """
 
 import json
-import socket
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two training runs and a TensorBoard server
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
@@ -54,12 +55,6 @@ def run_dir(tmp_path_factory):
     return run_dir
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TensorBoard:
     def __init__(self, url):
         self.url = url
@@ -75,9 +70,10 @@ class TensorBoard:
 
 @pytest.fixture(scope="module")
 def tensorboard(run_dir, tmp_path_factory):
-    """`tensorboard --logdir <run_dir>` with its default loader, on a free localhost port."""
-    port = free_port()
-    log = (tmp_path_factory.mktemp("tensorboard") / "log").open("w")
+    """`tensorboard --logdir <run_dir>` with its default loader, on a localhost port the OS picks
+    (--port 0: no free-port race); the URL comes from its start-up line."""
+    log_path = tmp_path_factory.mktemp("tensorboard") / "log"
+    log = log_path.open("w")
     server = subprocess.Popen(
         [
             sys.executable,
@@ -88,24 +84,28 @@ def tensorboard(run_dir, tmp_path_factory):
             "--host",
             "127.0.0.1",
             "--port",
-            str(port),
+            "0",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    board = TensorBoard(f"http://127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 120
         while True:  # up, and done loading the images of the last trace
             assert server.poll() is None, f"tensorboard exited with {server.returncode}"
-            try:
-                images = board.json(
-                    "/data/plugin/images/images", run="tensorboard", tag="memory_trace/rank_0"
-                )
-                if [i["step"] for i in images] == [2, 5]:
-                    break
-            except OSError:
-                pass
+            serving = re.search(
+                r"TensorBoard \S+ at (http://127\.0\.0\.1:\d+)/", log_path.read_text()
+            )
+            if serving:
+                board = TensorBoard(serving.group(1))
+                try:
+                    images = board.json(
+                        "/data/plugin/images/images", run="tensorboard", tag="memory_trace/rank_0"
+                    )
+                    if [i["step"] for i in images] == [2, 5]:
+                        break
+                except OSError:
+                    pass
             assert time.monotonic() < deadline, "tensorboard did not serve the run within 120 s"
             time.sleep(0.5)
         yield board

@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from slurm_autosp.compile import current_sp_group, set_sp_group, sp_all_to_all
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_all_to_all_gathers_sequence_in_rank_order_and_inverts(world, request):
     pool = request.getfixturevalue(f"pool{world}")
     for result in pool.run(scatter_heads_gather_sequence):

@@ -171,6 +171,7 @@ def test_chunked_loss_refuses_a_model_that_transforms_its_logits():
         causal_lm_loss(model, batch.model_kwargs(8), chunk_tokens=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_layer", [False, True], ids=["whole_model", "per_layer"])
 def test_window_shorter_than_the_whole_sequence_is_refused_on_sp_ranks(pool2, per_layer):
     """Each rank holds 48 tokens, within the 64-token window; the sequence is 96: refused."""
@@ -180,6 +181,7 @@ def test_window_shorter_than_the_whole_sequence_is_refused_on_sp_ranks(pool2, pe
         pool2.run(sp_step, Case(family="mistral", window=64, seq=96, per_layer=per_layer), 2)
 
 
+@pytest.mark.slow
 def test_window_covering_the_sequence_trains_exactly_under_sp2(pool2):
     case = Case(family="mistral", window=96, seq=96, labels="uneven", per_layer=True)
     assert_matches_reference(pool2.run(sp_step, case, 2))

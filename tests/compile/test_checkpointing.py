@@ -95,6 +95,7 @@ def sp2_step_under_policies(seq: int, names: list[str]) -> dict[str, dict[str, f
     return summary
 
 
+@pytest.mark.slow
 def test_sac_sp2_loss_and_gradients_equal_no_checkpointing_and_save_less(pool2):
     results = pool2.run(sp2_step_under_policies, 256, SP2_POLICIES)
     for rank, by_policy in enumerate(results):

@@ -87,10 +87,12 @@ def assert_sp_offload_exact(results: list[dict]) -> None:
         assert stats["peak_resident_bytes"] <= 2 * stats["per_micro_batch_bytes"] / LAYERS, stats
 
 
+@pytest.mark.slow
 def test_sp2_offloaded_grad_accum2_equals_one_single_device_batch(pool2):
     assert_sp_offload_exact(pool2.run(sp_offload_step, 2, 2))
 
 
+@pytest.mark.slow
 def test_sp2_dp2_offloaded_grad_accum2_equals_one_single_device_batch(pool4):
     assert_sp_offload_exact(pool4.run(sp_offload_step, 2, 2))
 
@@ -99,6 +101,7 @@ def _rel(value: float, reference: float) -> float:
     return abs(value - reference) / abs(reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [1, 3], ids=["deepspeed_zero1", "fsdp2"])
 def test_two_sp2_optimizer_steps_with_offload_equal_those_without(pool2, zero_stage):
     """Two micro-batches per step, the chunked loss's checkpointed chunks inside the offloaded

@@ -14,6 +14,8 @@ from sp_cases import Case
 
 from tests._dist_pool import DistPool
 
+# Its own two ranks: slow. The fast tier's SP case per engine is in test_training_equivalence.
+pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5
 CASE = Case(per_layer=True, labels="uneven")
 

@@ -7,6 +7,8 @@ SP step of a compiled copy, with gradients averaged over the world as DeepSpeed 
 import pytest
 from sp_cases import Case, sp_step
 
+# The fast tier's SP case per engine is in test_training_equivalence.
+pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5
 
 SP2_CASES = {

@@ -17,6 +17,7 @@ from train_cases import (
 TOLERANCE = 1e-5
 
 
+@pytest.mark.slow
 def test_grad_accum2_dp2_sp2_equals_one_single_device_batch_of_4_sequences(pool4):
     result = pool4.run(grad_accum_step, 2, 2)[0]
     assert result["loss_rel_error"] <= TOLERANCE, result
@@ -32,18 +33,25 @@ def assert_steps_match(result: dict) -> None:
     )
 
 
-def test_three_zero1_steps_with_sp2_dp2_match_torch_adamw_on_one_device(pool4):
-    """SP=2 x DP=2 with grad_accum=2: the loss scale world * grad_accum must undo exactly how
-    DeepSpeed ZeRO-1 reduces gradients, or the losses of steps 2 and 3 and the weights drift."""
-    assert_steps_match(pool4.run(engine_steps, 1, 2, 2, 3)[0])
+# SP=2 on two ranks is the fast tier's SP equivalence case for each engine; SP=2 x DP=2 is slow.
+WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["sp2", "sp2_dp2"])
-def test_three_fsdp2_steps_match_torch_adamw_on_one_device(world, pool2, pool4):
+@pytest.mark.parametrize("world", WORLDS, ids=["sp2", "sp2_dp2"])
+def test_three_zero1_steps_match_torch_adamw_on_one_device(world, request):
+    """SP=2 (x DP=2 on four ranks) with grad_accum=2: the loss scale world * grad_accum must undo
+    exactly how DeepSpeed ZeRO-1 reduces gradients, or the losses of steps 2 and 3 and the
+    weights drift."""
+    pool = request.getfixturevalue(f"pool{world}")
+    assert_steps_match(pool.run(engine_steps, 1, 2, 2, 3)[0])
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=["sp2", "sp2_dp2"])
+def test_three_fsdp2_steps_match_torch_adamw_on_one_device(world, request):
     """Parameter sharding (zero_stage=3) over every rank, SP=2 (x DP=2 on four ranks), two
     micro-batches per step: the loss scale is FSDP2's mesh size, with no accumulation factor.
     The first step's gradients, gathered from their shards, are the single-device ones."""
-    pool = pool2 if world == 2 else pool4
+    pool = request.getfixturevalue(f"pool{world}")  # the fast tier never starts four ranks
     result = pool.run(engine_steps, 3, 2, 2, 3)[0]
     assert result["grad_rel_error"] <= TOLERANCE, result
     assert_steps_match(result)
@@ -73,6 +81,7 @@ def test_fsdp2_loads_a_pretrained_checkpoint_into_its_shards(pool2, tmp_path):
     assert all(result.values()), result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [1, 3], ids=["bf16_model", "fsdp2_mixed_precision"])
 def test_sp2_bf16_error_is_at_most_twice_single_device_bf16_error(pool2, zero_stage):
     """Errors against the fp32 single-device reference (definitions in train_cases.bf16_errors):

@@ -34,6 +34,7 @@ def run_verify(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_per_shard_label_shift_fails_naming_the_shard_boundary(run_verify):
     done = run_verify(
         "cfg=configs/tiny_cpu.yaml",
@@ -49,6 +50,7 @@ def test_per_shard_label_shift_fails_naming_the_shard_boundary(run_verify):
     )
 
 
+@pytest.mark.slow
 def test_llama8b_head_layout_with_sp2_matches_single_device(run_verify):
     done = run_verify("cfg=configs/llama8b_32k.yaml", "parallel.sp_size=2")
     assert done.returncode == 0, done.stdout + done.stderr
