@@ -178,9 +178,8 @@ class ParallelConfig:
 
 
 class ActivationCheckpointing(str, enum.Enum):
-    auto = (
-        "auto"  # the memory plan picks the least recomputation that fits (sac budgets, then full)
-    )
+    # the memory plan picks the least recomputation that fits (sac budgets, then full)
+    auto = "auto"
     sac = "sac"  # sequence-aware: attention kept, the rest by recompute FLOPs per byte within the budget
     none = "none"  # save everything backward needs
     full = "full"  # recompute everything but the layer inputs, attention included
@@ -198,9 +197,8 @@ class CompileConfig:
     activation_memory_budget: float | None = None
     # run the Ulysses all-to-alls again in backward (saves memory); under auto the plan decides
     recompute_all_to_all: bool = False
-    loss_chunk_tokens: int = (
-        1024  # tokens per cross-entropy chunk: logits never exist whole; 0: unchunked
-    )
+    # tokens per cross-entropy chunk: logits never exist whole; 0: unchunked
+    loss_chunk_tokens: int = 1024
     # sequence tiling: tokens per tile of each decoder layer's MLP, run tile by tile and recomputed
     # tile by tile in backward (no full-sequence tensor of the MLP's width); 0: untiled; null: the plan chooses
     tile_tokens: int | None = None
@@ -231,9 +229,8 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: no periodic saves
     every_minutes: float = 0.0
     keep: int = 2
-    write_gb_per_s: float = (
-        1.0  # per-rank write bandwidth to shared storage, to size the signal delay
-    )
+    # per-rank write bandwidth to shared storage, to size the signal delay
+    write_gb_per_s: float = 1.0
 
 
 @dataclass

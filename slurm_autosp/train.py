@@ -84,9 +84,8 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     store.check_writable()
     settings = run_settings(cfg, parallel.layout, choices.zero_stage)
     resumed = store.load_latest(engine, settings)
-    first_step = (
-        resumed.step if resumed else 0
-    )  # the store checked it is samples_consumed / global_batch
+    # the store checked it is samples_consumed / global_batch
+    first_step = resumed.step if resumed else 0
     schedule = SaveSchedule(cfg.checkpoint)
     tracer = StepTracer(
         cfg, ctx.rank, ctx.world_size, ctx.device, engine.module, first_step, parallel.layout

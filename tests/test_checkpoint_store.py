@@ -31,9 +31,8 @@ STAGES = {"deepspeed_zero1": 1, "fsdp2": 3}
 def single_rank_group(tmp_path_factory):
     init_file = tmp_path_factory.mktemp("rendezvous") / "file"  # no port to race for
     saved = os.environ.get("LOCAL_RANK")
-    os.environ["LOCAL_RANK"] = (
-        "0"  # DeepSpeed insists on it; restored so later subprocesses don't inherit it
-    )
+    # DeepSpeed insists on it; restored so later subprocesses don't inherit it
+    os.environ["LOCAL_RANK"] = "0"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

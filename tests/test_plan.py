@@ -136,9 +136,8 @@ def test_tiling_and_offload_extend_the_longest_sequence_llama8b(llama8b_plan):
         tiled.trace.tiled and tiled.tile_tokens == 4096
     )  # the local sequence, 32,768 / 8: shorter than a tile
     assert llama8b_plan.longest_seq(offloaded) > llama8b_plan.longest_seq(untiled)
-    t = (
-        offloaded.trace
-    )  # on the GPU: the layer being written out or in use, and the one fetched ahead
+    # on the GPU: the layer being written out or in use, and the one fetched ahead
+    t = offloaded.trace
     assert offloaded.terms["activations"] == pytest.approx(2 * t.activation_bytes + t.shared_bytes)
     assert offloaded.host_bytes == pytest.approx(
         32 * t.activation_bytes

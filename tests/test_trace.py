@@ -66,9 +66,8 @@ def test_flop_count_is_six_n_per_token_plus_causal_attention():
     model = tiny_llama()
     flops = count_flops(model, seq_len=256, sequences_per_step=4)
     per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64  # q, o; k, v; mlp; two norms
-    dense = (
-        2 * per_layer + 64 + 256 * 64
-    )  # final norm, lm_head (the input embedding is not a matmul)
+    # final norm, lm_head (the input embedding is not a matmul)
+    dense = 2 * per_layer + 64 + 256 * 64
     assert flops.dense_params == dense
     assert flops.per_sequence == 6 * dense * 256 + 6 * 2 * 64 * 256**2  # causal: half of 12*L*d*S^2
     assert flops.per_step == 4 * flops.per_sequence

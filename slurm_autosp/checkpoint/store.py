@@ -55,12 +55,10 @@ class TrainerState:
     samples_consumed: int  # the data position: global sample index of the next sample
     world_size: int
     layout: str
-    engine: str = (
-        "deepspeed_zero1"  # the engine whose format `engine/` is in (before FSDP2: ZeRO-1)
-    )
-    settings: dict[str, Any] | None = (
-        None  # the run's resolved config (identity.run_settings); None: older
-    )
+    # the engine whose format `engine/` is in (before FSDP2: ZeRO-1)
+    engine: str = "deepspeed_zero1"
+    # the run's resolved config (identity.run_settings); None: older
+    settings: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainerState:
@@ -84,9 +82,8 @@ class CheckpointStore:
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
-        self._failed: set[Path] = (
-            set()
-        )  # checkpoints that failed verification: never kept in place of good ones
+        # checkpoints that failed verification: never kept in place of good ones
+        self._failed: set[Path] = set()
 
     def check_writable(self) -> None:
         """Fail before training, not at the first save an hour later."""

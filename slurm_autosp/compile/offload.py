@@ -30,12 +30,10 @@ class OffloadStats:
 
     to_host_bytes: int = 0
     to_device_bytes: int = 0
-    kept_bytes: int = (
-        0  # saved non-parameter tensors left in place: small, not dense, or on another device
-    )
-    resident_bytes: int = (
-        0  # device copies of offloaded tensors alive now: prefetched, or in the backward's hands
-    )
+    # saved non-parameter tensors left in place: small, not dense, or on another device
+    kept_bytes: int = 0
+    # device copies of offloaded tensors alive now: prefetched, or in the backward's hands
+    resident_bytes: int = 0
     peak_resident_bytes: int = 0
 
 
@@ -174,9 +172,8 @@ class _Session:
         self._records: list[_Offloaded] = []
         self._packed_bytes = 0
         self._ahead_bytes = 0  # fetched, not yet handed to the backward
-        self._cursor: int | None = (
-            None  # the next record the prefetch looks at; None before the backward
-        )
+        # the next record the prefetch looks at; None before the backward
+        self._cursor: int | None = None
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Offloaded:
         if _is_parameter(tensor):

@@ -226,9 +226,8 @@ class StepTracer:
         comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
         local = torch.tensor(values, dtype=torch.float64, device=comm_device)
         out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=comm_device)
-        gather = (
-            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        )  # torch < 2.13
+        # torch < 2.13
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, local)
         return out.cpu().view(self.world_size, len(values))
 
