@@ -250,6 +250,15 @@ class TraceConfig:
 
 
 @dataclass
+class ProbeConfig:
+    """`python -m slurm_autosp.probe`: how many compiled steps it measures, and the depth it
+    scales the model (and the plan) down to, so a probe of a deep model stays short."""
+
+    steps: int = 5  # the first compiles; the rest are timed
+    layers: int | None = None  # null: the configured depth (model.num_hidden_layers)
+
+
+@dataclass
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -260,6 +269,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
     dry_run: bool = False
     # stream rank 0's log until the job ends; null: yes for local processes, no on SLURM
     # (submit returns once the job is queued, printing how to follow, check and cancel it)
@@ -385,6 +395,9 @@ def validate(cfg: JobConfig) -> None:
         ("train.log_every", t.log_every),
     ]:
         positive(key, value)
+    for key, count in [("probe.steps", cfg.probe.steps), ("probe.layers", cfg.probe.layers)]:
+        if count is not None and count < 1:
+            problems.append(f"{key}={count} must be >= 1")
     if cfg.data.seq_len == 1:
         problems.append(
             "data.seq_len=1 leaves no label to predict (each token predicts the next); use >= 2"

@@ -74,7 +74,7 @@ def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, job_type: type[TrainingJob] = TrainingJob) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
         return 0
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return config_error(err)
     try:
-        job = executor.submit(TrainingJob(cfg, LockClaim(handed_over_by=submission.job_id)))
+        job = executor.submit(job_type(cfg, LockClaim(handed_over_by=submission.job_id)))
     except BaseException:
         release_lock(cfg.run.dir, submission.job_id)
         raise

@@ -9,6 +9,7 @@ import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import submitit
 import torch
@@ -17,6 +18,11 @@ import torch.distributed as dist
 from slurm_autosp.checkpoint.lock import RunLock, acquire_lock, release_lock
 from slurm_autosp.config import ConfigError, JobConfig
 from slurm_autosp.launch.run_dir import prepare_run_dir
+
+if TYPE_CHECKING:
+    from slurm_autosp.checkpoint.signals import StopRequest
+    from slurm_autosp.launch.distributed import DistContext
+    from slurm_autosp.launch.placement import Parallel
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +64,6 @@ class TrainingJob:
         rank = job_env.global_rank
         _configure_process(cfg, rank)
         applied = _apply_collective_env(cfg)
-        from slurm_autosp.train import (
-            train,
-        )  # after the environment: inductor reads its cache dir on import
-
         ctx = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)
         try:
             refusal = _claim_run(cfg, job_env, self.claim) if ctx.rank == 0 else None
@@ -77,12 +79,20 @@ class TrainingJob:
                     "collective environment: %s",
                     " ".join(f"{k}={v}" for k, v in sorted(applied.items())),
                 )
-            result = train(cfg, ctx, parallel, stop)
+            result = self.work(ctx, parallel, stop)
             if ctx.rank == 0:
                 release_lock(cfg.run.dir, job_env.job_id)
             return result
         finally:
             torch.distributed.destroy_process_group()
+
+    def work(self, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> Any:
+        """What the job does once the process group, the run and the layout are set: train.
+        A subclass does other work on the same path (the probe)."""
+        # imported after the environment is set: inductor reads its cache dir on import
+        from slurm_autosp.train import train
+
+        return train(self.cfg, ctx, parallel, stop)
 
 
 def _claim_run(cfg: JobConfig, job_env: submitit.JobEnvironment, claim: LockClaim) -> str | None:

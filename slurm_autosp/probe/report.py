@@ -1,0 +1,328 @@
+"""The probe's findings, from every rank's measurements: a table for the log, `probe.json` in
+the run directory and TensorBoard text and scalars, with one verdict: the plan within ±10%,
+bandwidth within 70% of nominal, and the slowest rank."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.utils.tensorboard import SummaryWriter
+
+from slurm_autosp.config import JobConfig
+from slurm_autosp.plan import TrainingChoices
+from slurm_autosp.plan.policies import spec_label
+from slurm_autosp.probe.collectives import TIMED, WARMUP, CollectiveTiming
+from slurm_autosp.probe.prediction import PlanPrediction
+from slurm_autosp.probe.steps import StepMeasurement
+from slurm_autosp.trace import tensorboard_dir
+
+PLAN_TOLERANCE = 0.10
+BANDWIDTH_FLOOR = 0.70
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    host: str
+    collectives: list[CollectiveTiming]
+    steps: StepMeasurement
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """One term, measured (the highest rank) beside the plan; `judged` rows decide the verdict."""
+
+    term: str
+    measured: float
+    predicted: float
+    judged: bool
+    note: str
+
+    @property
+    def error(self) -> float:
+        return (self.measured - self.predicted) / self.predicted
+
+
+@dataclass(frozen=True)
+class Verdict:
+    plan_within: bool | None  # None: no term could be judged
+    bandwidth_within: bool | None  # None: no nominal figure to hold any collective to
+    slowest_rank: int
+    slowest_host: str
+    text: str
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    cfg: JobConfig
+    choices: TrainingChoices
+    ranks: list[RankResult]
+    collectives: list[CollectiveTiming]  # per message, the slowest rank of the slowest group
+    prediction: PlanPrediction | None
+    memory: list[MemoryRow]
+    verdict: Verdict
+
+    @property
+    def step_seconds(self) -> float:
+        """The job's step time: the slowest rank's."""
+        return max(r.steps.step_seconds for r in self.ranks)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.cfg.global_batch * self.cfg.data.seq_len / self.step_seconds
+
+    def tflops(self, steps: StepMeasurement) -> float:
+        """Model TFLOP/s per device at this rank's step time."""
+        return steps.flops_per_step / steps.step_seconds / len(self.ranks) / 1e12
+
+    def mfu(self, steps: StepMeasurement) -> float | None:
+        return None if steps.peak_tflops is None else self.tflops(steps) / steps.peak_tflops
+
+
+def slowest_per_message(ranks: list[RankResult]) -> list[CollectiveTiming]:
+    """Each message as its slowest rank saw it: a collective ends when its last rank does."""
+    worst: dict[tuple[str, str, str], CollectiveTiming] = {}
+    for result in ranks:
+        for timing in result.collectives:
+            key = (timing.collective, timing.what, timing.group)
+            if key not in worst or timing.seconds > worst[key].seconds:
+                worst[key] = timing
+    return list(worst.values())
+
+
+def memory_rows(
+    ranks: list[RankResult], prediction: PlanPrediction | None, on_gpu: bool
+) -> list[MemoryRow]:
+    if prediction is None:
+        return []
+    steps = [r.steps for r in ranks]
+    rows = []
+    held = [s.held_bytes for s in steps if s.held_bytes is not None]
+    if held:
+        rows.append(
+            MemoryRow(
+                "held for backward",
+                max(held),
+                prediction.held,
+                True,
+                "saved-tensor hooks vs activations + loss inputs",
+            )
+        )
+    if on_gpu:
+        rows.append(
+            MemoryRow(
+                "peak allocated",
+                max(s.peak_bytes for s in steps),
+                prediction.subtotal,
+                True,
+                "max_memory_allocated vs every term, no margin",
+            )
+        )
+        rows.append(
+            MemoryRow(
+                "peak reserved",
+                max(s.peak_reserved_bytes for s in steps),
+                prediction.total,
+                False,
+                "max_memory_reserved vs the plan's total with margin",
+            )
+        )
+    else:
+        rows.append(
+            MemoryRow(
+                "peak working",
+                max(s.peak_bytes - s.start_bytes for s in steps),
+                prediction.transient,
+                False,
+                "RSS peak above the timed steps' start (allocator slack included) vs "
+                "activations, loss, all-to-all and recompute buffers",
+            )
+        )
+    return rows
+
+
+def decide(
+    ranks: list[RankResult], collectives: list[CollectiveTiming], memory: list[MemoryRow]
+) -> Verdict:
+    judged = [row for row in memory if row.judged]
+    plan_within = all(abs(r.error) <= PLAN_TOLERANCE for r in judged) if judged else None
+    held_to = [c for c in collectives if c.nominal_gb_per_s]
+    bandwidth_within = (
+        all(c.busbw_gb_per_s >= BANDWIDTH_FLOOR * (c.nominal_gb_per_s or 0) for c in held_to)
+        if held_to
+        else None
+    )
+    slowest = max(ranks, key=lambda r: r.steps.step_seconds)
+    if plan_within is None:
+        plan = "plan: nothing to compare (no plan for model.builder models)"
+    else:
+        errors = ", ".join(f"{r.term} {r.error:+.1%}" for r in judged)
+        plan = f"plan within ±{PLAN_TOLERANCE:.0%}: {'yes' if plan_within else 'NO'} ({errors})"
+    if bandwidth_within is None:
+        reasons = sorted({c.nominal_source for c in collectives}) or ["no collective to time"]
+        bandwidth = f"bandwidth: {'; '.join(reasons)}"
+    else:
+        bandwidth = (
+            f"bandwidth within {BANDWIDTH_FLOOR:.0%} of nominal: "
+            f"{'yes' if bandwidth_within else 'NO'}"
+        )
+    oom = [r.rank for r in ranks if r.steps.oom]
+    slow = (
+        f"slowest rank: {slowest.rank} on {slowest.host} ({slowest.steps.step_seconds:.3f} s/step)"
+    )
+    text = f"verdict: {plan}; {bandwidth}; {slow}" + (
+        f"; OUT OF MEMORY on rank(s) {oom}" if oom else ""
+    )
+    return Verdict(plan_within, bandwidth_within, slowest.rank, slowest.host, text)
+
+
+def build_report(
+    cfg: JobConfig,
+    choices: TrainingChoices,
+    ranks: list[RankResult],
+    prediction: PlanPrediction | None,
+    on_gpu: bool,
+) -> ProbeReport:
+    collectives = slowest_per_message(ranks)
+    memory = memory_rows(ranks, prediction, on_gpu)
+    return ProbeReport(
+        cfg, choices, ranks, collectives, prediction, memory, decide(ranks, collectives, memory)
+    )
+
+
+def _mib(value: float) -> str:
+    return f"{value / MIB:,.2f} MiB"
+
+
+def _bytes(value: float) -> str:
+    return f"{value / 1024:,.1f} KiB" if value < MIB else _mib(value)
+
+
+def describe_job(report: ProbeReport) -> str:
+    cfg, choices = report.cfg, report.choices
+    m = cfg.model
+    return (
+        f"probe: {m.model_type}, {m.num_hidden_layers} layers, hidden {m.hidden_size}, seq "
+        f"{cfg.data.seq_len} x micro_batch {cfg.train.micro_batch} x grad_accum {cfg.train.grad_accum}, "
+        f"SP={cfg.parallel.sp_size} x DP={cfg.dp_size}, {cfg.precision.value}, ZeRO-{choices.zero_stage}, "
+        f"{spec_label(choices.checkpointing)}"
+        + (f", MLP tiles of {choices.tile_tokens}" if choices.tile_tokens else "")
+        + (", activations offloaded" if choices.offload_activations else "")
+        + f"; {cfg.probe.steps} steps, the first compiles"
+    )
+
+
+def render_table(report: ProbeReport) -> str:
+    lines = [describe_job(report)]
+    lines.append(
+        f"collectives (the slowest rank of the slowest group; median of {TIMED} calls after {WARMUP}):"
+    )
+    if not report.collectives:
+        lines.append("  none: SP=1 and DP=1")
+    lines += [
+        f"  {c.collective:<15}{c.what:<24}{c.group} x{c.group_size:<4}{_bytes(c.nbytes):>14}  "
+        f"{c.seconds * 1e3:9.3f} ms  latency {c.latency_s * 1e3:7.3f} ms  algbw {c.algbw_gb_per_s:8.3f} GB/s  "
+        f"busbw {c.busbw_gb_per_s:8.3f} GB/s  "
+        + (
+            f"{c.busbw_gb_per_s / c.nominal_gb_per_s:.0%} of {c.nominal_gb_per_s:g} ({c.nominal_source})"
+            if c.nominal_gb_per_s
+            else c.nominal_source
+        )
+        for c in report.collectives
+    ]
+    measure = "allocated" if report.ranks[0].steps.peak_reserved_bytes else "resident (RSS)"
+    lines.append(f"steps per rank (memory: {measure}):")
+    lines.append(
+        f"  {'rank':<6}{'host':<20}{'step s':>9}{'compile s':>11}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}"
+        f"{'start':>14}{'peak':>14}{'held for bw':>16}"
+    )
+    for r in report.ranks:
+        s = r.steps
+        mfu = report.mfu(s)
+        lines.append(
+            f"  {r.rank:<6}{r.host[:19]:<20}{s.step_seconds:9.3f}{s.compile_seconds:11.1f}"
+            f"{report.cfg.global_batch * report.cfg.data.seq_len / s.step_seconds:12,.0f}"
+            f"{report.tflops(s):10.4f}"
+            f"{'-' if mfu is None else f'{mfu:.1%}':>8}{_mib(s.start_bytes):>14}{_mib(s.peak_bytes):>14}"
+            f"{'offloaded' if s.held_bytes is None else _mib(s.held_bytes):>16}"
+            + (f"  OOM: {s.oom}" if s.oom else "")
+        )
+    if report.ranks[0].steps.peak_tflops is None:
+        lines.append(f"  MFU: {report.ranks[0].steps.peak_source}")
+    if report.prediction is not None:
+        lines.append(f"memory, plan ({report.prediction.label}) vs measured (the highest rank):")
+        lines += [
+            f"  {row.term:<20}{_mib(row.measured):>14}  plan {_mib(row.predicted):>14}  {row.error:+7.1%}  "
+            f"{'judged' if row.judged else 'reported'}: {row.note}"
+            for row in report.memory
+        ]
+    lines.append(report.verdict.text)
+    return "\n".join(lines)
+
+
+def to_json(report: ProbeReport) -> dict[str, Any]:
+    cfg = report.cfg
+    return {
+        "job": describe_job(report),
+        "world_size": len(report.ranks),
+        "sp_size": cfg.parallel.sp_size,
+        "dp_size": cfg.dp_size,
+        "seq_len": cfg.data.seq_len,
+        "layers": cfg.model.num_hidden_layers,
+        "zero_stage": report.choices.zero_stage,
+        "checkpointing": spec_label(report.choices.checkpointing),
+        "step_s": report.step_seconds,
+        "tokens_per_s": report.tokens_per_s,
+        "collectives": [
+            {
+                **asdict(c),
+                "algbw_gb_per_s": c.algbw_gb_per_s,
+                "busbw_gb_per_s": c.busbw_gb_per_s,
+            }
+            for c in report.collectives
+        ],
+        "ranks": [
+            {
+                "rank": r.rank,
+                "host": r.host,
+                **asdict(r.steps),
+                "step_s": r.steps.step_seconds,
+                "compile_s": r.steps.compile_seconds,
+                "tflops": report.tflops(r.steps),
+                "mfu": report.mfu(r.steps),
+            }
+            for r in report.ranks
+        ],
+        "plan": asdict(report.prediction) if report.prediction else None,
+        "memory": [{**asdict(row), "error": row.error} for row in report.memory],
+        "verdict": asdict(report.verdict),
+    }
+
+
+def write_report(report: ProbeReport, run_dir: Path, tensorboard: bool) -> str:
+    """Write probe.json (and TensorBoard when enabled); return the table for the log."""
+    table = render_table(report)
+    (run_dir / "probe.json").write_text(json.dumps(to_json(report), indent=1))
+    if tensorboard:
+        writer = SummaryWriter(str(tensorboard_dir(run_dir)))
+        writer.add_text("probe/report", "```\n" + table + "\n```")
+        writer.add_scalar("probe/step_s", report.step_seconds)
+        writer.add_scalar("probe/tokens_per_s", report.tokens_per_s)
+        for r in report.ranks:
+            writer.add_scalar("probe/step_s_by_rank", r.steps.step_seconds, r.rank)
+            writer.add_scalar("probe/compile_s_by_rank", r.steps.compile_seconds, r.rank)
+            mfu = report.mfu(r.steps)
+            if mfu is not None:
+                writer.add_scalar("probe/mfu_pct_by_rank", 100 * mfu, r.rank)
+        for c in report.collectives:
+            name = f"{c.collective} {c.what}".replace(" / ", "_").replace(" ", "_")
+            writer.add_scalar(f"probe/busbw_gb_per_s/{name}", c.busbw_gb_per_s)
+            writer.add_scalar(f"probe/latency_ms/{name}", c.latency_s * 1e3)
+        for row in report.memory:
+            writer.add_scalar(f"probe/plan_error_pct/{row.term.replace(' ', '_')}", 100 * row.error)
+        writer.close()
+    return table
