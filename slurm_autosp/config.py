@@ -161,11 +161,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Training samples: `synthetic` (deterministic and learnable) or a `tokens` file."""
+    """Training samples: `synthetic` (deterministic and learnable) or `tokens`: a token file
+    or a directory written by `python -m slurm_autosp.data prepare`."""
 
     source: DataSource = DataSource.synthetic
     path: str | None = None
     seq_len: int = 256
+    # tokens: a new order of the samples each epoch, seeded by train.seed (false: file order)
+    shuffle: bool = True
 
 
 @dataclass
@@ -479,10 +482,11 @@ def validate(cfg: JobConfig) -> None:
     if cfg.data.source is DataSource.tokens:
         if not cfg.data.path:
             problems.append(
-                "data.source=tokens needs data.path (a token file written by slurm_autosp.data)"
+                "data.source=tokens needs data.path (a token file, or a directory written by "
+                "python -m slurm_autosp.data prepare)"
             )
-        elif not os.path.isfile(cfg.data.path):
-            problems.append(f"data.path={cfg.data.path}: no such file")
+        elif not os.path.exists(cfg.data.path):
+            problems.append(f"data.path={cfg.data.path}: no such file or directory")
     if m.pretrained_path and m.builder:
         problems.append("model.pretrained_path and model.builder are exclusive; set one")
     if m.pretrained_path and not os.path.isdir(m.pretrained_path):

@@ -171,13 +171,18 @@ def optimizer_step(
     """
     layout = parallel.layout
     with phases("data"):
+        samples = [
+            micro_batch(source, cfg, step, m, layout.dp_rank(ctx.rank))
+            for m in range(cfg.train.grad_accum)
+        ]
         batches = [
             prepare_sp_inputs(
-                micro_batch(source, cfg, step, m, layout.dp_rank(ctx.rank)).to(ctx.device),
+                s.input_ids.to(ctx.device),
+                None if s.labels is None else s.labels.to(ctx.device),
                 sp_rank=layout.sp_rank(ctx.rank),
                 sp_size=layout.sp_size,
             )
-            for m in range(cfg.train.grad_accum)
+            for s in samples
         ]
         valid = torch.tensor(sum(b.valid_labels for b in batches), device=ctx.device)
         dist.all_reduce(valid)

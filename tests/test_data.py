@@ -10,24 +10,50 @@ from slurm_helpers import REPO
 
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.data import (
+    ShuffledSource,
     SyntheticSource,
     TokenFileSource,
+    build_source,
     check_token_file,
     micro_batch,
     write_token_file,
 )
 
 
+def successor_walk(src: SyntheticSource, index: int) -> torch.Tensor:
+    """The synthetic stream's definition, one token at a time (the reference the vectorised
+    source must equal bit for bit: resumed runs compare losses against earlier ones)."""
+    rng = np.random.default_rng((src.seed, index))
+    jumps = rng.random(src.seq_len) < src.noise
+    random_tokens = rng.integers(0, src.vocab_size, src.seq_len)
+    tokens = np.empty(src.seq_len, dtype=np.int64)
+    tokens[0] = random_tokens[0]
+    for t in range(1, src.seq_len):
+        tokens[t] = random_tokens[t] if jumps[t] else src.successor[tokens[t - 1]]
+    return torch.from_numpy(tokens)
+
+
 def test_synthetic_samples_are_deterministic_and_distinct():
     a, b = SyntheticSource(256, 64, seed=1), SyntheticSource(256, 64, seed=1)
-    assert torch.equal(a.sample(5), b.sample(5))
-    assert not torch.equal(a.sample(5), a.sample(6))
-    assert a.sample(0).dtype == torch.int64 and a.sample(0).max() < 256
+    assert torch.equal(a.sample(5).input_ids, b.sample(5).input_ids)
+    assert not torch.equal(a.sample(5).input_ids, a.sample(6).input_ids)
+    assert a.sample(0).input_ids.dtype == torch.int64 and a.sample(0).input_ids.max() < 256
+    assert a.sample(0).labels is None
+
+
+@pytest.mark.parametrize(
+    ("vocab", "seq_len", "noise"),
+    [(256, 512, 0.1), (1, 20, 0.1), (2, 64, 0.0), (7, 300, 0.5), (128256, 131072, 0.1)],
+)
+def test_synthetic_samples_equal_the_token_by_token_walk(vocab, seq_len, noise):
+    src = SyntheticSource(vocab, seq_len, seed=3, noise=noise)
+    for index in range(3):
+        assert torch.equal(src.sample(index).input_ids, successor_walk(src, index))
 
 
 def test_synthetic_tokens_mostly_follow_the_successor_table():
     src = SyntheticSource(256, 512, seed=0)
-    tokens = src.sample(3).numpy()
+    tokens = src.sample(3).input_ids.numpy()
     follows = (src.successor[tokens[:-1]] == tokens[1:]).mean()
     assert 0.85 < follows < 0.95
 
@@ -38,8 +64,8 @@ def test_token_file_round_trips_uint32_ids_beyond_uint16(tmp_path):
     write_token_file(path, tokens, vocab_size=128256)
     src = TokenFileSource(path, seq_len=4)
     assert src.num_samples == 2
-    assert src.sample(0).tolist() == [0, 70000, 128255, 5]
-    assert src.sample(3).tolist() == [5, 6, 7, 8][:0] + [6, 7, 8, 9]  # wraps: sample 3 == sample 1
+    assert src.sample(0).input_ids.tolist() == [0, 70000, 128255, 5]
+    assert src.sample(3).input_ids.tolist() == [6, 7, 8, 9]  # wraps: sample 3 == sample 1
 
 
 def test_token_file_refuses_ids_outside_the_vocabulary(tmp_path):
@@ -70,10 +96,44 @@ def test_micro_batches_cover_each_step_without_overlap():
         for m in range(2)
         for r in range(cfg.dp_size)
     ]
-    rows = torch.cat(seen)
+    assert all(batch.labels is None for batch in seen)
+    rows = torch.cat([batch.input_ids for batch in seen])
     assert rows.shape == (2 * 2 * 2 * 2, 8)
     assert len({tuple(r.tolist()) for r in rows}) == len(rows)
-    assert torch.equal(rows[0], src.sample(0)) and torch.equal(rows[-1], src.sample(15))
+    assert torch.equal(rows[0], src.sample(0).input_ids)
+    assert torch.equal(rows[-1], src.sample(15).input_ids)
+
+
+def test_shuffled_epochs_read_every_sample_once_in_a_new_order(tmp_path):
+    path = tmp_path / "toks.bin"
+    write_token_file(path, np.arange(40 * 4) % 256, vocab_size=256)
+    shuffled = ShuffledSource(TokenFileSource(path, seq_len=4), seed=7)
+    first = [int(shuffled.sample(i).input_ids[0]) // 4 for i in range(40)]
+    second = [int(shuffled.sample(40 + i).input_ids[0]) // 4 for i in range(40)]
+    assert sorted(first) == sorted(second) == list(range(40))
+    assert first != list(range(40)) and first != second
+
+
+def test_the_shuffled_order_is_a_function_of_the_global_index_alone(tmp_path):
+    """A resumed run, or one on another world size, asks for the same indices in another
+    order (or from a fresh process): it must read the same samples."""
+    path = tmp_path / "toks.bin"
+    write_token_file(path, np.arange(50 * 4) % 256, vocab_size=256)
+    forward = ShuffledSource(TokenFileSource(path, seq_len=4), seed=1)
+    indices = [0, 1, 49, 50, 51, 120, 3]
+    expected = [forward.sample(i).input_ids for i in indices]
+    fresh = ShuffledSource(TokenFileSource(path, seq_len=4), seed=1)
+    for i, tokens in reversed(list(zip(indices, expected, strict=True))):
+        assert torch.equal(fresh.sample(i).input_ids, tokens)
+
+
+def test_token_data_is_shuffled_unless_data_shuffle_is_false(tmp_path):
+    path = tmp_path / "toks.bin"
+    write_token_file(path, np.arange(64 * 16) % 256, vocab_size=256)
+    keys = ["cfg=configs/tiny_cpu.yaml", "data.source=tokens", f"data.path={path}"]
+    assert isinstance(build_source(load_config([*keys, "data.seq_len=16"])), ShuffledSource)
+    plain = build_source(load_config([*keys, "data.seq_len=16", "data.shuffle=false"]))
+    assert isinstance(plain, TokenFileSource)
 
 
 def test_a_truncated_token_file_names_its_path_and_sizes(tmp_path):

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
         "data.source",
         "data.path",
         "data.seq_len",
+        "data.shuffle",
         "train.seed",
         "train.micro_batch",
         "train.grad_accum",

@@ -26,6 +26,7 @@ IDENTITY_KEYS = frozenset(
         "data.source",
         "data.path",
         "data.seq_len",
+        "data.shuffle",
         "train.seed",
         "train.micro_batch",
         "train.grad_accum",

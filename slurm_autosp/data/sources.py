@@ -1,0 +1,252 @@
+"""Training samples addressed by a global sample index, so a checkpoint can record where it was.
+
+Sample `i` is the same tensor on every run, rank count and restart: the data position of a
+run is just the number of samples consumed (`step * global_batch`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from slurm_autosp.compile.inputs import IGNORE_INDEX
+from slurm_autosp.config import ConfigError, DataSource, JobConfig
+from slurm_autosp.data.prepared import (
+    TOKENIZER_DIR,
+    SplitFiles,
+    is_prepared,
+    read_summary,
+    tokenizer_file_paths,
+    tokenizer_hash,
+)
+from slurm_autosp.data.token_file import read_token_file
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training sequence; `labels` hold IGNORE_INDEX where it is not trained on (chat data:
+    everything but the assistant's tokens), None where every token is."""
+
+    input_ids: torch.Tensor  # [seq_len] int64
+    labels: torch.Tensor | None = None
+
+
+class SampleSource(Protocol):
+    def sample(self, index: int) -> Sample:
+        """Global sample `index`."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Cycles:
+    """A permutation as its cycles, so that stepping k times along it from any element is a
+    few array lookups, whatever k: synthetic samples are built without a loop per token."""
+
+    order: np.ndarray  # the elements cycle by cycle, each cycle in successor order
+    start: np.ndarray  # per element: where its cycle begins in `order`
+    length: np.ndarray  # per element: the length of its cycle
+    position: np.ndarray  # per element: its place in its cycle
+
+    @classmethod
+    def of(cls, successor: np.ndarray) -> _Cycles:
+        """By pointer doubling (log2(n) array passes): each element's cycle is named by its
+        smallest element, and its place is its distance from there."""
+        n = len(successor)
+        elements = np.arange(n)
+        rounds = max(1, (n - 1).bit_length()) + 1
+        label, jump = elements, successor
+        for _ in range(rounds):
+            label, jump = np.minimum(label, label[jump]), jump[jump]
+        leader = label == elements
+        ahead, to_leader = np.where(leader, elements, successor), np.where(leader, 0, 1)
+        for _ in range(rounds):
+            to_leader, ahead = to_leader + to_leader[ahead], ahead[ahead]
+        length = to_leader[successor[label]] + 1
+        position = (length - to_leader) % length
+        order = np.argsort(label * n + position)
+        where = np.empty(n, dtype=np.int64)
+        where[order] = elements
+        return cls(order=order, start=where[label], length=length, position=position)
+
+    def advance(self, elements: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """successor applied `steps` times to each of `elements`."""
+        place = (self.position[elements] + steps) % self.length[elements]
+        return self.order[self.start[elements] + place]
+
+
+@dataclass(frozen=True)
+class SyntheticSource:
+    """A learnable stream: each token follows a fixed random successor table, with 10% noise.
+
+    A model that learns the table drives the loss from ln(vocab) towards the noise floor,
+    so a falling loss means training works.
+    """
+
+    vocab_size: int
+    seq_len: int
+    seed: int = 0
+    noise: float = 0.1
+
+    @functools.cached_property
+    def successor(self) -> np.ndarray:
+        return np.random.default_rng(self.seed).permutation(self.vocab_size)
+
+    @functools.cached_property
+    def _cycles(self) -> _Cycles:
+        return _Cycles.of(self.successor)
+
+    def sample(self, index: int) -> Sample:
+        """Token t is random where the stream jumps (and at t = 0), else the successor of
+        token t-1: the successor applied (t - last jump) times to the token drawn there."""
+        rng = np.random.default_rng((self.seed, index))
+        jumps = rng.random(self.seq_len) < self.noise
+        random_tokens = rng.integers(0, self.vocab_size, self.seq_len)
+        t = np.arange(self.seq_len)
+        last_jump = np.maximum.accumulate(np.where(jumps, t, 0))
+        tokens = self._cycles.advance(random_tokens[last_jump], t - last_jump)
+        return Sample(torch.from_numpy(tokens.astype(np.int64)))
+
+
+class TokenFileSource:
+    """Samples packed from a memory-mapped token file: documents joined by EOS, cut every
+    `seq_len` tokens; past the end it wraps around (the next epoch). With a loss mask (chat
+    data), tokens outside it are not trained on."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        seq_len: int,
+        vocab_size: int | None = None,
+        loss_mask_path: Path | None = None,
+    ):
+        self.path = Path(path)
+        header_vocab, self.tokens = read_token_file(self.path)
+        if vocab_size is not None and header_vocab > vocab_size:
+            raise ValueError(
+                f"{self.path}: tokens use a vocabulary of {header_vocab} but model.vocab_size="
+                f"{vocab_size}; train a model with vocab_size >= {header_vocab}"
+            )
+        self.loss_mask = None if loss_mask_path is None else np.load(loss_mask_path, mmap_mode="r")
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.tokens):
+            raise ValueError(
+                f"{loss_mask_path}: {len(self.loss_mask)} mask entries for {len(self.tokens)} "
+                f"tokens in {self.path}; prepare the dataset again"
+            )
+        self.seq_len = seq_len
+        self.num_samples = len(self.tokens) // seq_len
+        if self.num_samples == 0:
+            raise ValueError(
+                f"{self.path}: {len(self.tokens)} tokens is less than one sample of "
+                f"data.seq_len={seq_len}"
+            )
+
+    def sample(self, index: int) -> Sample:
+        start = (index % self.num_samples) * self.seq_len
+        span = slice(start, start + self.seq_len)
+        input_ids = torch.from_numpy(self.tokens[span].astype(np.int64))
+        if self.loss_mask is None:
+            return Sample(input_ids)
+        trained = torch.from_numpy(self.loss_mask[span].astype(bool))
+        return Sample(input_ids, input_ids.masked_fill(~trained, IGNORE_INDEX))
+
+
+class ShuffledSource:
+    """`inner`'s samples in a fresh order each epoch. The order is a function of the seed and
+    the global sample index alone, so a resumed run, or one on another world size, reads the
+    same sequence of samples."""
+
+    def __init__(self, inner: TokenFileSource, seed: int):
+        self.inner, self.seed, self.num_samples = inner, seed, inner.num_samples
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The inner sample read at each position of `epoch` (kept for the current epoch)."""
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = np.random.default_rng((self.seed, epoch)).permutation(self.num_samples)
+        return self._order
+
+    def sample(self, index: int) -> Sample:
+        epoch, position = divmod(index, self.num_samples)
+        return self.inner.sample(int(self.order(epoch)[position]))
+
+
+def open_tokens(
+    path: str | Path, seq_len: int, vocab_size: int | None, split: str = "train"
+) -> TokenFileSource:
+    """A token file, or a split of a prepared dataset (its loss mask included)."""
+    path = Path(path)
+    if not is_prepared(path):
+        return TokenFileSource(path, seq_len, vocab_size)
+    read_summary(path)
+    files = SplitFiles.of(path, split)
+    if not files.tokens.exists():
+        raise ValueError(f"{path}: no {split} split (prepare with --eval-fraction > 0)")
+    mask = files.loss_mask if files.loss_mask.exists() else None
+    return TokenFileSource(files.tokens, seq_len, vocab_size, mask)
+
+
+def prepared_tokenizer(cfg: JobConfig) -> Path | None:
+    """The tokenizer a prepared dataset was made with (None for a bare token file)."""
+    if cfg.data.source is not DataSource.tokens or cfg.data.path is None:
+        return None
+    directory = Path(cfg.data.path) / TOKENIZER_DIR
+    return directory if directory.is_dir() else None
+
+
+def check_token_file(cfg: JobConfig, model_vocab_size: int | None) -> None:
+    """Before any rank starts: the token data reads, holds a sample, fits the vocabulary of the
+    model actually trained (a pretrained checkpoint's, not the config's field), and was made
+    with the pretrained model's tokenizer when that model ships one."""
+    if cfg.data.source is not DataSource.tokens or cfg.data.path is None:
+        return
+    try:
+        open_tokens(cfg.data.path, cfg.data.seq_len, model_vocab_size)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"data.path={cfg.data.path}: {err}") from err
+    tokenizer, pretrained = prepared_tokenizer(cfg), cfg.model.pretrained_path
+    if tokenizer is None or pretrained is None or not tokenizer_file_paths(Path(pretrained)):
+        return
+    if tokenizer_hash(tokenizer) != tokenizer_hash(Path(pretrained)):
+        raise ConfigError(
+            f"data.path={cfg.data.path} was prepared with another tokenizer than "
+            f"model.pretrained_path={pretrained} ships (their tokenizer files differ); prepare "
+            f"it with --tokenizer {pretrained}"
+        )
+
+
+def build_source(cfg: JobConfig, model_vocab_size: int | None = None) -> SampleSource:
+    """`model_vocab_size`: the trained model's vocabulary, when it is not the config's field."""
+    if cfg.data.source is DataSource.tokens:
+        assert cfg.data.path is not None
+        tokens = open_tokens(
+            cfg.data.path, cfg.data.seq_len, model_vocab_size or cfg.model.vocab_size
+        )
+        return ShuffledSource(tokens, cfg.train.seed) if cfg.data.shuffle else tokens
+    assert cfg.model.vocab_size is not None
+    return SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, cfg.train.seed)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    input_ids: torch.Tensor  # [micro_batch, seq_len]
+    labels: torch.Tensor | None  # the same shape, IGNORE_INDEX where not trained on; None: all
+
+
+def micro_batch(
+    source: SampleSource, cfg: JobConfig, step: int, micro_step: int, dp_rank: int
+) -> MicroBatch:
+    """The samples `dp_rank` trains on at this step and micro-step."""
+    t = cfg.train
+    first = step * cfg.global_batch + (micro_step * cfg.dp_size + dp_rank) * t.micro_batch
+    samples = [source.sample(first + i) for i in range(t.micro_batch)]
+    input_ids = torch.stack([s.input_ids for s in samples])
+    if all(s.labels is None for s in samples):
+        return MicroBatch(input_ids, None)
+    labels = [s.input_ids if s.labels is None else s.labels for s in samples]
+    return MicroBatch(input_ids, torch.stack(labels))
