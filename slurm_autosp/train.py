@@ -27,7 +27,7 @@ from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile.offload import ActivationOffload
 from slurm_autosp.config import JobConfig
-from slurm_autosp.data import build_source, micro_batch
+from slurm_autosp.data import build_source, micro_batch, prepared_tokenizer
 from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.launch.distributed import DistContext
 from slurm_autosp.launch.placement import Parallel
@@ -115,7 +115,7 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
         tracer.close()
     weights = engine.full_state_dict()
     if ctx.rank == 0:
-        export_hf(engine.module, cfg.run.dir, weights)
+        export_hf(engine.module, cfg.run.dir, weights, prepared_tokenizer(cfg))
     return TrainResult(first_step=first_step, losses=losses)
 
 

@@ -1,0 +1,437 @@
+"""Text to a prepared dataset: rows read and tokenized by Hugging Face `datasets` (in parallel
+over workers) with a local tokenizer, written as token files with a document index, a loss
+mask for chat data, the tokenizer's files and a summary (see `prepared.py`).
+
+The output is a function of the input alone (same input, same bytes) and appears whole or
+not at all: it is written to a hidden sibling directory that is renamed into place last.
+"""
+
+from __future__ import annotations
+
+import codecs
+import enum
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from glob import glob
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from slurm_autosp.data.prepared import (
+    SUMMARY,
+    TOKENIZER_DIR,
+    SplitFiles,
+    tokenizer_file_paths,
+    tokenizer_hash,
+)
+from slurm_autosp.data.token_file import TokenFileWriter
+
+log = logging.getLogger(__name__)
+
+# Undecodable bytes become U+FFFF, a noncharacter no text carries, so a row holding one is
+# counted as non-UTF-8 and skipped instead of failing the whole file.
+_NOT_UTF8 = "\uffff"
+_MARK_UNDECODABLE = "slurm_autosp.data.mark_undecodable"
+
+
+def _mark_undecodable(err: UnicodeError) -> tuple[str, int]:
+    assert isinstance(err, UnicodeDecodeError)
+    return _NOT_UTF8, err.end
+
+
+codecs.register_error(_MARK_UNDECODABLE, _mark_undecodable)
+# the json loader decodes its input (and so applies encoding_errors) only when the encoding
+# is not spelled "utf-8"; "utf8" is the same codec
+_LOADER_ENCODING = {"encoding": "utf8", "encoding_errors": _MARK_UNDECODABLE}
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+WRITE_BATCH_ROWS = 4096
+
+
+class PrepareError(Exception):
+    """Input prepare cannot use; the message names the file or key and how to fix it."""
+
+
+class DocumentFormat(str, enum.Enum):
+    text = "text"  # a string per row: every token is trained on
+    chat = "chat"  # a list of {role, content} messages per row: only the assistant's tokens
+
+
+class Skip(str, enum.Enum):
+    """Why a row became no document (counted in the summary)."""
+
+    empty = "empty"  # no text, only whitespace, or no messages
+    not_utf8 = "non_utf8"  # undecodable bytes in the file
+    malformed = "malformed"  # not a string (text) or not a list of {role, content} (chat)
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    tokenizer: Path
+    inputs: list[str]  # files, glob patterns, or a directory saved by datasets
+    output: Path
+    format: DocumentFormat = DocumentFormat.text
+    text_key: str | None = None  # default: "text", or "messages" for chat
+    eval_fraction: float = 0.0
+    workers: int = 1
+    seed: int = 0  # of the documents held out for evaluation
+
+    @property
+    def key(self) -> str:
+        default = "messages" if self.format is DocumentFormat.chat else "text"
+        return self.text_key or default
+
+
+def load_tokenizer(directory: Path, document_format: DocumentFormat) -> PreTrainedTokenizerBase:
+    """A local Hugging Face tokenizer (never the hub) with the EOS that ends each document,
+    and a chat template for chat data."""
+    how = "save one with tokenizer.save_pretrained(DIR)"
+    if not directory.is_dir():
+        raise PrepareError(f"--tokenizer {directory}: no such directory ({how})")
+    if not tokenizer_file_paths(directory):
+        raise PrepareError(
+            f"--tokenizer {directory}: not a Hugging Face tokenizer directory (no tokenizer.json, "
+            f"tokenizer_config.json or vocabulary file in it; {how})"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise PrepareError(f"--tokenizer {directory}: cannot be loaded ({how}): {err}") from err
+    if tokenizer.eos_token_id is None:
+        raise PrepareError(
+            f"--tokenizer {directory}: has no eos_token, which ends every document; set one "
+            "(tokenizer.eos_token = ...) and save it again"
+        )
+    if document_format is DocumentFormat.chat and not tokenizer.chat_template:
+        raise PrepareError(
+            f"--tokenizer {directory}: has no chat template, which --format chat renders rows "
+            "with; set tokenizer.chat_template and save it again, or use --format text"
+        )
+    return tokenizer
+
+
+def resolve_inputs(patterns: list[str]) -> tuple[str, list[str]]:
+    """The datasets builder (json, parquet, text, or "disk" for a saved dataset) and the input
+    files in sorted order, so the same patterns always read the same rows in the same order."""
+    files: list[str] = []
+    for pattern in patterns:
+        matched = sorted(glob(pattern)) or ([pattern] if os.path.exists(pattern) else [])
+        if not matched:
+            raise PrepareError(f"--input {pattern!r}: no such file (no file matches)")
+        files += matched
+    directories = [f for f in files if os.path.isdir(f)]
+    if directories:
+        if len(files) > 1:
+            raise PrepareError(
+                f"--input {directories[0]}: a dataset saved with datasets is read alone; "
+                "prepare it without other inputs"
+            )
+        return "disk", files
+    builder = BUILDERS.get(Path(files[0]).suffix)
+    for file in files:
+        if builder is None or BUILDERS.get(Path(file).suffix) != builder:
+            raise PrepareError(
+                f"--input {file}: inputs must all be of one kind: {', '.join(BUILDERS)} (or one "
+                "directory saved with datasets.Dataset.save_to_disk)"
+            )
+    assert builder is not None
+    return builder, files
+
+
+def load_rows(builder: str, files: list[str], key: str, cache_dir: Path) -> datasets.Dataset:
+    """The input's rows, in file order, with column `key` present."""
+    try:
+        if builder == "disk":
+            rows = datasets.load_from_disk(files[0])
+            if isinstance(rows, datasets.DatasetDict):
+                if "train" not in rows:
+                    raise PrepareError(
+                        f"--input {files[0]}: a DatasetDict without a train split "
+                        f"(splits: {', '.join(rows)}); save the split to prepare"
+                    )
+                rows = rows["train"]
+        else:
+            encoding = _LOADER_ENCODING if builder in ("json", "text") else {}
+            rows = datasets.load_dataset(
+                builder, data_files=files, split="train", cache_dir=str(cache_dir), **encoding
+            )
+    except (OSError, ValueError, pa.ArrowException, datasets.exceptions.DatasetGenerationError) as err:  # fmt: skip
+        raise PrepareError(
+            f"--input {' '.join(files)}: cannot be read as {builder}: {err}"
+        ) from err
+    if key not in rows.column_names:
+        raise PrepareError(
+            f"--input {' '.join(files)}: rows have no {key!r} field (they have "
+            f"{', '.join(rows.column_names)}); name the field with --text-key"
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class Tokenize:
+    """The batched map function: a row becomes its token ids ending in EOS (and, for chat,
+    a mask of the assistant's tokens), or no tokens and the reason it was skipped."""
+
+    tokenizer: PreTrainedTokenizerBase
+    key: str
+    format: DocumentFormat
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        rows = batch[self.key]
+        skipped = [self._skip(row) for row in rows]
+        kept = [row for row, skip in zip(rows, skipped, strict=True) if skip is None]
+        if self.format is DocumentFormat.chat:
+            documents, masks = self._chats(kept)
+        else:
+            documents = self.tokenizer(kept, add_special_tokens=False)["input_ids"] if kept else []
+            masks = [[] for _ in documents]
+        eos = self.tokenizer.eos_token_id
+        out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "skipped": []}
+        documents_left = iter(zip(documents, masks, strict=True))
+        for skip in skipped:
+            ids, mask = ([], []) if skip is not None else next(documents_left)
+            out["input_ids"].append(ids + [eos] if skip is None else [])
+            out["loss_mask"].append(mask + [0] if mask else [])
+            out["skipped"].append("" if skip is None else skip.value)
+        return out
+
+    def _skip(self, row: Any) -> Skip | None:
+        if self.format is DocumentFormat.chat:
+            if row is None or row == []:
+                return Skip.empty
+            if not isinstance(row, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
+                for m in row
+            ):
+                return Skip.malformed
+            texts = [m["content"] for m in row]
+        else:
+            if row is None:
+                return Skip.empty
+            if not isinstance(row, str):
+                return Skip.malformed
+            texts = [row]
+        if any(_NOT_UTF8 in text for text in texts):
+            return Skip.not_utf8
+        return None if any(text.strip() for text in texts) else Skip.empty
+
+    def _chats(self, conversations: list[list[dict[str, str]]]) -> tuple[list[Any], list[Any]]:
+        """Each conversation rendered by the chat template; the characters each assistant
+        message adds (its rendering after the prompt for it) are trained on."""
+        texts, spans = [], []
+        for messages in conversations:
+            full = self._render(messages)
+            ranges = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                before = self._render(messages[:i], add_generation_prompt=True)
+                through = self._render(messages[: i + 1])
+                if not (full.startswith(through) and through.startswith(before)):
+                    raise PrepareError(
+                        "the tokenizer's chat template renders a conversation differently from "
+                        "its beginning (message "
+                        f"{i} changes what came before), so the assistant's tokens cannot be "
+                        "located; use a template whose rendering of a prefix is a prefix"
+                    )
+                ranges.append((len(before), len(through)))
+            texts.append(full)
+            spans.append(ranges)
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        masks = []
+        for offsets, ranges in zip(encoded["offset_mapping"], spans, strict=True):
+            starts = np.array([start for start, _ in offsets], dtype=np.int64)
+            trained = np.zeros(len(starts), dtype=bool)
+            for begin, end in ranges:
+                trained |= (starts >= begin) & (starts < end)
+            masks.append(trained.astype(np.uint8).tolist())
+        return encoded["input_ids"], masks
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert isinstance(text, str)
+        return text
+
+
+def tokenize_rows(
+    rows: datasets.Dataset, tokenize: Tokenize, workers: int, cache_dir: Path, fingerprint: str
+) -> datasets.Dataset:
+    features = datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("uint32")),
+            "loss_mask": datasets.List(datasets.Value("uint8")),
+            "skipped": datasets.Value("string"),
+        }
+    )
+    return rows.map(
+        tokenize,
+        batched=True,
+        num_proc=workers if workers > 1 else None,
+        remove_columns=rows.column_names,
+        features=features,
+        cache_file_name=str(cache_dir / "tokenized.arrow"),
+        new_fingerprint=fingerprint,
+        desc="tokenizing",
+    )
+
+
+def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
+    """Which documents form the eval split: a seeded choice of round(fraction x documents),
+    at least one when the fraction is positive and a document is left to train on."""
+    count = round(documents * fraction)
+    if fraction > 0 and documents > 1:
+        count = min(max(count, 1), documents - 1)
+    chosen = np.zeros(documents, dtype=bool)
+    chosen[np.random.default_rng(seed).choice(documents, count, replace=False)] = True
+    return chosen
+
+
+class SplitWriter:
+    """One split's token file, document ends and (chat) loss mask, appended batch by batch."""
+
+    def __init__(self, root: Path, split: str, vocab_size: int, masked: bool):
+        self.files = SplitFiles.of(root, split)
+        self.tokens = TokenFileWriter(self.files.tokens, vocab_size)
+        self.ends: list[np.ndarray] = []
+        self.masks: list[np.ndarray] | None = [] if masked else None
+        self.documents = 0
+
+    def append(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
+        self.ends.append(self.tokens.count + np.cumsum(lengths, dtype=np.uint64))
+        self.tokens.append(tokens)
+        self.documents += len(lengths)
+        if self.masks is not None:
+            assert mask is not None
+            self.masks.append(mask)
+
+    def close(self) -> dict[str, int]:
+        self.tokens.close()
+        np.save(self.files.documents, np.concatenate([np.zeros(0, np.uint64), *self.ends]))
+        counts = {"documents": self.documents, "tokens": self.tokens.count}
+        if self.masks is not None:
+            mask = np.concatenate([np.zeros(0, np.uint8), *self.masks])
+            np.save(self.files.loss_mask, mask)
+            counts["trained_tokens"] = int(mask.sum())
+        return counts
+
+
+def write_splits(
+    tokenized: datasets.Dataset, root: Path, options: PrepareOptions, vocab_size: int
+) -> dict[str, dict[str, int]]:
+    """Documents in input order, each to the train or the eval split."""
+    kept = pc.equal(tokenized.data.column("skipped"), "")
+    is_eval = held_out(int(pc.sum(kept).as_py() or 0), options.eval_fraction, options.seed)
+    masked = options.format is DocumentFormat.chat
+    splits = {"train": SplitWriter(root, "train", vocab_size, masked)}
+    if is_eval.any():
+        splits["eval"] = SplitWriter(root, "eval", vocab_size, masked)
+    first = 0
+    for table in tokenized.with_format("arrow").iter(batch_size=WRITE_BATCH_ROWS):
+        assert isinstance(table, pa.Table)
+        ids = table.column("input_ids").combine_chunks()
+        lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+        lengths = lengths[lengths > 0]
+        tokens = ids.flatten().to_numpy(zero_copy_only=False)
+        mask = table.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        in_eval = is_eval[first : first + len(lengths)]
+        first += len(lengths)
+        token_in_eval = np.repeat(in_eval, lengths)
+        for name, documents, at in (("train", ~in_eval, ~token_in_eval), ("eval", in_eval, token_in_eval)):  # fmt: skip
+            if name in splits:
+                splits[name].append(tokens[at], lengths[documents], mask[at] if masked else None)
+    return {name: writer.close() for name, writer in splits.items()}
+
+
+def prepare(options: PrepareOptions) -> dict[str, Any]:
+    """Write the prepared dataset; returns its summary."""
+    if not 0 <= options.eval_fraction < 1:
+        raise PrepareError(f"--eval-fraction {options.eval_fraction} must be in [0, 1)")
+    if options.workers < 1:
+        raise PrepareError(f"--workers {options.workers} must be >= 1")
+    if options.output.exists():
+        raise PrepareError(
+            f"--output {options.output}: already exists; remove it or choose another directory"
+        )
+    tokenizer = load_tokenizer(options.tokenizer, options.format)
+    builder, files = resolve_inputs(options.inputs)
+    partial = options.output.with_name(f".{options.output.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted prepare
+    cache = partial / ".cache"
+    cache.mkdir(parents=True)
+    try:
+        summary = _prepare_into(partial, cache, options, tokenizer, builder, files)
+        shutil.rmtree(cache)
+        os.rename(partial, options.output)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return summary
+
+
+def _prepare_into(
+    root: Path,
+    cache: Path,
+    options: PrepareOptions,
+    tokenizer: PreTrainedTokenizerBase,
+    builder: str,
+    files: list[str],
+) -> dict[str, Any]:
+    rows = load_rows(builder, files, options.key, cache)
+    tokenizer_sha = tokenizer_hash(options.tokenizer)
+    fingerprint = hashlib.sha256(
+        json.dumps([tokenizer_sha, rows._fingerprint, options.key, options.format.value]).encode()
+    ).hexdigest()[:32]
+    start = time.perf_counter()
+    tokenized = tokenize_rows(rows, Tokenize(tokenizer, options.key, options.format), options.workers, cache, fingerprint)  # fmt: skip
+    vocab_size = len(tokenizer)
+    splits = write_splits(tokenized, root, options, vocab_size)
+    seconds = time.perf_counter() - start
+    reasons = pc.value_counts(tokenized.data.column("skipped")).to_pylist()
+    skipped = {r["values"]: r["counts"] for r in reasons if r["values"]}
+    documents = sum(split["documents"] for split in splits.values())
+    if documents == 0:
+        raise PrepareError(
+            f"--input {' '.join(files)}: every one of {len(rows)} rows was skipped "
+            f"({', '.join(f'{n} {why}' for why, n in sorted(skipped.items()))}); "
+            f"check --text-key {options.key} and --format {options.format.value}"
+        )
+    tokens = sum(split["tokens"] for split in splits.values())
+    log.info(
+        "prepared %d documents, %d tokens in %.1f s (%.0f tokens/s)%s",
+        documents,
+        tokens,
+        seconds,
+        tokens / seconds,
+        f"; skipped {dict(sorted(skipped.items()))}" if skipped else "",
+    )
+    (root / TOKENIZER_DIR).mkdir()
+    for path in tokenizer_file_paths(options.tokenizer):
+        shutil.copyfile(path, root / TOKENIZER_DIR / path.name)
+    summary = {
+        "format": options.format.value,
+        "inputs": files,
+        "key": options.key,
+        "rows": len(rows),
+        "skipped_rows": dict(sorted(skipped.items())),
+        "splits": splits,
+        "eval_fraction": options.eval_fraction,
+        "vocab_size": vocab_size,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tokenizer": {
+            "name": options.tokenizer.resolve().name,
+            "class": type(tokenizer).__name__,
+            "sha256": tokenizer_sha,
+        },
+    }
+    (root / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
