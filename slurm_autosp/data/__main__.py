@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, split in summary["splits"].items()
     )
     print(f"wrote {options.output} ({splits}; vocabulary {summary['vocab_size']})")
+    if summary["skipped_rows"]:
+        reasons = ", ".join(f"{n} {why}" for why, n in summary["skipped_rows"].items())
+        skipped = sum(summary["skipped_rows"].values())
+        print(f"skipped {skipped} of {summary['rows']} rows: {reasons}")
     return 0
 
 
