@@ -9,7 +9,9 @@ layers, fp32), its decoder layers compiled per layer by our backend with SAC at 
 production policy for long sequences), run as a decoder stack (embedding and rotary outside
 autograd, loss = sum of the last hidden state) on one sequence of S tokens over 2 CPU ranks
 (gloo). Modes: untiled; MLP tiled (compile.tile_tokens); tiled and offloaded
-(compile.offload_activations, every saved tensor moved). Columns, per rank (rank 0):
+(compile.offload_activations, every saved tensor moved); then under `full` checkpointing with
+the all-to-alls recomputed: untiled; whole layers tiled (compile.tiled_layer); tiled layers
+offloaded. Columns, per rank (rank 0):
 - held for bw: bytes of distinct storages saved for backward, parameters excluded
   (saved_tensors_hooks); offloaded: what the offload left on the device plus the peak of its
   device copies alive at once (fetched ahead or in the backward's hands);
@@ -21,7 +23,7 @@ autograd, loss = sum of the last hidden state) on one sequence of S tokens over 
 - moved/layer, resident: offload's bytes to host per layer per step, and its peak of fetched copies;
 - plan: the plan's activations for this mode (layers x the traced layer's saved bytes + the
   shared cos/sin; offloaded: two layers' worth) and its working bytes (traced backward peak,
-  plus one tile's working set when tiled).
+  plus one tile's working set when tiled; for tiled layers plan.trace.tiled_layer_trace).
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SP = 2
 LAYERS = 2
-MODES = ["untiled", "tiled", "tiled_offloaded"]
+MODES = [
+    "untiled",
+    "tiled",
+    "tiled_offloaded",
+    "full",
+    "full_tiled_layers",
+    "full_tiled_layers_offloaded",
+]
 
 
 def model_config():
@@ -70,7 +79,6 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
     import torch.distributed as dist
 
     from slurm_autosp.compile import AutoSPBackend, compile_model, set_sp_group
-    from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
     from slurm_autosp.compile.hf_attention import use_sp_attention
     from slurm_autosp.compile.offload import ActivationOffload
     from slurm_autosp.model import build_model
@@ -78,12 +86,13 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = build_model(model_config())
     use_sp_attention(model)
-    backend = AutoSPBackend(SP, CheckpointSpec(Policy.sac, budget=0.0))
-    compile_model(model, backend, per_layer=True, tile_tokens=tile if mode != "untiled" else 0)
+    backend = AutoSPBackend(SP, _spec(mode))
+    tiled = "tiled" in mode.split("_")  # not "untiled"
+    compile_model(model, backend, per_layer=True, tile_tokens=tile if tiled else 0)
     set_sp_group(dist.group.WORLD)
     rank, local = dist.get_rank(), seq // SP
     offload = (
-        ActivationOffload("cpu", layers=LAYERS, min_bytes=0) if mode == "tiled_offloaded" else None
+        ActivationOffload("cpu", layers=LAYERS, min_bytes=0) if mode.endswith("offloaded") else None
     )
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(1))[
@@ -138,27 +147,39 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
     return result
 
 
+def _spec(mode: str):
+    from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+
+    if mode.startswith("full"):
+        return CheckpointSpec(Policy.full, recompute_all_to_all=True)
+    return CheckpointSpec(Policy.sac, budget=0.0)
+
+
 def plan_prediction(mode: str, seq: int, tile: int) -> dict:
     import torch
 
     from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
-    from slurm_autosp.plan.trace import trace_decoder_layer
+    from slurm_autosp.plan.trace import tiled_layer_trace, trace_decoder_layer
 
     local = seq // SP
-    tiled = mode != "untiled"
+    tiled = "tiled" in mode.split("_")  # not "untiled"
+    whole_layers = mode.startswith("full_tiled")
+    spec = _spec(mode)
+    traced = CheckpointSpec(Policy.none) if whole_layers else spec
     (trace,) = trace_decoder_layer(
         model_config(),
         local_seq=local,
         sp_size=SP,
         dtype=torch.float32,
-        specs=[CheckpointSpec(Policy.sac, budget=0.0)],
-        tiled=tiled,
+        specs=[traced],
+        tiled=tiled and not whole_layers,
     )
-    layers = 2 if mode == "tiled_offloaded" else LAYERS
-    tile_working = tile * (8 * 1024 + 2 * 64) * 4 if tiled else 0
+    if whole_layers:
+        trace = tiled_layer_trace(model_config(), spec, trace, torch.float32)
+    layers = 2 if mode.endswith("offloaded") else LAYERS
     return {
         "held": layers * trace.activation_bytes + trace.shared_bytes,
-        "working": trace.working_bytes + tile_working,
+        "working": trace.working_bytes + (tile * trace.tile_bytes_per_token if tiled else 0),
     }
 
 
@@ -168,6 +189,7 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, out: str) -> 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64  # six modes' backends compile the same layer code
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
     rows = [run_mode(mode, args.seq, args.tile, args.steps) for mode in MODES]
     if rank == 0:
@@ -182,10 +204,11 @@ def _mib(value: float) -> str:
 
 
 def render(rows: list[dict], args: argparse.Namespace) -> str:
-    base = rows[0]
+    bases = {row["mode"].startswith("full"): row for row in reversed(rows)}
     lines = [
         f"S = {args.seq} over SP={SP} ({args.seq // SP} tokens per rank), tiles of {args.tile} tokens, "
-        f"hidden 64, intermediate 1024, {LAYERS} layers, fp32, sac budget 0; rank 0, median of {args.steps} steps",
+        f"hidden 64, intermediate 1024, {LAYERS} layers, fp32, sac budget 0 (full: full, all-to-alls "
+        f"recomputed); rank 0, median of {args.steps} steps; step ratio against the first mode of its policy",
         "| mode | held for bw (plan) | largest saved | peak working (plan) | step | vs untiled | moved/layer | resident |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -194,7 +217,8 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
         lines.append(
             f"| {row['mode']} | {_mib(row['held'])} ({_mib(plan['held'])}, {row['held'] / plan['held'] - 1:+.1%}) "
             f"| {_mib(row['largest']) if row['largest'] else '-'} | {_mib(row['working'])} ({_mib(plan['working'])}) "
-            f"| {row['step_s'] * 1e3:.0f} ms | x{row['step_s'] / base['step_s']:.2f} "
+            f"| {row['step_s'] * 1e3:.0f} ms "
+            f"| x{row['step_s'] / bases[row['mode'].startswith('full')]['step_s']:.2f} "
             f"| {_mib(row['moved_per_layer']) if 'moved_per_layer' in row else '-'} "
             f"| {_mib(row['resident']) if 'resident' in row else '-'} |"
         )
