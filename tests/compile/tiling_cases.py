@@ -33,13 +33,14 @@ from slurm_autosp.compile.tiling import SequenceTiled
 from slurm_autosp.verify import make_batch
 
 _full_backends: dict[tuple[int, bool], AutoSPBackend] = {}
+_sp_cases_backend_for = sp_cases.backend_for  # before _sp_step_compiles_tiled replaces it
 
 
 def backend_for(sp_size: int, per_layer: bool, whole_layers: bool = False) -> AutoSPBackend:
     """sp_cases' backend, or under `full` (where tile_tokens tiles whole decoder layers) one per
     layout and process of our own."""
     if not whole_layers:
-        return sp_cases.backend_for(sp_size, per_layer)
+        return _sp_cases_backend_for(sp_size, per_layer)
     spec = CheckpointSpec(Policy.full)
     return _full_backends.setdefault((sp_size, per_layer), AutoSPBackend(sp_size, spec))
 
