@@ -169,6 +169,8 @@ class DataConfig:
     seq_len: int = 256
     # tokens: a new order of the samples each epoch, seeded by train.seed (false: file order)
     shuffle: bool = True
+    # tokens: several datasets (path: weight) mixed by weight instead of data.path
+    blend: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -479,7 +481,14 @@ def validate(cfg: JobConfig) -> None:
         problems.append(
             "train.precision=bf16 needs GPUs (cluster.gpus_per_node > 0); use fp32 on CPU"
         )
-    if cfg.data.source is DataSource.tokens:
+    for path, weight in cfg.data.blend.items():
+        if not os.path.exists(path):
+            problems.append(f"data.blend: {path}: no such file or directory")
+        if weight <= 0:
+            problems.append(f"data.blend: {path}: weight {weight} must be > 0")
+    if cfg.data.blend and cfg.data.path:
+        problems.append("data.blend and data.path are exclusive; set one")
+    if cfg.data.source is DataSource.tokens and not cfg.data.blend:
         if not cfg.data.path:
             problems.append(
                 "data.source=tokens needs data.path (a token file, or a directory written by "

@@ -10,6 +10,7 @@ from slurm_helpers import REPO
 
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.data import (
+    BlendedSource,
     ShuffledSource,
     SyntheticSource,
     TokenFileSource,
@@ -180,3 +181,37 @@ def test_submit_refuses_a_truncated_token_file_before_any_rank_starts(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"data.path={path}: {path}: truncated" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_blend_reads_each_dataset_by_its_weight_in_its_own_order(tmp_path):
+    sources = []
+    for name, first in (("a", 0), ("b", 100)):
+        write_token_file(tmp_path / f"{name}.bin", first + np.arange(50 * 2) % 100, vocab_size=256)
+        sources.append(TokenFileSource(tmp_path / f"{name}.bin", seq_len=2))
+    blend = BlendedSource(sources, [3.0, 1.0], seed=0, block=8)
+    firsts = [int(blend.sample(i).input_ids[0]) for i in range(80)]
+    from_a = [t for t in firsts if t < 100]
+    from_b = [t - 100 for t in firsts if t >= 100]
+    assert len(from_a) == 60 and len(from_b) == 20
+    assert from_a == [2 * (i % 50) for i in range(60)]  # in order, wrapping after 50 samples
+    assert from_b == [2 * i for i in range(20)]
+    assert firsts[:8] != sorted(firsts[:8], key=lambda t: t >= 100)  # interleaved, seeded
+    fresh = BlendedSource(sources, [3.0, 1.0], seed=0, block=8)
+    assert [int(fresh.sample(i).input_ids[0]) for i in reversed(range(80))] == firsts[::-1]
+
+
+def test_blend_weights_are_checked_before_any_rank_starts(tmp_path):
+    for name in ("a", "b"):
+        write_token_file(tmp_path / f"{name}.bin", np.arange(64) % 256, vocab_size=256)
+    blend = f"data.blend={{{tmp_path}/a.bin: 3, {tmp_path}/b.bin: 1}}"
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml", "data.source=tokens", "data.seq_len=8", blend])
+    assert isinstance(build_source(cfg), BlendedSource)
+    check_token_file(cfg, 256)
+    tiny = f"data.blend={{{tmp_path}/a.bin: 1, {tmp_path}/b.bin: 0.0001}}"
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml", "data.source=tokens", "data.seq_len=8", tiny])
+    with pytest.raises(ConfigError, match=r"each must be at least 1/1000 of their sum"):
+        check_token_file(cfg, 256)
+    with pytest.raises(ConfigError, match=r"data\.blend and data\.path are exclusive"):
+        load_config(["data.source=tokens", blend, f"data.path={tmp_path}/a.bin"])
+    with pytest.raises(ConfigError, match=r"data\.blend: .*missing\.bin: no such file"):
+        load_config(["data.source=tokens", f"data.blend={{{tmp_path}/missing.bin: 1}}"])

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
         "data.path",
         "data.seq_len",
         "data.shuffle",
+        "data.blend./data/web",
         "train.seed",
         "train.micro_batch",
         "train.grad_accum",

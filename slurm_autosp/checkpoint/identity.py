@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from slurm_autosp.config import JobConfig
 from slurm_autosp.launch.layout import ParallelLayout
 
-IDENTITY_PREFIXES = ("model.",)
+IDENTITY_PREFIXES = ("model.", "data.blend")
 IDENTITY_KEYS = frozenset(
     {
         "data.source",

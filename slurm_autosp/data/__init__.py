@@ -3,6 +3,7 @@ token file format, and `python -m slurm_autosp.data prepare`, which makes a prep
 from text with a Hugging Face tokenizer."""
 
 from slurm_autosp.data.sources import (
+    BlendedSource,
     MicroBatch,
     Sample,
     SampleSource,
@@ -23,6 +24,7 @@ from slurm_autosp.data.token_file import (
 )
 
 __all__ = [
+    "BlendedSource",
     "TOKEN_FILE_MAGIC",
     "MicroBatch",
     "Sample",

@@ -176,6 +176,42 @@ class ShuffledSource:
         return self.inner.sample(int(self.order(epoch)[position]))
 
 
+class BlendedSource:
+    """Several sources mixed by weight. Every block of `block` samples holds each source's share
+    of it (largest remainder), in an order seeded per block: sample i is a function of i alone,
+    as the training position requires, and each source is read in its own order, unrepeated
+    until it wraps."""
+
+    def __init__(self, sources: list[SampleSource], weights: list[float], seed: int, block: int = 1000):  # fmt: skip
+        share = np.asarray(weights, dtype=np.float64) / sum(weights) * block
+        counts = np.floor(share).astype(np.int64)
+        remainder_order = np.argsort(-(share - counts), kind="stable")
+        counts[remainder_order[: block - int(counts.sum())]] += 1
+        if (counts == 0).any():
+            raise ValueError(
+                f"data.blend weights {weights}: each must be at least 1/{block} of their sum"
+            )
+        self.sources, self.counts, self.seed, self.block = sources, counts, seed, block
+        self._block_index, self._which, self._rank = -1, counts, counts
+
+    def _layout(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per position of `block`: the source it reads and its rank among that source's."""
+        if block != self._block_index:
+            labels = np.repeat(np.arange(len(self.counts)), self.counts)
+            which = np.random.default_rng((self.seed, 1, block)).permutation(labels)
+            rank = np.empty(self.block, dtype=np.int64)
+            for source, count in enumerate(self.counts):
+                rank[which == source] = np.arange(count)
+            self._block_index, self._which, self._rank = block, which, rank
+        return self._which, self._rank
+
+    def sample(self, index: int) -> Sample:
+        block, position = divmod(index, self.block)
+        which, rank = self._layout(block)
+        source = int(which[position])
+        return self.sources[source].sample(block * int(self.counts[source]) + int(rank[position]))
+
+
 def open_tokens(
     path: str | Path, seq_len: int, vocab_size: int | None, split: str = "train"
 ) -> TokenFileSource:
@@ -191,30 +227,50 @@ def open_tokens(
     return TokenFileSource(files.tokens, seq_len, vocab_size, mask)
 
 
+def token_paths(cfg: JobConfig) -> list[str]:
+    """The token files or prepared directories a job reads (data.blend's, or data.path)."""
+    if cfg.data.source is not DataSource.tokens:
+        return []
+    return list(cfg.data.blend) or ([] if cfg.data.path is None else [cfg.data.path])
+
+
 def prepared_tokenizer(cfg: JobConfig) -> Path | None:
-    """The tokenizer a prepared dataset was made with (None for a bare token file)."""
-    if cfg.data.source is not DataSource.tokens or cfg.data.path is None:
-        return None
-    directory = Path(cfg.data.path) / TOKENIZER_DIR
-    return directory if directory.is_dir() else None
+    """The tokenizer prepared data was made with (None for bare token files); check_token_file
+    has made sure blended datasets share it."""
+    directories = [Path(p) / TOKENIZER_DIR for p in token_paths(cfg)]
+    return next((d for d in directories if d.is_dir()), None)
 
 
 def check_token_file(cfg: JobConfig, model_vocab_size: int | None) -> None:
     """Before any rank starts: the token data reads, holds a sample, fits the vocabulary of the
     model actually trained (a pretrained checkpoint's, not the config's field), and was made
     with the pretrained model's tokenizer when that model ships one."""
-    if cfg.data.source is not DataSource.tokens or cfg.data.path is None:
-        return
+    key = "data.blend: " if cfg.data.blend else "data.path="
+    for path in token_paths(cfg):
+        try:
+            open_tokens(path, cfg.data.seq_len, model_vocab_size)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{key}{path}: {err}") from err
     try:
-        open_tokens(cfg.data.path, cfg.data.seq_len, model_vocab_size)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"data.path={cfg.data.path}: {err}") from err
-    tokenizer, pretrained = prepared_tokenizer(cfg), cfg.model.pretrained_path
-    if tokenizer is None or pretrained is None or not tokenizer_file_paths(Path(pretrained)):
-        return
-    if tokenizer_hash(tokenizer) != tokenizer_hash(Path(pretrained)):
+        build_source(cfg, model_vocab_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    tokenizers = {
+        p: tokenizer_hash(Path(p) / TOKENIZER_DIR)
+        for p in token_paths(cfg)
+        if (Path(p) / TOKENIZER_DIR).is_dir()
+    }
+    if len(set(tokenizers.values())) > 1:
         raise ConfigError(
-            f"data.path={cfg.data.path} was prepared with another tokenizer than "
+            f"data.blend: {', '.join(tokenizers)} were prepared with different tokenizers; "
+            "prepare them all with the tokenizer of the model trained"
+        )
+    pretrained = cfg.model.pretrained_path
+    if not tokenizers or pretrained is None or not tokenizer_file_paths(Path(pretrained)):
+        return
+    if tokenizer_hash(Path(pretrained)) not in tokenizers.values():
+        raise ConfigError(
+            f"{key}{next(iter(tokenizers))} was prepared with another tokenizer than "
             f"model.pretrained_path={pretrained} ships (their tokenizer files differ); prepare "
             f"it with --tokenizer {pretrained}"
         )
@@ -223,11 +279,14 @@ def check_token_file(cfg: JobConfig, model_vocab_size: int | None) -> None:
 def build_source(cfg: JobConfig, model_vocab_size: int | None = None) -> SampleSource:
     """`model_vocab_size`: the trained model's vocabulary, when it is not the config's field."""
     if cfg.data.source is DataSource.tokens:
-        assert cfg.data.path is not None
-        tokens = open_tokens(
-            cfg.data.path, cfg.data.seq_len, model_vocab_size or cfg.model.vocab_size
-        )
-        return ShuffledSource(tokens, cfg.train.seed) if cfg.data.shuffle else tokens
+        vocab_size = model_vocab_size or cfg.model.vocab_size
+        sources: list[SampleSource] = []
+        for path in token_paths(cfg):
+            tokens = open_tokens(path, cfg.data.seq_len, vocab_size)
+            sources.append(ShuffledSource(tokens, cfg.train.seed) if cfg.data.shuffle else tokens)
+        if not cfg.data.blend:
+            return sources[0]
+        return BlendedSource(sources, list(cfg.data.blend.values()), cfg.train.seed)
     assert cfg.model.vocab_size is not None
     return SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, cfg.train.seed)
 
