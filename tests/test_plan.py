@@ -229,7 +229,7 @@ def test_llama8b_32k_fits_with_sac_under_zero1(llama8b_plan):
 
 def test_cpu_jobs_always_fit_without_tracing():
     planned = plan_verdict(load_config(["cfg=configs/tiny_cpu.yaml"]))
-    assert planned.fits and "CPU" in planned.text and planned.zero_stage == 1
+    assert planned.fits and "CPU" in planned.text and planned.choices.zero_stage == 1
 
 
 def test_without_a_plan_auto_and_the_stage_resolve_without_tracing():

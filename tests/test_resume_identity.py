@@ -2,6 +2,8 @@
 refuses, naming them), others may (the job names them); each submission's config is kept."""
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +12,10 @@ import pytest
 from submitit.core.utils import pickle_load
 
 from slurm_autosp.checkpoint.identity import differences, is_identity, run_settings
+from slurm_autosp.checkpoint.lock import RunLock
 from slurm_autosp.config import load_config
 from slurm_autosp.launch.placement import plan_layout
-from slurm_autosp.submit import prepare_run_dir
+from slurm_autosp.launch.run_dir import prepare_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,6 +70,9 @@ def test_keys_a_resumed_run_may_change_are_not(key):
     assert not is_identity(key)
 
 
+THIS_PROCESS = RunLock(str(os.getpid()), "local", socket.gethostname())  # a live holder
+
+
 def settings(*overrides):
     cfg = load_config(["cfg=configs/tiny_cpu.yaml", *overrides])
     return run_settings(cfg, plan_layout(cfg), 1)
@@ -89,7 +95,8 @@ def test_a_key_one_side_lacks_differs_only_when_the_other_sets_it():
 def test_each_submission_keeps_its_config(tmp_path):
     for steps in (10, 20, 30):
         prepare_run_dir(
-            load_config([f"run.output_root={tmp_path}", "run.name=r", f"train.steps={steps}"])
+            load_config([f"run.output_root={tmp_path}", "run.name=r", f"train.steps={steps}"]),
+            THIS_PROCESS,
         )
     run_dir = tmp_path / "r"
     assert "steps: 30" in (run_dir / "config.yaml").read_text()
@@ -100,11 +107,11 @@ def test_each_submission_keeps_its_config(tmp_path):
 
 def test_kept_configs_are_never_overwritten(tmp_path):
     cfg = load_config([f"run.output_root={tmp_path}", "run.name=r"])
-    prepare_run_dir(cfg)
+    prepare_run_dir(cfg, THIS_PROCESS)
     (cfg.run.dir / "configs").mkdir()
     (cfg.run.dir / "configs" / "config.0002.yaml").write_text("kept by hand")
-    prepare_run_dir(cfg)
-    prepare_run_dir(cfg)
+    prepare_run_dir(cfg, THIS_PROCESS)
+    prepare_run_dir(cfg, THIS_PROCESS)
     assert (cfg.run.dir / "configs" / "config.0002.yaml").read_text() == "kept by hand"
     assert sorted(p.name for p in (cfg.run.dir / "configs").iterdir()) == [
         "config.0002.yaml",
