@@ -18,6 +18,7 @@ from slurm_autosp.launch.placement import plan_layout
 from slurm_autosp.launch.run_dir import prepare_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
+THIS_PROCESS = RunLock(str(os.getpid()), "local", socket.gethostname())  # a live holder
 
 
 @pytest.mark.parametrize(
@@ -68,9 +69,6 @@ def test_keys_that_define_the_run_are_its_identity(key):
 )
 def test_keys_a_resumed_run_may_change_are_not(key):
     assert not is_identity(key)
-
-
-THIS_PROCESS = RunLock(str(os.getpid()), "local", socket.gethostname())  # a live holder
 
 
 def settings(*overrides):
