@@ -23,7 +23,7 @@ offloaded. Columns, per rank (rank 0):
 - moved/layer, resident: offload's bytes to host per layer per step, and its peak of fetched copies;
 - plan: the plan's activations for this mode (layers x the traced layer's saved bytes + the
   shared cos/sin; offloaded: two layers' worth) and its working bytes (traced backward peak,
-  plus one tile's working set when tiled; for tiled layers plan.trace.tiled_layer_trace).
+  plus one tile's working set when tiled; for tiled layers plan.layer_graph.tiled_layer_trace).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def plan_prediction(mode: str, seq: int, tile: int) -> dict:
     import torch
 
     from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
-    from slurm_autosp.plan.trace import tiled_layer_trace, trace_decoder_layer
+    from slurm_autosp.plan.layer_graph import tiled_layer_trace, trace_decoder_layer
 
     local = seq // SP
     tiled = "tiled" in mode.split("_")  # not "untiled"

@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slurm_autosp.config import load_config  # noqa: E402
-from slurm_autosp.trace import StepTracer  # noqa: E402
+from slurm_autosp.metrics import StepTracer  # noqa: E402
 
 
 def build(device, hidden, layers):

@@ -32,7 +32,7 @@ from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.launch.distributed import DistContext
 from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.launch.requeue import requeue_and_exit
-from slurm_autosp.trace import UNTIMED, Phases, StepTracer
+from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
 
 log = logging.getLogger(__name__)
 

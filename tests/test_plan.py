@@ -290,7 +290,7 @@ def test_predicted_activation_memory_is_within_15_percent_of_measured_on_cpu(tmp
     freed blocks of 64 KiB or more at once with MALLOC_MMAP_THRESHOLD_). Predicted: the plan's
     activations and final-norm/loss inputs, from the partitioned joint graph of one layer."""
     from slurm_autosp.compile.checkpointing import CheckpointSpec
-    from slurm_autosp.plan.trace import trace_decoder_layer
+    from slurm_autosp.plan.layer_graph import trace_decoder_layer
 
     context = mp.get_context("spawn")
     queue = context.Queue()

@@ -15,6 +15,7 @@ import torch
 from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import ActivationCheckpointing, JobConfig, Precision
+from slurm_autosp.plan.layer_graph import tiled_layer_trace, trace_decoder_layer
 from slurm_autosp.plan.memory import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
 from slurm_autosp.plan.policies import (
     Rung,
@@ -23,7 +24,6 @@ from slurm_autosp.plan.policies import (
     policy_from_plan,
     traced_specs,
 )
-from slurm_autosp.plan.trace import tiled_layer_trace, trace_decoder_layer
 
 
 def _choose_rung(

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.model import hf_config
+from slurm_autosp.plan.layer_graph import LayerTrace, hf_layer_classes
 from slurm_autosp.plan.policies import Rung, rung_label, tile_tokens_for
-from slurm_autosp.plan.trace import LayerTrace, hf_layer_classes
 
 GB = 1e9
 ZERO_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size and allgather_bucket_size

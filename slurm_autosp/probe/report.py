@@ -12,12 +12,12 @@ from typing import Any
 from torch.utils.tensorboard import SummaryWriter
 
 from slurm_autosp.config import JobConfig
+from slurm_autosp.metrics import tensorboard_dir
 from slurm_autosp.plan import TrainingChoices
 from slurm_autosp.plan.policies import spec_label
 from slurm_autosp.probe.collectives import TIMED, WARMUP, CollectiveTiming
 from slurm_autosp.probe.prediction import PlanPrediction
 from slurm_autosp.probe.steps import StepMeasurement
-from slurm_autosp.trace import tensorboard_dir
 
 PLAN_TOLERANCE = 0.10
 BANDWIDTH_FLOOR = 0.70

@@ -23,10 +23,10 @@ from slurm_autosp.data import build_source
 from slurm_autosp.engine import build_engine
 from slurm_autosp.launch.distributed import DistContext
 from slurm_autosp.launch.placement import Parallel
+from slurm_autosp.metrics.flops import count_flops, peak_tflops
+from slurm_autosp.metrics.memory import MemoryReader
 from slurm_autosp.model import model_vocab_size
 from slurm_autosp.plan import TrainingChoices
-from slurm_autosp.trace.flops import count_flops, peak_tflops
-from slurm_autosp.trace.memory import MemoryReader
 from slurm_autosp.train import compile_for_sp, optimizer_step
 
 

@@ -21,7 +21,7 @@ from slurm_autosp.compile import (
 from slurm_autosp.compile.checkpointing import CheckpointPass, CheckpointSpec, Policy
 from slurm_autosp.compile.chunked_loss import chunked_cross_entropy
 from slurm_autosp.config import ModelConfig
-from slurm_autosp.plan.trace import trace_decoder_layer
+from slurm_autosp.plan.layer_graph import trace_decoder_layer
 
 TOLERANCE = 1e-5
 SPECS = {

@@ -1,6 +1,6 @@
 """A run's TensorBoard data in the terminal, for people without a browser:
 
-    python -m slurm_autosp.traces runs/tiny_cpu [--rows 20]
+    python -m slurm_autosp.summary runs/tiny_cpu [--rows 20]
 
 prints the last loss and throughput, a per-step table (loss, tokens/s, step time, peak memory
 min / mean / max over ranks and the worst rank) and every memory trace: each traced rank's
@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from slurm_autosp.trace.memory import MemoryTrace
-from slurm_autosp.trace.tracer import memory_dir, tensorboard_dir
+from slurm_autosp.metrics.memory import MemoryTrace
+from slurm_autosp.metrics.tracer import memory_dir, tensorboard_dir
 
 MIB = 2**20
 
@@ -114,7 +114,7 @@ def _spread(steps: list[int], rows: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m slurm_autosp.traces", description=__doc__.split("\n\n")[0]
+        prog="python -m slurm_autosp.summary", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("run_dir", type=Path, help="the run directory, <output_root>/<run name>")
     parser.add_argument("--rows", type=int, default=20, help="most steps in the per-step table")

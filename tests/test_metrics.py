@@ -13,11 +13,11 @@ import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.config import load_config
-from slurm_autosp.trace import StepTracer, memory_dir, tensorboard_dir
-from slurm_autosp.trace.flops import count_flops, peak_tflops
-from slurm_autosp.trace.memory import MemoryReader, MemoryTimeline
-from slurm_autosp.trace.plot import PEAK_MARK, PHASE_COLORS, render_memory_trace
-from slurm_autosp.trace.png import encode_png
+from slurm_autosp.metrics import StepTracer, memory_dir, tensorboard_dir
+from slurm_autosp.metrics.flops import count_flops, peak_tflops
+from slurm_autosp.metrics.memory import MemoryReader, MemoryTimeline
+from slurm_autosp.metrics.plot import PEAK_MARK, PHASE_COLORS, render_memory_trace
+from slurm_autosp.metrics.png import encode_png
 
 MIB = 2**20
 
