@@ -204,8 +204,9 @@ class CompileConfig:
     recompute_all_to_all: bool = False
     # tokens per cross-entropy chunk: logits never exist whole; 0: unchunked
     loss_chunk_tokens: int = 1024
-    # sequence tiling: tokens per tile of each decoder layer's MLP, run tile by tile and recomputed
-    # tile by tile in backward (no full-sequence tensor of the MLP's width); 0: untiled; null: the plan chooses
+    # sequence tiling, tokens per tile, run tile by tile and recomputed tile by tile in backward:
+    # under `full` whole decoder layers (nothing outside attention spans the sequence), under the
+    # other policies each layer's MLP (none of its width does); 0: untiled; null: the plan chooses
     tile_tokens: int | None = None
     # what backward keeps goes to host memory during forward and comes back a layer ahead in
     # backward; null: the plan decides (off where nothing needs it)
