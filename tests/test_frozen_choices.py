@@ -72,7 +72,7 @@ def test_a_first_start_plans_and_refuses_a_job_that_does_not_fit(tmp_path):
     cfg = load_config(
         ["cfg=configs/llama70b_128k.yaml", f"run.output_root={tmp_path}", "parallel.zero_stage=1"]
     )
-    with pytest.raises(ConfigError, match="the job does not fit its GPUs: needs 343.1 GB"):
+    with pytest.raises(ConfigError, match=r"the job does not fit its GPUs: needs [\d.]+ GB per GPU under ZeRO-1"):
         plan_or_adopt(cfg, restarted=False)
 
 
