@@ -19,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from slurm_autosp.heads import valid_sp_sizes
+from slurm_autosp.heads import choices_text, divisors, valid_sp_sizes
 
 ZERO_STAGES = (None, 1, 3)  # null: the memory plan chooses
 
@@ -37,6 +37,7 @@ class Backend(str, enum.Enum):
 class Vendor(str, enum.Enum):
     nvidia = "nvidia"
     amd = "amd"
+    none = "none"  # no GPUs: CPU ranks (what topology detects on them; cluster.gpus_per_node=0)
 
 
 class Fabric(str, enum.Enum):
@@ -171,6 +172,9 @@ class DataConfig:
     shuffle: bool = True
     # tokens: several datasets (path: weight) mixed by weight instead of data.path
     blend: dict[str, float] = field(default_factory=dict)
+    # held-out data for evaluation: a prepared directory (its eval split) or a token file;
+    # null: data.path's eval split when it is a prepared directory with one, else no evaluation
+    eval_path: str | None = None
 
 
 @dataclass
@@ -228,6 +232,9 @@ class TrainConfig:
     precision: Precision | None = None  # default: bf16 on GPU, fp32 on CPU
     seed: int = 0
     log_every: int = 1
+    # held-out loss and perplexity every this many steps and after the last; 0: after the last only
+    eval_every: int = 0
+    eval_samples: int = 64  # held-out samples per evaluation (fewer if the eval data holds fewer)
 
 
 @dataclass
@@ -399,8 +406,13 @@ def validate(cfg: JobConfig) -> None:
         ("train.grad_accum", t.grad_accum),
         ("train.lr", t.lr),
         ("train.log_every", t.log_every),
+        ("train.eval_samples", t.eval_samples),
     ]:
         positive(key, value)
+    if t.eval_every < 0:
+        problems.append(
+            f"train.eval_every={t.eval_every} must be >= 0 (0: after the last step only)"
+        )
     for key, count in [("probe.steps", cfg.probe.steps), ("probe.layers", cfg.probe.layers)]:
         if count is not None and count < 1:
             problems.append(f"{key}={count} must be >= 1")
@@ -432,6 +444,11 @@ def validate(cfg: JobConfig) -> None:
     problems.extend(_script_value_problems(cfg))
     if c.gpus_per_node < 0:
         problems.append(f"cluster.gpus_per_node={c.gpus_per_node} must be >= 0 (0 runs on CPU)")
+    if c.vendor is Vendor.none and c.gpus_per_node > 0:
+        problems.append(
+            f"cluster.vendor=none with cluster.gpus_per_node={c.gpus_per_node}: "
+            "choose nvidia or amd (none is for CPU ranks)"
+        )
     if c.tasks_per_node is not None:
         positive("cluster.tasks_per_node", c.tasks_per_node)
         if c.uses_gpus and c.tasks_per_node != c.gpus_per_node:
@@ -443,7 +460,7 @@ def validate(cfg: JobConfig) -> None:
         problems.append(
             f"parallel.sp_size={p.sp_size} does not divide the world size "
             f"{c.world_size} (cluster.nodes={c.nodes} x {c.ranks_per_node} ranks per node); "
-            f"choose one of {_divisors(c.world_size)}"
+            f"choose one of {choices_text(divisors(c.world_size))}"
         )
     if p.zero_stage not in ZERO_STAGES:
         problems.append(
@@ -489,6 +506,8 @@ def validate(cfg: JobConfig) -> None:
             problems.append(f"data.blend: {path}: weight {weight} must be > 0")
     if cfg.data.blend and cfg.data.path:
         problems.append("data.blend and data.path are exclusive; set one")
+    if cfg.data.eval_path and not os.path.exists(cfg.data.eval_path):
+        problems.append(f"data.eval_path={cfg.data.eval_path}: no such file or directory")
     if cfg.data.source is DataSource.tokens and not cfg.data.blend:
         if not cfg.data.path:
             problems.append(
@@ -583,7 +602,3 @@ def _compile_problems(cfg: JobConfig) -> list[str]:
             "per decoder layer; set compile.per_layer=true"
         )
     return problems
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -165,6 +165,15 @@ def test_values_that_would_fail_later_or_lose_data_are_refused_naming_the_key(ov
     assert named in str(err.value)
 
 
+def test_vendor_none_is_for_cpu_ranks_only():
+    assert (
+        load_config(["cfg=configs/tiny_cpu.yaml", "cluster.vendor=none"]).cluster.vendor.value
+        == "none"
+    )
+    with pytest.raises(ConfigError, match=r"cluster\.vendor=none with cluster\.gpus_per_node=8"):
+        load_config(["cfg=configs/tiny_cpu.yaml", "cluster.vendor=none", "cluster.gpus_per_node=8"])
+
+
 @pytest.mark.parametrize("name", ["../escape", "a/b", "log%j", ".", "..", "", "-rf"])
 def test_run_name_must_be_a_plain_directory_name(name):
     with pytest.raises(ConfigError, match=r"run\.name=.* must be a plain directory name"):

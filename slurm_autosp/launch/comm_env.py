@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
-VENDORS = ("nvidia", "amd", "none")
-FABRICS = ("infiniband", "roce", "efa", "slingshot", "tcp")
+from slurm_autosp.config import Fabric, Vendor
+
+_E = TypeVar("_E", Vendor, Fabric)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ _AMD = (
 )
 
 _FABRIC = {
-    "infiniband": (
+    Fabric.infiniband: (
         EnvSetting(
             "NCCL_IB_TIMEOUT",
             "22",
@@ -76,7 +78,7 @@ _FABRIC = {
             "congestion and link flaps instead of failing",
         ),
     ),
-    "roce": (
+    Fabric.roce: (
         EnvSetting(
             "NCCL_IB_GID_INDEX",
             "3",
@@ -89,7 +91,7 @@ _FABRIC = {
             "RoCE retry timeout about 17 s: ride out congestion instead of failing",
         ),
     ),
-    "efa": (
+    Fabric.efa: (
         EnvSetting("FI_PROVIDER", "efa", "make libfabric use EFA, never fall back to TCP sockets"),
         EnvSetting(
             "FI_EFA_USE_DEVICE_RDMA",
@@ -113,7 +115,7 @@ _FABRIC = {
             "larger chunks for point-to-point traffic over EFA (AWS's recommended value)",
         ),
     ),
-    "slingshot": (
+    Fabric.slingshot: (
         EnvSetting(
             "NCCL_SOCKET_IFNAME",
             "hsn",
@@ -142,7 +144,7 @@ _FABRIC = {
             "Slingshot sites recommend for GPU jobs",
         ),
     ),
-    "tcp": (
+    Fabric.tcp: (
         EnvSetting(
             "NCCL_IB_DISABLE",
             "1",
@@ -157,9 +159,18 @@ _DEBUG = (
 )
 
 
+def _member(kind: type[_E], value: str, key: str) -> _E:
+    """value as a member of kind (Vendor or Fabric), or a ValueError naming the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in kind)
+        raise ValueError(f"{key}={value!r} is not one of {choices}") from None
+
+
 def collective_env_settings(
-    vendor: str,
-    fabric: str,
+    vendor: Vendor | str,
+    fabric: Fabric | str,
     *,
     user_env: Mapping[str, str],
     run_dir: str,
@@ -173,10 +184,7 @@ def collective_env_settings(
     handles, and a cold cache costs minutes per start. One per user: inductor unpickles what
     it finds there, so another user's directory must never be read (the job makes it 0700).
     """
-    if vendor not in VENDORS:
-        raise ValueError(f"vendor={vendor!r} is not one of {', '.join(VENDORS)}")
-    if fabric not in FABRICS:
-        raise ValueError(f"fabric={fabric!r} is not one of {', '.join(FABRICS)}")
+    vendor, fabric = _member(Vendor, vendor, "vendor"), _member(Fabric, fabric, "fabric")
     cache_dir = node_local_cache_dir or os.path.join(
         user_env.get("SLURM_TMPDIR") or user_env.get("TMPDIR") or "/tmp",
         f"slurm_autosp_cache_{os.getuid()}",
@@ -194,7 +202,7 @@ def collective_env_settings(
             "Triton's kernel cache on node-local disk, for the same reason",
         ),
     ]
-    if vendor == "none":
+    if vendor is Vendor.none:
         return tuple(settings)
     settings += _GPU_COLLECTIVES
     settings.append(
@@ -206,7 +214,7 @@ def collective_env_settings(
             aliases=("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",),
         )
     )
-    settings += _NVIDIA if vendor == "nvidia" else _AMD
+    settings += _NVIDIA if vendor is Vendor.nvidia else _AMD
     settings += _FABRIC[fabric]
     if debug:
         settings += _DEBUG
@@ -214,8 +222,8 @@ def collective_env_settings(
 
 
 def collective_env(
-    vendor: str,
-    fabric: str,
+    vendor: Vendor | str,
+    fabric: Fabric | str,
     *,
     user_env: Mapping[str, str],
     run_dir: str,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_autosp.checkpoint.lock import RunLock, acquire_lock, release_lock
-from slurm_autosp.config import ConfigError, JobConfig
+from slurm_autosp.config import ConfigError, JobConfig, Vendor
 from slurm_autosp.launch.run_dir import prepare_run_dir
 
 if TYPE_CHECKING:
@@ -121,8 +121,8 @@ def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str
 
     c = cfg.cluster
     env = collective_env(
-        c.vendor.value if c.uses_gpus else "none",
-        c.fabric.value,
+        c.vendor if c.uses_gpus else Vendor.none,
+        c.fabric,
         user_env={**inherited, **c.env},
         run_dir=str(cfg.run.dir),
         debug=c.debug_collectives,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+from slurm_autosp.heads import choices_text, divisors
 from slurm_autosp.launch.topology import ClusterTopology
 
 if TYPE_CHECKING:
@@ -166,31 +167,21 @@ def derive_parallel_layout(
     if sp_size < 1 or world % sp_size:
         raise LayoutError(
             f"sp_size={sp_size} does not divide world_size={world} "
-            f"(choose {_choices_text(_divisors(world))})"
+            f"(choose {choices_text(divisors(world))})"
         )
     sizes = topology.domain_sizes
     fits = all(size % sp_size == 0 for size in sizes)
     if not fits and not allow_cross_domain:
-        placeable = _divisors(math.gcd(*sizes))
+        placeable = divisors(math.gcd(*sizes))
         raise LayoutError(
             f"sp_size={sp_size} cannot be placed inside one NVLink domain: the job has "
             f"{_domain_sizes_text(sizes)}, so SP all-to-all would cross the inter-node network. "
-            f"SP sizes that fit inside a domain: {_choices_text(placeable)}. "
+            f"SP sizes that fit inside a domain: {choices_text(placeable)}. "
             "Choose one of them, or set parallel.allow_cross_domain=true to accept the slower layout."
         )
     order = [rank for domain in topology.nvlink_domains for rank in domain]
     sp_groups = tuple(tuple(order[start : start + sp_size]) for start in range(0, world, sp_size))
     return ParallelLayout.from_sp_groups(sp_groups, cross_domain=not fits)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _choices_text(choices: list[int]) -> str:
-    if len(choices) == 1:
-        return str(choices[0])
-    return ", ".join(map(str, choices[:-1])) + f" or {choices[-1]}"
 
 
 def _domain_sizes_text(sizes: tuple[int, ...]) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig
+from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig, Vendor
 from slurm_autosp.launch.layout import (
     LayoutError,
     ParallelLayout,
@@ -42,10 +42,10 @@ def expected_topology(c: ClusterConfig) -> ClusterTopology:
     node is one domain of `ranks_per_node` devices."""
     if c.uses_gpus:
         return topology_from_profile(
-            c.nodes, c.gpus_per_node, c.nvlink_domain_size or c.gpus_per_node, c.vendor.value
+            c.nodes, c.gpus_per_node, c.nvlink_domain_size or c.gpus_per_node, c.vendor
         )
     ranks = c.ranks_per_node
-    node = lambda n: NodeTopology(f"node{n}", "none", ranks, (tuple(range(ranks)),))  # noqa: E731
+    node = lambda n: NodeTopology(f"node{n}", Vendor.none, ranks, (tuple(range(ranks)),))  # noqa: E731
     return ClusterTopology(tuple(node(n) for n in range(c.nodes)))
 
 

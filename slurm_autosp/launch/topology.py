@@ -17,7 +17,9 @@ import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-GPU_VENDORS = ("nvidia", "amd", "none")
+from slurm_autosp.config import Vendor
+from slurm_autosp.heads import choices_text, divisors
+
 _ZERO_UUID = "00000000-0000-0000-0000-000000000000"
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 _NVLINK_CELL = re.compile(r"^NV\d+$")  # "NV12": a bonded set of 12 NVLinks
@@ -75,17 +77,20 @@ class NodeTopology:
     """One node: its GPUs, which of them share NVLink/xGMI, and its rack-level fabric clique."""
 
     hostname: str
-    gpu_vendor: str  # "nvidia" | "amd" | "none"
+    gpu_vendor: Vendor  # a plain string is accepted and converted ("nvidia", "amd", "none")
     gpu_count: int
     nvlink_domains: tuple[tuple[int, ...], ...]  # local GPU indices; every GPU in exactly one
     fabric_clique: str | None = None  # nodes with the same clique share one NVLink domain
     network_devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.gpu_vendor not in GPU_VENDORS:
+        try:
+            object.__setattr__(self, "gpu_vendor", Vendor(self.gpu_vendor))
+        except ValueError:
             raise TopologyError(
-                f"node {self.hostname}: gpu_vendor={self.gpu_vendor!r} is not one of {', '.join(GPU_VENDORS)}"
-            )
+                f"node {self.hostname}: gpu_vendor={self.gpu_vendor!r} is not one of "
+                f"{', '.join(v.value for v in Vendor)}"
+            ) from None
         if self.gpu_count < 0:
             raise TopologyError(f"node {self.hostname}: gpu_count={self.gpu_count} is negative")
         covered = sorted(i for domain in self.nvlink_domains for i in domain)
@@ -294,7 +299,7 @@ def restrict_to_visible(matrix: LinkMatrix, visible: str | None) -> LinkMatrix:
 
 
 def topology_from_profile(
-    nodes: int, gpus_per_node: int, nvlink_domain_size: int, gpu_vendor: str = "nvidia"
+    nodes: int, gpus_per_node: int, nvlink_domain_size: int, gpu_vendor: Vendor = Vendor.nvidia
 ) -> ClusterTopology:
     """The topology a config profile promises.
 
@@ -312,7 +317,7 @@ def topology_from_profile(
         if gpus_per_node % nvlink_domain_size:
             raise TopologyError(
                 f"nvlink_domain_size={nvlink_domain_size} does not divide gpus_per_node={gpus_per_node} "
-                f"(choose {_divisors_text(gpus_per_node)}, or a multiple of {gpus_per_node} for racks)"
+                f"(choose {choices_text(divisors(gpus_per_node))}, or a multiple of {gpus_per_node} for racks)"
             )
         local = tuple(
             tuple(range(start, start + nvlink_domain_size))
@@ -351,7 +356,7 @@ def compare_topology(expected: ClusterTopology, detected: ClusterTopology) -> li
     for n, (want, got) in enumerate(zip(expected.nodes, detected.nodes, strict=False)):
         if want.gpu_vendor != got.gpu_vendor:
             problems.append(
-                f"node {n} ({got.hostname}): GPU vendor expected {want.gpu_vendor}, detected {got.gpu_vendor}"
+                f"node {n} ({got.hostname}): GPU vendor expected {want.gpu_vendor.value}, detected {got.gpu_vendor.value}"
             )
         if want.gpu_count != got.gpu_count:
             problems.append(
@@ -401,11 +406,6 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-def _divisors_text(n: int) -> str:
-    divisors = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(divisors[:-1]) + f" or {divisors[-1]}" if len(divisors) > 1 else divisors[0]
-
-
 # ---------------------------------------------------------------------------- detection (side effects)
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -433,7 +433,7 @@ def detect_node_topology(
         fabric = parse_nvidia_smi_fabric(_run_tool(run, ["nvidia-smi", "-q"], timeout_s))
         return NodeTopology(
             hostname,
-            "nvidia",
+            Vendor.nvidia,
             matrix.gpu_count,
             nvlink_domains_from_links(matrix),
             fabric_clique=node_clique(fabric),
@@ -446,12 +446,12 @@ def detect_node_topology(
         )
         return NodeTopology(
             hostname,
-            "amd",
+            Vendor.amd,
             matrix.gpu_count,
             nvlink_domains_from_links(matrix),
             network_devices=_rdma_devices(),
         )
-    return NodeTopology(hostname, "none", 0, (), network_devices=_rdma_devices())
+    return NodeTopology(hostname, Vendor.none, 0, (), network_devices=_rdma_devices())
 
 
 def _run_tool(run: Runner, argv: list[str], timeout_s: float) -> str:

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from slurm_autosp.launch.comm_env import FABRICS, VENDORS, collective_env, collective_env_settings
+from slurm_autosp.config import Fabric, Vendor
+from slurm_autosp.launch.comm_env import collective_env, collective_env_settings
 from slurm_autosp.launch.job import private_cache_dir
 
 RUN_DIR = "/shared/runs/llama70b_128k"
@@ -46,8 +47,8 @@ def test_compile_caches_are_node_local_and_follow_slurm_tmpdir():
 
 
 def test_debug_variables_only_in_debug_runs():
-    for vendor in VENDORS:
-        for fabric in FABRICS:
+    for vendor in Vendor:
+        for fabric in Fabric:
             assert "NCCL_DEBUG" not in env(vendor, fabric)
     assert env(debug=True)["NCCL_DEBUG"] == "INFO"
 
@@ -87,8 +88,8 @@ def test_cpu_runs_get_only_the_compile_caches():
 
 
 def test_every_variable_says_why():
-    for vendor in VENDORS:
-        for fabric in FABRICS:
+    for vendor in Vendor:
+        for fabric in Fabric:
             for s in collective_env_settings(
                 vendor, fabric, user_env={}, run_dir=RUN_DIR, debug=True
             ):
