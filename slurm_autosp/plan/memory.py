@@ -52,6 +52,14 @@ FSDP2_STATE_BYTES = {
 REDUCE_BYTES = 4  # FSDP2 reduce_dtype: fp32
 MARGIN_FRACTION = 0.10
 RUNTIME_RESERVE = 2**30
+
+
+def with_margin(subtotal: float) -> float:
+    """Bytes to plan for `subtotal` bytes of terms: a fraction on top for what the terms miss
+    (fragmentation, small buffers) and a fixed reserve for the CUDA context and libraries."""
+    return subtotal * (1 + MARGIN_FRACTION) + RUNTIME_RESERVE
+
+
 HOST_USABLE = (
     0.8  # of a node's host memory, for offloaded activations (the rest: OS, data, pinned staging)
 )
@@ -117,7 +125,11 @@ class PolicyMemory:
 
     @property
     def margin(self) -> float:
-        return MARGIN_FRACTION * self.subtotal + RUNTIME_RESERVE
+        return with_margin(self.subtotal) - self.subtotal
+
+    def total_at(self, tokens: float) -> float:
+        """The total, margin included, at `tokens` local tokens instead of the traced ones."""
+        return with_margin(self.fixed + self.per_token * tokens)
 
     @property
     def total(self) -> float:

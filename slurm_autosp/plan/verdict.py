@@ -7,7 +7,7 @@ from slurm_autosp.config import ActivationCheckpointing, JobConfig
 from slurm_autosp.heads import valid_sp_sizes
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan.choose import whole_model_graph
-from slurm_autosp.plan.memory import GB, MARGIN_FRACTION, RUNTIME_RESERVE, MemoryPlan, PolicyMemory
+from slurm_autosp.plan.memory import GB, MemoryPlan, PolicyMemory
 
 
 def biggest_term(memory: PolicyMemory) -> tuple[str, float]:
@@ -53,9 +53,7 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
         for stage, memories in plan.memories.items():
             for memory in memories.values():
                 tokens = memory.trace.tokens * scale
-                total = (memory.fixed + memory.per_token * tokens) * (
-                    1 + MARGIN_FRACTION
-                ) + RUNTIME_RESERVE
+                total = memory.total_at(tokens)
                 host_fits = memory.host_per_token * tokens <= memory.host_bytes_per_rank
                 if (
                     total <= plan.gpu_bytes and host_fits
