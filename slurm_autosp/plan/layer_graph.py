@@ -94,14 +94,53 @@ class LayerTrace:
         return max(self.forward_peak_bytes, self.backward_peak_bytes)
 
 
+_EXTERN_KERNELS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    ALL_TO_ALL,
+}
+
+
+def _is_extern(node: fx.Node) -> bool:
+    """Whether inductor runs the node as a kernel of its own (a library call: matmuls,
+    collectives, attention, higher-order ops) rather than fusing it with its neighbours."""
+    return (
+        node.target in _EXTERN_KERNELS
+        or is_attention(node)
+        or not isinstance(node.target, torch._ops.OpOverload)
+    )
+
+
+def _kernels(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The graph's call_function nodes as inductor runs them: each extern kernel alone, and each
+    run of the other nodes between two of them fused into one kernel."""
+    kernels: list[list[fx.Node]] = []
+    fusing = False
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        extern = _is_extern(node) and node.target is not operator.getitem
+        if extern or not fusing:
+            kernels.append([])
+        kernels[-1].append(node)
+        fusing = not extern
+    return kernels
+
+
 def peak_live_bytes(graph: fx.Graph) -> int:
-    """Peak bytes of the intermediate tensors a graph allocates, each freed after its last use
-    (views keep their base alive), in the graph's order. Inputs and outputs are not counted:
-    they are the saved activations, parameters and gradients, counted elsewhere."""
+    """Peak bytes of the intermediate tensors a graph allocates, as inductor runs it: kernel by
+    kernel (see _kernels), each allocating the outputs read after it, all alive with its inputs,
+    each tensor freed after the kernel that reads it last (views keep their base alive). Inputs
+    and outputs are not counted: they are the saved activations, parameters and gradients,
+    counted elsewhere. A fused kernel holds all its inputs and outputs at once (e.g. SiLU's
+    backward: gate, up and the incoming gradient in, three products out), which a node-by-node
+    walk of the graph would miss."""
     output = next(n for n in graph.nodes if n.op == "output")
     returned = set(output.all_input_nodes)
     base: dict[fx.Node, fx.Node] = {}
-    last_use: dict[fx.Node, fx.Node] = {}
+    readers: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
         if (
             node.op == "call_function"
@@ -112,15 +151,23 @@ def peak_live_bytes(graph: fx.Graph) -> int:
             if isinstance(parent, fx.Node):
                 base[node] = base.get(parent, parent)
         for arg in node.all_input_nodes:
-            last_use[base.get(arg, arg)] = node
+            readers.setdefault(base.get(arg, arg), []).append(node)
+    kernels = _kernels(graph)
+    kernel_of = {node: k for k, kernel in enumerate(kernels) for node in kernel}
+    last_read = {
+        node: max(kernel_of.get(r, len(kernels)) for r in nodes) for node, nodes in readers.items()
+    }
     live = peak = 0
-    for node in graph.nodes:
-        if node.op == "call_function" and node not in base and node not in returned:
-            live += tensor_bytes(node)
-            peak = max(peak, live)
-        for arg in {base.get(a, a) for a in node.all_input_nodes}:
-            if last_use.get(arg) is node and arg.op == "call_function" and arg not in returned:
-                live -= tensor_bytes(arg)
+    for k, kernel in enumerate(kernels):
+        written = [
+            node
+            for node in kernel
+            if node not in base and node not in returned and last_read.get(node, k) > k
+        ]
+        live += sum(tensor_bytes(node) for node in written)
+        peak = max(peak, live)
+        held = {n for n in kernel_of if n not in base and n not in returned and kernel_of[n] < k}
+        live -= sum(tensor_bytes(n) for n in held if last_read.get(n) == k)
     return peak
 
 
@@ -316,10 +363,15 @@ def _read_partition(
 
 
 def tiled_layer_trace(
-    model: ModelConfig, spec: CheckpointSpec, whole: LayerTrace, dtype: torch.dtype
+    model: ModelConfig,
+    spec: CheckpointSpec,
+    whole: LayerTrace,
+    untiled: LayerTrace,
+    dtype: torch.dtype,
 ) -> LayerTrace:
     """A decoder layer tiled whole (compile.tiled_layer), from `whole`, the untiled layer traced
-    under `none` at the same length (every tensor its backward needs saved).
+    under `none` at the same length (every tensor its backward needs saved), and `untiled`, the
+    layer traced under `spec`, the policy its tiles are compiled with.
 
     It saves its input; the rotary cos/sin stay shared. Full-sequence tensors live only between
     the tiles, at the points of compile.tiled_layer's schedule counted here, per local token
@@ -332,9 +384,12 @@ def tiled_layer_trace(
     gradient, the input's gradient), then h + q + kv + o + lse + o + (q + kv) + 2q (attention's
     backward: the output's gradient, q, k, v's, and the fp32 dq accumulator of flash
     attention's backward kernel), then h + 2 (q + kv) (the gradients back to this rank's
-    tokens). One tile holds `whole`'s saved tensors and working set per token, plus the
-    chunked all-to-alls' buffers (four of the widest per token: input slice, send, receive,
-    output slice). The q, k, v projections run four times a step, not twice.
+    tokens). One tile holds, per token, what the layer compiled under `spec` holds in its
+    backward (its saved input and its recompute working set, the attention it never runs included:
+    an upper bound) plus the chunked all-to-alls' buffers (four of the widest per token: input
+    slice, send, receive, output slice). The plan adds the tile's bytes to the widest full-width
+    point, though that (attention's backward) runs between the tiles: an upper bound too.
+    The q, k, v projections run four times a step, not twice.
     """
     config = hf_config(model)
     b = dtype.itemsize
@@ -380,6 +435,6 @@ def tiled_layer_trace(
         largest_forward_bytes=max(q, h) * tokens,
         forward_peak_bytes=forward * tokens,
         backward_peak_bytes=backward * tokens,
-        tile_bytes_per_token=(whole.activation_bytes + whole.working_bytes) // tokens
+        tile_bytes_per_token=(untiled.activation_bytes + untiled.working_bytes) // tokens
         + 4 * max(q, kv),
     )
