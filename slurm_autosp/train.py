@@ -29,6 +29,7 @@ from slurm_autosp.compile.offload import ActivationOffload
 from slurm_autosp.config import JobConfig
 from slurm_autosp.data import build_source, micro_batch, prepared_tokenizer
 from slurm_autosp.engine import TrainEngine, build_engine
+from slurm_autosp.evaluate import build_evaluator
 from slurm_autosp.launch.distributed import DistContext
 from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.launch.requeue import requeue_and_exit
@@ -78,6 +79,9 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
         offload = ActivationOffload(ctx.device, layers=len(decoder_layers(engine.module)))
         log.info("activation offload: what backward keeps waits in host memory")
     source = build_source(cfg, _vocab_size(engine.module))
+    evaluator = build_evaluator(
+        cfg, parallel.layout, ctx.rank, ctx.device, _vocab_size(engine.module)
+    )
     store = CheckpointStore(
         checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep
     )
@@ -101,6 +105,8 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
             losses.append(loss)
             done = step + 1
             tracer.log_step(done, loss, lr, engine.grad_norm())
+            if evaluator is not None and evaluator.due(done):
+                evaluator.report(done, evaluator.evaluate(engine), tracer.writer)
             save_due, stop_now = _agree(ctx, schedule.due(done), stop.requested)
             if save_due or stop_now or done == cfg.train.steps:
                 store.save(engine, _trainer_state(cfg, ctx, parallel, engine, done, settings))

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from slurm_helpers import REPO
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -265,7 +266,7 @@ def test_a_prepared_dataset_is_checked_against_the_model_before_any_rank_starts(
 
 @pytest.mark.slow
 def test_jsonl_to_a_trained_model_that_loads_and_generates(tmp_path, tokenizer_dir):
-    """The README's path: prepare, train (tiny_cpu, SP=2), reload the export with its tokenizer."""
+    """The README's path: prepare, train (tiny_cpu, SP=2) evaluating on the eval split, reload the export with its tokenizer."""
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": t} for t in sentences(2000)])
     assert prepare(tokenizer_dir, [corpus], tmp_path / "data", "--eval-fraction", "0.01") == 0
     vocab = json.loads((tmp_path / "data" / "summary.json").read_text())["vocab_size"]
@@ -281,6 +282,7 @@ def test_jsonl_to_a_trained_model_that_loads_and_generates(tmp_path, tokenizer_d
             "cluster.backend=local",
             f"run.output_root={tmp_path / 'runs'}",
             "train.steps=6",
+            "train.eval_every=3",
         ],
         cwd=REPO,
         capture_output=True,
@@ -288,6 +290,11 @@ def test_jsonl_to_a_trained_model_that_loads_and_generates(tmp_path, tokenizer_d
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    evals = [line for line in proc.stdout.splitlines() if "eval at step" in line]
+    assert [line.split("eval at step ")[1].split()[0] for line in evals] == ["3", "6"], evals
+    events = EventAccumulator(str(tmp_path / "runs" / "tiny_cpu" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/perplexity")] == [3, 6]
     hf = tmp_path / "runs" / "tiny_cpu" / "hf"
     tokenizer = AutoTokenizer.from_pretrained(hf)
     model = AutoModelForCausalLM.from_pretrained(hf)

@@ -13,6 +13,7 @@ from slurm_autosp.data.sources import (
     build_source,
     check_token_file,
     micro_batch,
+    open_eval_source,
     open_tokens,
     prepared_tokenizer,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "build_source",
     "check_token_file",
     "micro_batch",
+    "open_eval_source",
     "open_tokens",
     "prepared_tokenizer",
     "read_token_file",

@@ -227,6 +227,28 @@ def open_tokens(
     return TokenFileSource(files.tokens, seq_len, vocab_size, mask)
 
 
+def eval_data_path(cfg: JobConfig) -> tuple[str, str] | None:
+    """(path, split) of the held-out data: data.eval_path (a prepared directory's eval split,
+    its train split when it has none, or a token file), else data.path's eval split when it is
+    a prepared directory that has one; None: the run has no held-out data."""
+    path = cfg.data.eval_path
+    if path is None and cfg.data.source is DataSource.tokens and cfg.data.path:
+        path = cfg.data.path if SplitFiles.of(Path(cfg.data.path), "eval").tokens.exists() else None
+    if path is None:
+        return None
+    has_eval = is_prepared(path) and SplitFiles.of(Path(path), "eval").tokens.exists()
+    return path, "eval" if has_eval else "train"
+
+
+def open_eval_source(cfg: JobConfig, vocab_size: int | None) -> TokenFileSource | None:
+    """The held-out samples, in file order (never shuffled: every evaluation reads the same)."""
+    located = eval_data_path(cfg)
+    if located is None:
+        return None
+    path, split = located
+    return open_tokens(path, cfg.data.seq_len, vocab_size or cfg.model.vocab_size, split)
+
+
 def token_paths(cfg: JobConfig) -> list[str]:
     """The token files or prepared directories a job reads (data.blend's, or data.path)."""
     if cfg.data.source is not DataSource.tokens:
@@ -255,6 +277,11 @@ def check_token_file(cfg: JobConfig, model_vocab_size: int | None) -> None:
         build_source(cfg, model_vocab_size)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    eval_key = f"data.eval_path={cfg.data.eval_path}" if cfg.data.eval_path else "data.path"
+    try:
+        open_eval_source(cfg, model_vocab_size)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{eval_key} (held-out data): {err}") from err
     tokenizers = {
         p: tokenizer_hash(Path(p) / TOKENIZER_DIR)
         for p in token_paths(cfg)

@@ -22,6 +22,9 @@ from slurm_autosp.compile import (
     set_sp_group,
 )
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
+from slurm_autosp.data import TokenFileSource
+from slurm_autosp.evaluate import Evaluator
+from slurm_autosp.launch.layout import ParallelLayout
 from slurm_autosp.verify import make_batch
 
 SEQ = 127  # not divisible by 2 or 4: exercises the SP padding
@@ -403,3 +406,53 @@ def fsdp2_held_bytes() -> dict:
     parameters = sum(p.numel() for p in engine.module.parameters())
     engine.close()
     return {"weights": weights, "grads": grads, "adam": adam, "parameters": parameters}
+
+
+# ------------------------------------------------------------------ held-out evaluation
+
+EVAL_SEQ = 61  # odd: the SP padding
+
+
+def held_out_eval(
+    path: str, sp_size: int, tile_tokens: int, micro_batch: int, samples: int
+) -> dict | None:
+    """Evaluator over the AutoSP-compiled model (MLPs tiled by `tile_tokens`) on SP x DP ranks,
+    after a training forward and backward (the graphs then run again without grad), against
+    the single-device loss of the same held-out samples; None on ranks other than 0."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    source = TokenFileSource(path, EVAL_SEQ, VOCAB)
+    model = tiny_model("llama", 2)
+    compile_model(model, backend_for(sp_size, True), per_layer=True, tile_tokens=tile_tokens)
+    set_sp_group(contiguous_sp_group(sp_size))
+    shard = prepare_sp_inputs(
+        source.sample(0).input_ids[None], sp_rank=rank % sp_size, sp_size=sp_size
+    )
+    causal_lm_loss(model, shard.model_kwargs(torch.tensor(1)), chunk_tokens=LOSS_CHUNK).backward()
+    layout = ParallelLayout.from_sp_groups(
+        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size))
+    )
+    evaluator = Evaluator(
+        source=source,
+        samples=samples,
+        every=0,
+        last_step=1,
+        layout=layout,
+        rank=rank,
+        device=torch.device("cpu"),
+        micro_batch=micro_batch,
+        chunk_tokens=LOSS_CHUNK,
+    )
+    result = evaluator.evaluate(model)
+    if rank != 0:
+        return None
+    ids = torch.stack([source.sample(i).input_ids for i in range(samples)])
+    with torch.no_grad():
+        reference = tiny_model("llama", 2)(input_ids=ids, labels=ids, use_cache=False).loss
+    return {
+        "loss": result.loss,
+        "ref_loss": float(reference),
+        "rel_error": abs(result.loss - float(reference)) / float(reference),
+        "tokens": result.tokens,
+        "ref_tokens": samples * (EVAL_SEQ - 1),
+        "still_training": model.training,
+    }

@@ -1,0 +1,140 @@
+"""Held-out evaluation: loss and perplexity on data the run does not train on, under the
+training's SP layout. No optimizer step and no gradient (torch.no_grad, the model in eval mode);
+the loss is the sum over every valid label of the evaluated samples over their count, the
+single-device eval loss, whatever the layout."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from slurm_autosp.compile import IGNORE_INDEX, prepare_sp_inputs
+from slurm_autosp.compile.chunked_loss import causal_lm_loss
+from slurm_autosp.compile.inputs import SPBatch
+from slurm_autosp.config import JobConfig
+from slurm_autosp.data import SampleSource, open_eval_source
+from slurm_autosp.launch.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter  # imported by the tracer, when it writes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float  # mean over every valid label of the evaluated samples
+    samples: int
+    tokens: int  # valid labels
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    """Evaluates the first `samples` held-out samples: each SP group reads the same sequences
+    and keeps its shard, DP groups split the samples; a DP rank short of samples in the last
+    round runs one without labels, so every rank runs the same forwards (collectives match)."""
+
+    source: SampleSource
+    samples: int
+    every: int  # steps between evaluations; 0: only after the last step
+    last_step: int
+    layout: ParallelLayout
+    rank: int
+    device: torch.device
+    micro_batch: int
+    chunk_tokens: int
+
+    def due(self, done: int) -> bool:
+        return done == self.last_step or (self.every > 0 and done % self.every == 0)
+
+    def evaluate(self, model: Any) -> EvalResult:
+        """`model` runs the forward (the engine, or the module itself)."""
+        module = getattr(model, "module", model)
+        was_training = module.training
+        module.train(False)
+        # The count is 1: each forward returns its label sum; the mean is taken once, at the end.
+        one = torch.ones((), dtype=torch.int64, device=self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        labels = 0
+        try:
+            with torch.no_grad():
+                for first in range(0, self.samples, self.layout.dp_size * self.micro_batch):
+                    batch = self._shard(first)
+                    loss = causal_lm_loss(
+                        model, batch.model_kwargs(one), chunk_tokens=self.chunk_tokens
+                    )
+                    loss_sum += loss.double()
+                    labels += batch.valid_labels
+        finally:
+            module.train(was_training)
+        totals = torch.stack([loss_sum, torch.tensor(labels, dtype=torch.float64)]).to(self.device)
+        # every SP rank holds a part of each sequence's labels: sum over the whole world
+        dist.all_reduce(totals)
+        count = int(totals[1])
+        return EvalResult(loss=float(totals[0] / max(count, 1)), samples=self.samples, tokens=count)
+
+    def _shard(self, first: int) -> SPBatch:
+        """This rank's shard of its micro-batch of the round starting at sample `first`."""
+        start = first + self.layout.dp_rank(self.rank) * self.micro_batch
+        ids, labels = [], []
+        for index in range(start, start + self.micro_batch):
+            sample = self.source.sample(index % self.samples)
+            ids.append(sample.input_ids)
+            target = sample.input_ids if sample.labels is None else sample.labels
+            labels.append(target if index < self.samples else torch.full_like(target, IGNORE_INDEX))
+        return prepare_sp_inputs(
+            torch.stack(ids).to(self.device),
+            torch.stack(labels).to(self.device),
+            sp_rank=self.layout.sp_rank(self.rank),
+            sp_size=self.layout.sp_size,
+        )
+
+    def report(self, step: int, result: EvalResult, writer: SummaryWriter | None) -> None:
+        """Rank 0: one log line, and eval/loss, eval/perplexity in TensorBoard."""
+        if self.rank != 0:
+            return
+        log.info(
+            "eval at step %d | loss %.4f | perplexity %.2f | %d samples, %d tokens",
+            step,
+            result.loss,
+            result.perplexity,
+            result.samples,
+            result.tokens,
+        )
+        if writer is not None:
+            writer.add_scalar("eval/loss", result.loss, step)
+            writer.add_scalar("eval/perplexity", result.perplexity, step)
+
+
+def build_evaluator(
+    cfg: JobConfig,
+    layout: ParallelLayout,
+    rank: int,
+    device: torch.device,
+    vocab_size: int | None,
+) -> Evaluator | None:
+    """None when the run has no held-out data. At most `train.eval_samples` samples: a smaller
+    held-out set is evaluated whole."""
+    source = open_eval_source(cfg, vocab_size)
+    if source is None:
+        return None
+    return Evaluator(
+        source=source,
+        samples=min(cfg.train.eval_samples, source.num_samples),
+        every=cfg.train.eval_every,
+        last_step=cfg.train.steps,
+        layout=layout,
+        rank=rank,
+        device=device,
+        micro_batch=cfg.train.micro_batch,
+        chunk_tokens=cfg.compile.loss_chunk_tokens,
+    )
