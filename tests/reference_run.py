@@ -14,8 +14,9 @@ REFERENCE_ARGS = [
 ]
 
 
-def train_reference(root: Path, zero_stage: int) -> Path:
-    """Train the reference under `zero_stage` into root/ref; returns the run directory."""
+def train_reference(root: Path, zero_stage: int, overrides: tuple[str, ...] = ()) -> Path:
+    """Train the reference under `zero_stage` (and `overrides`) into root/ref; returns the run
+    directory."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -26,6 +27,7 @@ def train_reference(root: Path, zero_stage: int) -> Path:
             f"parallel.zero_stage={zero_stage}",
             f"run.output_root={root}",
             "run.name=ref",
+            *overrides,
         ],
         cwd=REPO,
         capture_output=True,

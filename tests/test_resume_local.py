@@ -9,17 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_run import REFERENCE_ARGS, REFERENCE_STEPS
+from reference_run import REFERENCE_ARGS, REFERENCE_STEPS, train_reference
 from safetensors.torch import load_file
 from submitit.core.utils import pickle_load
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from slurm_autosp.data import SyntheticSource, write_token_file
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = REFERENCE_STEPS
 ARGS = [*REFERENCE_ARGS, "cluster.backend=local"]
 
 
-def submit_cmd(root, name, zero_stage=1):
+def submit_cmd(root, name, zero_stage=1, overrides=()):
     return [
         sys.executable,
         "-m",
@@ -28,6 +30,7 @@ def submit_cmd(root, name, zero_stage=1):
         f"parallel.zero_stage={zero_stage}",
         f"run.output_root={root}",
         f"run.name={name}",
+        *overrides,
     ]
 
 
@@ -48,10 +51,17 @@ def hf_weights(run_dir):
     return load_file(run_dir / "hf" / "model.safetensors")
 
 
-def interrupt_after_step(root, name, step, send, zero_stage):
+def sigusr2_to(folder):
+    """SLURM's pre-timeout signal, to the job's processes only (those of its submitit folder)."""
+    return lambda: subprocess.run(
+        ["pkill", f"-{signal.SIGUSR2.name}", "-f", f"submitit.core._submit {folder}"], check=True
+    )
+
+
+def interrupt_after_step(root, name, step, send, zero_stage, overrides=()):
     """Run a job and call `send()` once rank 0 has logged `step`; returns submit's stdout."""
     proc = subprocess.Popen(
-        submit_cmd(root, name, zero_stage),
+        submit_cmd(root, name, zero_stage, overrides),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -78,10 +88,7 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(
         tmp_path,
         "resumed",
         7,
-        lambda: subprocess.run(
-            ["pkill", f"-{signal.SIGUSR2.name}", "-f", f"submitit.core._submit {folder}"],
-            check=True,
-        ),
+        sigusr2_to(folder),
         zero_stage,
     )
     uninterrupted = uninterrupted_run(zero_stage)
@@ -120,6 +127,28 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(
     exported, reference_weights = hf_weights(tmp_path / "resumed"), hf_weights(uninterrupted)
     assert exported.keys() == reference_weights.keys()
     assert all(torch.equal(exported[name], reference_weights[name]) for name in exported)
+
+
+SHUFFLED_SAMPLES = 100  # of data.seq_len=256: an epoch is 50 steps, the run reads 3.2 epochs
+
+
+@pytest.mark.slow
+def test_run_on_shuffled_tokens_stopped_mid_epoch_resumes_with_identical_losses(tmp_path):
+    """The shuffled order is a function of the seed and the global sample index: a run stopped
+    in its first epoch reads, after the resume, exactly what an uninterrupted one reads, across
+    the later epochs' new orders too."""
+    tokens = tmp_path / "stream.tokens"
+    stream = SyntheticSource(vocab_size=256, seq_len=SHUFFLED_SAMPLES * 256, seed=1).sample(0)
+    write_token_file(tokens, stream.input_ids.numpy(), vocab_size=256)
+    data = ("data.source=tokens", f"data.path={tokens}", "data.shuffle=true")
+    reference = train_reference(tmp_path / "reference", 1, data)
+    folder = tmp_path / "resumed" / "submitit"
+    stdout = interrupt_after_step(tmp_path, "resumed", 7, sigusr2_to(folder), 1, data)
+    stopped = int(re.search(r"stopping at step (\d+) on SIGUSR2", stdout).group(1))
+    assert 7 <= stopped < SHUFFLED_SAMPLES // 2  # inside the first epoch (2 samples a step)
+    resumed = final_result(tmp_path / "resumed")
+    assert resumed.first_step == stopped
+    assert resumed.losses == final_result(reference).losses[stopped:]  # bitwise
 
 
 @pytest.mark.slow
