@@ -72,16 +72,21 @@ def tiny_llama_config():
 
 
 def _spec(policy: str):
-    from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+    from slurm_autosp.compile.checkpointing import CheckpointSpec
+    from slurm_autosp.config import ActivationCheckpointing
 
     return {
-        "none": CheckpointSpec(Policy.none),
-        "torch_default": CheckpointSpec(Policy.torch_default),
-        "full": CheckpointSpec(Policy.full),
-        "sac": CheckpointSpec(Policy.sac, budget=0.0),
-        "sac_replay_a2a": CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True),
-        "deepspeed": CheckpointSpec(Policy.torch_default),  # untagged: DeepSpeed's splice decides
-        "deepspeed_attn_kept": CheckpointSpec(Policy.torch_default),
+        "none": CheckpointSpec(ActivationCheckpointing.none),
+        "torch_default": CheckpointSpec(ActivationCheckpointing.torch_default),
+        "full": CheckpointSpec(ActivationCheckpointing.full),
+        "sac": CheckpointSpec(ActivationCheckpointing.sac, budget=0.0),
+        "sac_replay_a2a": CheckpointSpec(
+            ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True
+        ),
+        "deepspeed": CheckpointSpec(
+            ActivationCheckpointing.torch_default
+        ),  # untagged: DeepSpeed's splice decides
+        "deepspeed_attn_kept": CheckpointSpec(ActivationCheckpointing.torch_default),
     }[policy]
 
 

@@ -123,10 +123,6 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
                 hidden = layer(
                     hidden, position_embeddings=rotary, position_ids=position_ids, use_cache=False
                 )
-        if mode.startswith("full_tiled"):  # a tiled layer keeps its kwargs on its autograd node
-            saved.update(
-                {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in rotary}
-            )
         hidden.sum().backward()
         elapsed = time.perf_counter() - start
         if step:  # step 0 compiles
@@ -152,24 +148,26 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
 
 
 def _spec(mode: str):
-    from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+    from slurm_autosp.compile.checkpointing import CheckpointSpec
+    from slurm_autosp.config import ActivationCheckpointing
 
     if mode.startswith("full"):
-        return CheckpointSpec(Policy.full, recompute_all_to_all=True)
-    return CheckpointSpec(Policy.sac, budget=0.0)
+        return CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
+    return CheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
 
 
 def plan_prediction(mode: str, seq: int, tile: int) -> dict:
     import torch
 
-    from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+    from slurm_autosp.compile.checkpointing import CheckpointSpec
+    from slurm_autosp.config import ActivationCheckpointing
     from slurm_autosp.plan.layer_graph import tiled_layer_trace, trace_decoder_layer
 
     local = seq // SP
     tiled = "tiled" in mode.split("_")  # not "untiled"
     whole_layers = mode.startswith("full_tiled")
     spec = _spec(mode)
-    traced = CheckpointSpec(Policy.none) if whole_layers else spec
+    traced = CheckpointSpec(ActivationCheckpointing.none) if whole_layers else spec
     (trace,) = trace_decoder_layer(
         model_config(),
         local_seq=local,
@@ -179,10 +177,7 @@ def plan_prediction(mode: str, seq: int, tile: int) -> dict:
         tiled=tiled and not whole_layers,
     )
     if whole_layers:
-        (untiled,) = trace_decoder_layer(
-            model_config(), local_seq=local, sp_size=SP, dtype=torch.float32, specs=[spec]
-        )
-        trace = tiled_layer_trace(model_config(), spec, trace, untiled, torch.float32)
+        trace = tiled_layer_trace(model_config(), spec, trace, torch.float32)
     layers = 2 if mode.endswith("offloaded") else LAYERS
     return {
         "held": layers * trace.activation_bytes + trace.shared_bytes,
@@ -198,7 +193,7 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, out: str) -> 
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = 64  # six modes' backends compile the same layer code
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
-    rows = [run_mode(mode, args.seq, args.tile, args.steps) for mode in args.modes]
+    rows = [run_mode(mode, args.seq, args.tile, args.steps) for mode in MODES]
     if rank == 0:
         for row in rows:
             row["plan"] = plan_prediction(row["mode"], args.seq, args.tile)
@@ -239,12 +234,6 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--tile", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument(
-        "--modes",
-        type=lambda text: text.split(","),
-        default=MODES,
-        help=f"comma-separated, of {','.join(MODES)} (default: all)",
-    )
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ.setdefault(

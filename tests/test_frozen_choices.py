@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import slurm_autosp.plan.choose as choose
-from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
-from slurm_autosp.config import ConfigError, load_config, to_yaml
+from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
 from slurm_autosp.plan import TrainingChoices, plan_verdict, training_choices
 from slurm_autosp.plan.freeze import FROZEN_KEYS, freeze_choices
 from slurm_autosp.run import plan_or_adopt
@@ -35,7 +35,7 @@ def frozen_llama70b(tmp_path):
 def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_replanning):
     cfg, choices = frozen_llama70b(tmp_path)
     assert choices == TrainingChoices(
-        3, CheckpointSpec(Policy.full, recompute_all_to_all=True), 0, False
+        3, CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True), 0, False
     )
     written = tmp_path / "config.yaml"
     written.write_text(to_yaml(cfg))
@@ -64,7 +64,7 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
     requeued = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
     plan_or_adopt(requeued, restarted=True)
     assert training_choices(requeued) == TrainingChoices(
-        3, CheckpointSpec(Policy.sac, budget=0.5), 1024, True
+        3, CheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True
     )
 
 
@@ -72,7 +72,9 @@ def test_a_first_start_plans_and_refuses_a_job_that_does_not_fit(tmp_path):
     cfg = load_config(
         ["cfg=configs/llama70b_128k.yaml", f"run.output_root={tmp_path}", "parallel.zero_stage=1"]
     )
-    with pytest.raises(ConfigError, match=r"the job does not fit its GPUs: needs [\d.]+ GB per GPU under ZeRO-1"):
+    with pytest.raises(
+        ConfigError, match=r"the job does not fit its GPUs: needs [\d.]+ GB per GPU under ZeRO-1"
+    ):
         plan_or_adopt(cfg, restarted=False)
 
 

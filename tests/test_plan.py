@@ -10,8 +10,8 @@ import pytest
 import torch
 from slurm_helpers import REPO
 
-from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
-from slurm_autosp.config import load_config
+from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.config import ActivationCheckpointing, load_config
 from slurm_autosp.plan import (
     AUTO_CANDIDATES,
     build_plan,
@@ -129,7 +129,7 @@ def test_ladder_ends_with_tiling_then_offload_of_the_least_memory_policies():
 def test_tiling_and_offload_extend_the_longest_sequence_llama8b(llama8b_plan):
     """Each rung down the ladder trains a longer sequence than the untiled, resident rung."""
     memories = llama8b_plan.memories[3]
-    full_a2a = CheckpointSpec(Policy.full, recompute_all_to_all=True)
+    full_a2a = CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
     untiled, tiled = memories[Rung(full_a2a)], memories[Rung(full_a2a, tiled=True)]
     offloaded = memories[Rung(full_a2a, tiled=True, offload=True)]
     assert (
@@ -167,7 +167,7 @@ def test_tiled_layers_reach_1m_tokens_for_llama70b_on_8_nodes():
     plan = build_plan(
         load_config(["cfg=configs/llama70b_128k.yaml", "cluster.host_memory_gb=2048"])
     )
-    full_a2a = CheckpointSpec(Policy.full, recompute_all_to_all=True)
+    full_a2a = CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
     offloaded = plan.memories[3][Rung(full_a2a, tiled=True, offload=True)]
     assert plan.longest_seq(offloaded) >= 2**20
     local = plan.longest_seq(offloaded) // 8
@@ -224,7 +224,10 @@ def test_plan_prints_every_term_and_the_longest_sequence_per_policy(llama70b_pla
 def test_llama8b_32k_fits_with_sac_under_zero1(llama8b_plan):
     text, fits, reason = verdict(llama8b_plan)
     assert fits and "verdict: fits" in text and reason == "", text
-    assert llama8b_plan.zero_stage == 1 and llama8b_plan.configured.spec.policy is Policy.sac
+    assert (
+        llama8b_plan.zero_stage == 1
+        and llama8b_plan.configured.spec.policy is ActivationCheckpointing.sac
+    )
 
 
 def test_cpu_jobs_always_fit_without_tracing():
@@ -234,10 +237,10 @@ def test_cpu_jobs_always_fit_without_tracing():
 
 def test_without_a_plan_auto_and_the_stage_resolve_without_tracing():
     cpu = load_config(["cfg=configs/tiny_cpu.yaml", "parallel.zero_stage=null"])
-    assert checkpoint_spec_for(cpu) == CheckpointSpec(Policy.sac, budget=1.0)
+    assert checkpoint_spec_for(cpu) == CheckpointSpec(ActivationCheckpointing.sac, budget=1.0)
     assert zero_stage_for(cpu) == 1
     builder = load_config(["cluster.gpus_per_node=8", "model.builder=pkg.mod:fn"])
-    assert checkpoint_spec_for(builder) == CheckpointSpec(Policy.sac, budget=0.0)
+    assert checkpoint_spec_for(builder) == CheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
     assert zero_stage_for(builder) == 1
     assert zero_stage_for(load_config(["cluster.gpus_per_node=8", "parallel.zero_stage=3"])) == 3
 

@@ -16,7 +16,8 @@ from torch._inductor.compile_fx import compile_fx
 from torch.fx.node import Argument
 
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
-from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy, inductor_config_patches
+from slurm_autosp.compile.checkpointing import CheckpointSpec, inductor_config_patches
+from slurm_autosp.config import ActivationCheckpointing
 from slurm_autosp.heads import valid_sp_sizes
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -163,7 +164,7 @@ def compile_with_inductor(
 ) -> Callable:
     """Compile a rewritten graph to code with inductor, partitioning forward and backward under
     `checkpointing` (None: torch's default partitioner heuristics)."""
-    spec = checkpointing or CheckpointSpec(Policy.torch_default)
+    spec = checkpointing or CheckpointSpec(ActivationCheckpointing.torch_default)
     compiled = compile_fx(gm, list(example_inputs), config_patches=inductor_config_patches(spec))
     assert callable(compiled)  # ahead-of-time modes return paths or weights; this one code
     return compiled
@@ -182,7 +183,7 @@ class AutoSPBackend:
         if sp_size < 1:
             raise ValueError(f"sp_size must be >= 1, got {sp_size}")
         self.sp_size = sp_size
-        self.checkpointing = checkpointing or CheckpointSpec(Policy.torch_default)
+        self.checkpointing = checkpointing or CheckpointSpec(ActivationCheckpointing.torch_default)
         self.sdpa_calls_rewritten = 0
 
     def __repr__(self) -> str:

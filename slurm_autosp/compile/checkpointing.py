@@ -26,7 +26,6 @@ are saved.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import operator
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers the op
+from slurm_autosp.config import ActivationCheckpointing
 
 aten = torch.ops.aten
 ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
@@ -72,23 +72,19 @@ ATTENTION_BACKWARD_OPS = frozenset(
 )
 
 
-class Policy(str, enum.Enum):
-    sac = "sac"
-    none = "none"
-    full = "full"
-    torch_default = "torch_default"
-
-
 @dataclass(frozen=True)
 class CheckpointSpec:
-    """What the partitioner is told to save; `budget` applies to `sac` only."""
+    """What the partitioner is told to save; `budget` applies to `sac` only. A resolved policy:
+    `auto` is the memory plan's to turn into one of the others (plan.checkpoint_spec_for)."""
 
-    policy: Policy = Policy.sac
+    policy: ActivationCheckpointing = ActivationCheckpointing.sac
     budget: float = 0.0  # sac: fraction of the bytes of the tensors backward depends on kept (1: none recomputed)
     recompute_all_to_all: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "policy", ActivationCheckpointing(self.policy))
+        if self.policy is ActivationCheckpointing.auto:
+            raise ValueError("activation checkpointing auto is the memory plan's to resolve")
         if not 0.0 <= self.budget <= 1.0:
             raise ValueError(f"activation memory budget must be in [0, 1], got {self.budget}")
 
@@ -287,7 +283,7 @@ def tag_joint_graph(graph: fx.Graph, spec: CheckpointSpec) -> dict[str, int]:
     replayed) keep. Views are always recomputed (they are free).
     """
     counts = {"attention_kept": 0, "all_to_all_kept": 0, "kept": 0, "recomputed": 0}
-    if spec.policy is Policy.torch_default:
+    if spec.policy is ActivationCheckpointing.torch_default:
         return counts
     save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     nodes, backward = split_joint_graph(graph)
@@ -298,16 +294,18 @@ def tag_joint_graph(graph: fx.Graph, spec: CheckpointSpec) -> dict[str, int]:
         if node.target is operator.getitem:
             continue  # follows its producer, below
         if node.target in ATTENTION_OPS:
-            decisions[node] = recompute if spec.policy is Policy.full else save
-            counts["attention_kept"] += spec.policy is not Policy.full
+            decisions[node] = recompute if spec.policy is ActivationCheckpointing.full else save
+            counts["attention_kept"] += spec.policy is not ActivationCheckpointing.full
         elif node.target is ALL_TO_ALL:
             decisions[node] = recompute if spec.recompute_all_to_all else save
             counts["all_to_all_kept"] += not spec.recompute_all_to_all
         elif _is_random(node):
             decisions[node] = save  # never replay randomness
-        elif spec.policy is Policy.none:
+        elif spec.policy is ActivationCheckpointing.none:
             decisions[node] = save
-        elif spec.policy is Policy.full or is_view(node) or tensor_bytes(node) == 0:
+        elif (
+            spec.policy is ActivationCheckpointing.full or is_view(node) or tensor_bytes(node) == 0
+        ):
             decisions[node] = recompute
         else:
             decisions[node] = recompute
@@ -353,7 +351,7 @@ class CheckpointPass(CustomGraphPass):
 
 def inductor_config_patches(spec: CheckpointSpec) -> dict[str, Any]:
     """Inductor config under which `compile_fx` applies `spec` (empty for torch_default)."""
-    if spec.policy is Policy.torch_default:
+    if spec.policy is ActivationCheckpointing.torch_default:
         return {}
     return {"joint_custom_post_pass": CheckpointPass(spec)}
 

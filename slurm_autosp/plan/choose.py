@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import ActivationCheckpointing, JobConfig, Precision
 from slurm_autosp.plan.layer_graph import tiled_layer_trace, trace_decoder_layer
@@ -91,12 +91,12 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
             tiled=tiled,
         )
         traces.update({(spec, tiled): t for spec, t in zip(specs, layer_traces, strict=True)})
-    keep_all = next(t for (spec, tiled), t in traces.items() if spec.policy is Policy.none)
+    keep_all = next(
+        t for (spec, tiled), t in traces.items() if spec.policy is ActivationCheckpointing.none
+    )
     for rung in rungs:
         if rung.tiled and tiles_whole_layers(rung.spec):
-            traces[rung.spec, True] = tiled_layer_trace(
-                cfg.model, rung.spec, keep_all, traces[rung.spec, False], dtype
-            )
+            traces[rung.spec, True] = tiled_layer_trace(cfg.model, rung.spec, keep_all, dtype)
     size = model_size(cfg)
     gpu_bytes = cfg.cluster.gpu_memory_gb * GB
     memories = {
@@ -174,5 +174,7 @@ def checkpoint_spec_for(cfg: JobConfig) -> CheckpointSpec:
         return build_plan(cfg).configured.spec
     budget = 1.0 if not cfg.cluster.uses_gpus else 0.0
     return CheckpointSpec(
-        Policy.sac, budget=budget, recompute_all_to_all=cfg.compile.recompute_all_to_all
+        ActivationCheckpointing.sac,
+        budget=budget,
+        recompute_all_to_all=cfg.compile.recompute_all_to_all,
     )

@@ -5,7 +5,6 @@ different policy, tiling or offload would change the memory the job was admitted
 
 from __future__ import annotations
 
-from slurm_autosp.compile.checkpointing import Policy
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 from slurm_autosp.plan.choose import TrainingChoices
 
@@ -25,7 +24,9 @@ def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> None:
     spec = choices.checkpointing
     cfg.parallel.zero_stage = choices.zero_stage
     cfg.compile.activation_checkpointing = ActivationCheckpointing(spec.policy.value)
-    cfg.compile.activation_memory_budget = spec.budget if spec.policy is Policy.sac else None
+    cfg.compile.activation_memory_budget = (
+        spec.budget if spec.policy is ActivationCheckpointing.sac else None
+    )
     cfg.compile.recompute_all_to_all = spec.recompute_all_to_all
     cfg.compile.tile_tokens = choices.tile_tokens
     cfg.compile.offload_activations = choices.offload_activations

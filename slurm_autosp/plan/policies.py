@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 
@@ -32,7 +32,9 @@ class Rung:
 
 def _sac_candidates(recompute_all_to_all: bool) -> tuple[CheckpointSpec, ...]:
     return tuple(
-        CheckpointSpec(Policy.sac, budget=x, recompute_all_to_all=recompute_all_to_all)
+        CheckpointSpec(
+            ActivationCheckpointing.sac, budget=x, recompute_all_to_all=recompute_all_to_all
+        )
         for x in SAC_BUDGETS
     )
 
@@ -40,15 +42,15 @@ def _sac_candidates(recompute_all_to_all: bool) -> tuple[CheckpointSpec, ...]:
 # What `auto` chooses from, least recomputation first.
 AUTO_CANDIDATES = (
     *_sac_candidates(False),
-    CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True),
-    CheckpointSpec(Policy.full),
-    CheckpointSpec(Policy.full, recompute_all_to_all=True),
+    CheckpointSpec(ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True),
+    CheckpointSpec(ActivationCheckpointing.full),
+    CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True),
 )
 
 
 _LEAST_MEMORY = (
-    CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True),
-    CheckpointSpec(Policy.full, recompute_all_to_all=True),
+    CheckpointSpec(ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True),
+    CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True),
 )
 
 
@@ -114,8 +116,8 @@ def checkpoint_candidates(cfg: JobConfig) -> tuple[CheckpointSpec, ...]:
         return AUTO_CANDIDATES
     if policy_from_plan(cfg):
         return _sac_candidates(c.recompute_all_to_all)
-    policy = Policy(c.activation_checkpointing.value)
-    budget = c.activation_memory_budget if policy is Policy.sac else 0.0
+    policy = ActivationCheckpointing(c.activation_checkpointing.value)
+    budget = c.activation_memory_budget if policy is ActivationCheckpointing.sac else 0.0
     assert budget is not None  # a null sac budget is the plan's to choose (policy_from_plan)
     return (CheckpointSpec(policy, budget=budget, recompute_all_to_all=c.recompute_all_to_all),)
 
@@ -124,11 +126,11 @@ def traced_specs(cfg: JobConfig) -> list[CheckpointSpec]:
     """Every policy of the plan's table, the candidates included, once each."""
     a2a = cfg.compile.recompute_all_to_all
     table = [
-        CheckpointSpec(Policy.none, recompute_all_to_all=a2a),
-        CheckpointSpec(Policy.torch_default),
+        CheckpointSpec(ActivationCheckpointing.none, recompute_all_to_all=a2a),
+        CheckpointSpec(ActivationCheckpointing.torch_default),
         *_sac_candidates(a2a),
         *AUTO_CANDIDATES,
-        CheckpointSpec(Policy.full, recompute_all_to_all=a2a),
+        CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=a2a),
     ]
     return list(dict.fromkeys([*table, *checkpoint_candidates(cfg)]))
 
@@ -137,9 +139,9 @@ def spec_label(spec: CheckpointSpec) -> str:
     """e.g. "sac (budget 0.5, all-to-all recomputed)"."""
     a2a = (
         "all-to-all recomputed"
-        if spec.recompute_all_to_all and spec.policy is not Policy.torch_default
+        if spec.recompute_all_to_all and spec.policy is not ActivationCheckpointing.torch_default
         else ""
     )
-    if spec.policy is Policy.sac:
+    if spec.policy is ActivationCheckpointing.sac:
         return f"sac (budget {spec.budget:g}{', ' + a2a if a2a else ''})"
     return f"{spec.policy.value} ({a2a})" if a2a else spec.policy.value

@@ -18,20 +18,20 @@ from slurm_autosp.compile import (
     prepare_sp_inputs,
     set_sp_group,
 )
-from slurm_autosp.compile.checkpointing import CheckpointPass, CheckpointSpec, Policy
+from slurm_autosp.compile.checkpointing import CheckpointPass, CheckpointSpec
 from slurm_autosp.compile.chunked_loss import chunked_cross_entropy
-from slurm_autosp.config import ModelConfig
+from slurm_autosp.config import ActivationCheckpointing, ModelConfig
 from slurm_autosp.plan.layer_graph import trace_decoder_layer
 
 TOLERANCE = 1e-5
 SPECS = {
-    "none": CheckpointSpec(Policy.none),
-    "sac_budget0": CheckpointSpec(Policy.sac, budget=0.0),
+    "none": CheckpointSpec(ActivationCheckpointing.none),
+    "sac_budget0": CheckpointSpec(ActivationCheckpointing.sac, budget=0.0),
     "sac_budget0_replay_all_to_all": CheckpointSpec(
-        Policy.sac, budget=0.0, recompute_all_to_all=True
+        ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True
     ),
-    "sac_budget0.5": CheckpointSpec(Policy.sac, budget=0.5),
-    "full": CheckpointSpec(Policy.full),
+    "sac_budget0.5": CheckpointSpec(ActivationCheckpointing.sac, budget=0.5),
+    "full": CheckpointSpec(ActivationCheckpointing.full),
 }
 # Each policy is one more compile of the model (~1 min on a loaded 2-core machine): the SP=2
 # equivalence test runs these; the others are covered structurally by the traces below.
@@ -115,14 +115,14 @@ def test_sac_sp2_loss_and_gradients_equal_no_checkpointing_and_save_less(pool2):
 @pytest.fixture(scope="module")
 def tiny_traces():
     specs = [
-        CheckpointSpec(Policy.sac, budget=b, recompute_all_to_all=a)
+        CheckpointSpec(ActivationCheckpointing.sac, budget=b, recompute_all_to_all=a)
         for b in (0.0, 0.5, 1.0)
         for a in (False, True)
     ]
     specs += [
-        CheckpointSpec(Policy.none),
-        CheckpointSpec(Policy.full),
-        CheckpointSpec(Policy.torch_default),
+        CheckpointSpec(ActivationCheckpointing.none),
+        CheckpointSpec(ActivationCheckpointing.full),
+        CheckpointSpec(ActivationCheckpointing.torch_default),
     ]
     traces = trace_decoder_layer(
         ModelConfig(), local_seq=2048, sp_size=2, specs=specs, dtype=torch.float32
@@ -133,19 +133,19 @@ def tiny_traces():
 def test_sac_never_recomputes_attention_nor_saves_an_s_squared_tensor(tiny_traces):
     for spec, trace in tiny_traces.items():
         assert trace.quadratic_saved == [], (spec, trace.quadratic_saved)
-        if spec.policy is Policy.sac:
+        if spec.policy is ActivationCheckpointing.sac:
             assert trace.recomputed_attention == 0, spec
-    assert tiny_traces[CheckpointSpec(Policy.full)].recomputed_attention == 1
+    assert tiny_traces[CheckpointSpec(ActivationCheckpointing.full)].recomputed_attention == 1
 
 
 def test_all_to_all_is_replayed_in_backward_only_when_configured(tiny_traces):
     for spec, trace in tiny_traces.items():
-        if spec.policy is Policy.sac and not spec.recompute_all_to_all:
+        if spec.policy is ActivationCheckpointing.sac and not spec.recompute_all_to_all:
             assert trace.all_to_all_backward == 4, spec  # the gradients of q, k, v and the output
     # replayed at budget 0: q, k, v for attention's backward, the output for o_proj's
     assert (
         tiny_traces[
-            CheckpointSpec(Policy.sac, budget=0.0, recompute_all_to_all=True)
+            CheckpointSpec(ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True)
         ].all_to_all_backward
         == 8
     )
@@ -153,10 +153,12 @@ def test_all_to_all_is_replayed_in_backward_only_when_configured(tiny_traces):
 
 def test_sac_budget_orders_saved_memory_and_budget_1_recomputes_nothing(tiny_traces):
     saved = {s: t.activation_bytes for s, t in tiny_traces.items()}
-    budgets = [saved[CheckpointSpec(Policy.sac, budget=b)] for b in (0.0, 0.5, 1.0)]
+    budgets = [
+        saved[CheckpointSpec(ActivationCheckpointing.sac, budget=b)] for b in (0.0, 0.5, 1.0)
+    ]
     assert budgets == sorted(budgets) and budgets[0] < budgets[-1], budgets
-    assert budgets[-1] == saved[CheckpointSpec(Policy.none)]
-    assert tiny_traces[CheckpointSpec(Policy.sac, budget=1.0)].recompute_flops == 0
+    assert budgets[-1] == saved[CheckpointSpec(ActivationCheckpointing.none)]
+    assert tiny_traces[CheckpointSpec(ActivationCheckpointing.sac, budget=1.0)].recompute_flops == 0
 
 
 def test_policy_is_part_of_the_inductor_cache_key():

@@ -26,10 +26,11 @@ from train_cases import (
 )
 
 from slurm_autosp.compile import AutoSPBackend, compile_model, set_sp_group
-from slurm_autosp.compile.checkpointing import CheckpointSpec, Policy
+from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile.tiled_layer import SequenceTiledLayer
 from slurm_autosp.compile.tiling import SequenceTiled
+from slurm_autosp.config import ActivationCheckpointing
 from slurm_autosp.verify import make_batch
 
 _full_backends: dict[tuple[int, bool], AutoSPBackend] = {}
@@ -41,7 +42,7 @@ def backend_for(sp_size: int, per_layer: bool, whole_layers: bool = False) -> Au
     layout and process of our own."""
     if not whole_layers:
         return _sp_cases_backend_for(sp_size, per_layer)
-    spec = CheckpointSpec(Policy.full)
+    spec = CheckpointSpec(ActivationCheckpointing.full)
     return _full_backends.setdefault((sp_size, per_layer), AutoSPBackend(sp_size, spec))
 
 
