@@ -123,6 +123,10 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
                 hidden = layer(
                     hidden, position_embeddings=rotary, position_ids=position_ids, use_cache=False
                 )
+        if mode.startswith("full_tiled"):  # a tiled layer keeps its kwargs on its autograd node
+            saved.update(
+                {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in rotary}
+            )
         hidden.sum().backward()
         elapsed = time.perf_counter() - start
         if step:  # step 0 compiles
@@ -177,7 +181,10 @@ def plan_prediction(mode: str, seq: int, tile: int) -> dict:
         tiled=tiled and not whole_layers,
     )
     if whole_layers:
-        trace = tiled_layer_trace(model_config(), spec, trace, torch.float32)
+        (untiled,) = trace_decoder_layer(
+            model_config(), local_seq=local, sp_size=SP, dtype=torch.float32, specs=[spec]
+        )
+        trace = tiled_layer_trace(model_config(), spec, trace, untiled, torch.float32)
     layers = 2 if mode.endswith("offloaded") else LAYERS
     return {
         "held": layers * trace.activation_bytes + trace.shared_bytes,
@@ -193,7 +200,7 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, out: str) -> 
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = 64  # six modes' backends compile the same layer code
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
-    rows = [run_mode(mode, args.seq, args.tile, args.steps) for mode in MODES]
+    rows = [run_mode(mode, args.seq, args.tile, args.steps) for mode in args.modes]
     if rank == 0:
         for row in rows:
             row["plan"] = plan_prediction(row["mode"], args.seq, args.tile)
@@ -234,6 +241,12 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--tile", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--modes",
+        type=lambda text: text.split(","),
+        default=MODES,
+        help=f"comma-separated, of {','.join(MODES)} (default: all)",
+    )
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ.setdefault(

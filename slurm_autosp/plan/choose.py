@@ -96,7 +96,9 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
     )
     for rung in rungs:
         if rung.tiled and tiles_whole_layers(rung.spec):
-            traces[rung.spec, True] = tiled_layer_trace(cfg.model, rung.spec, keep_all, dtype)
+            traces[rung.spec, True] = tiled_layer_trace(
+                cfg.model, rung.spec, keep_all, traces[rung.spec, False], dtype
+            )
     size = model_size(cfg)
     gpu_bytes = cfg.cluster.gpu_memory_gb * GB
     memories = {
