@@ -22,7 +22,11 @@ def held_out(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize(
     ("sp_size", "tile_tokens"),
-    [(2, 0), (1, 0), pytest.param(2, 16, marks=pytest.mark.slow)],
+    [
+        (2, 0),
+        pytest.param(1, 0, marks=pytest.mark.slow),
+        pytest.param(2, 16, marks=pytest.mark.slow),
+    ],
     ids=["sp2", "dp2", "sp2_tiled"],
 )
 def test_sp_eval_loss_equals_single_device_eval_loss(pool2, held_out, sp_size, tile_tokens):
