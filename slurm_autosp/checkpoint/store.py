@@ -19,7 +19,7 @@ import shutil
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -45,6 +45,17 @@ TRAINER_STATE = "trainer_state.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or resumed; the message says which and why."""
+
+
+class EngineState(Protocol):
+    """What a checkpoint needs of an engine (engine.base.TrainEngine has it): its name, recorded
+    so that a checkpoint resumes only under the engine that wrote it, and its own format."""
+
+    name: str
+
+    def save(self, path: Path) -> None: ...
+
+    def load(self, path: Path) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -128,7 +139,7 @@ class CheckpointStore:
             log.warning("removing %s, a save that never completed", partial)
             shutil.rmtree(partial, ignore_errors=True)
 
-    def save(self, engine: Any, state: TrainerState) -> Path:
+    def save(self, engine: EngineState, state: TrainerState) -> Path:
         final = self.root / step_dir_name(state.step)
         partial = self.root / f".{final.name}.partial"
         if self.rank == 0:
@@ -188,7 +199,7 @@ class CheckpointStore:
                 found.insert(0, target)
         return found
 
-    def load_latest(self, engine: Any, settings: dict[str, Any]) -> TrainerState | None:
+    def load_latest(self, engine: EngineState, settings: dict[str, Any]) -> TrainerState | None:
         """Resume from the newest checkpoint that verifies (skip and name the others), if it
         belongs to the run this job's `settings` (identity.run_settings) describe."""
         for candidate in self.checkpoints():
