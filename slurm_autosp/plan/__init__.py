@@ -7,10 +7,11 @@ from slurm_autosp.plan.choose import (
     training_choices,
     zero_stage_for,
 )
+from slurm_autosp.plan.decision import PlanVerdict, plan_verdict
 from slurm_autosp.plan.layer_graph import LayerTrace, SavedTensor, trace_decoder_layer
 from slurm_autosp.plan.memory import MemoryPlan, ModelSize, PolicyMemory, model_size
 from slurm_autosp.plan.policies import AUTO_CANDIDATES
-from slurm_autosp.plan.render import PlanVerdict, plan_verdict, render
+from slurm_autosp.plan.render import render
 from slurm_autosp.plan.verdict import verdict
 
 __all__ = [

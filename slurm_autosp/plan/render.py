@@ -1,20 +1,9 @@
-"""The plan as printed, by `python -m slurm_autosp.plan` and by submit (`plan_verdict`), which
-also refuses a job on its verdict."""
+"""The plan as printed, by `python -m slurm_autosp.plan` and by submit (plan.decision)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-from slurm_autosp.checkpoint.estimate import signal_delay_warning
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
-from slurm_autosp.config import JobConfig
 from slurm_autosp.model import hf_config
-from slurm_autosp.plan.choose import (
-    TrainingChoices,
-    build_plan,
-    choices_from_plan,
-    training_choices,
-)
 from slurm_autosp.plan.memory import GB, MemoryPlan
 from slurm_autosp.plan.verdict import verdict
 
@@ -98,34 +87,3 @@ def offload_line(plan: MemoryPlan) -> str:
         f"{c.host_link_gb_per_s:g} GB/s = {seconds * 1e3:.0f} ms, {hidden} the layer's forward "
         f"({compute * 1e3:.0f} ms at {OFFLOAD_REFERENCE_MFU:.0%} of {peak:g} TFLOP/s)"
     )
-
-
-class PlanVerdict(NamedTuple):
-    text: str  # the plan as printed
-    fits: bool
-    reason: str  # why not; empty when it fits
-    choices: TrainingChoices  # what the job will train with
-
-
-def plan_verdict(cfg: JobConfig) -> PlanVerdict:
-    """What submit prints and decides on. CPU jobs have no GPU memory to plan against: they
-    always fit."""
-    if not cfg.cluster.uses_gpus:
-        return PlanVerdict(
-            "memory plan: CPU ranks, no GPU memory to plan against", True, "", training_choices(cfg)
-        )
-    if cfg.model.builder:
-        return PlanVerdict(
-            "memory plan: not available for model.builder models (the plan traces a Hugging Face "
-            "decoder layer); nothing checked",
-            True,
-            "",
-            training_choices(cfg),
-        )
-    plan = build_plan(cfg)
-    text = render(plan)
-    _, fits, reason = verdict(plan)
-    warning = signal_delay_warning(cfg, plan.parameters, plan.zero_stage)
-    if warning:
-        text += f"\nwarning: {warning}"
-    return PlanVerdict(text, fits, reason, choices_from_plan(plan))
