@@ -16,7 +16,7 @@ import sys
 from slurm_autosp.cli import arguments, config_error, take_flag
 from slurm_autosp.config import ConfigError, JobConfig, load_config
 from slurm_autosp.data import check_token_file
-from slurm_autosp.launch.job import LockClaim, TrainingJob
+from slurm_autosp.job import LockClaim, TrainingJob
 from slurm_autosp.launch.placement import plan_layout
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
 from slurm_autosp.plan import plan_verdict

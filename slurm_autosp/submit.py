@@ -33,13 +33,13 @@ from slurm_autosp.checkpoint.lock import SUBMITTING, RunLock, acquire_lock, rele
 from slurm_autosp.cli import arguments, config_error, take_flag
 from slurm_autosp.config import Backend, ConfigError, JobConfig, load_config, to_yaml
 from slurm_autosp.data import check_token_file
+from slurm_autosp.job import LockClaim, TrainingJob, collective_env_for
 from slurm_autosp.launch.executor import (
     build_executor,
     resolve_backend,
     sbatch_script,
     submitit_dir,
 )
-from slurm_autosp.launch.job import LockClaim, TrainingJob, collective_env_for
 from slurm_autosp.launch.layout import ParallelLayout
 from slurm_autosp.launch.placement import plan_layout
 from slurm_autosp.launch.run_dir import prepare_run_dir

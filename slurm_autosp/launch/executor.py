@@ -9,6 +9,7 @@ from typing import Any
 
 import submitit
 
+from slurm_autosp import compat
 from slurm_autosp.config import Backend, ClusterConfig, ConfigError, JobConfig
 
 SLURM_TOOLS = ("sbatch", "srun")
@@ -110,6 +111,6 @@ def sbatch_script(cfg: JobConfig) -> str:
     from the parameters build_executor gives it, the way AutoExecutor translates them."""
     slurm = _ScriptOnlySlurmExecutor(submitit_dir(cfg.run.dir))
     slurm.update_parameters(
-        **slurm._convert_parameters(_shared_parameters(cfg)), **_slurm_parameters(cfg.cluster)
+        **compat.slurm_parameters(slurm, _shared_parameters(cfg)), **_slurm_parameters(cfg.cluster)
     )
-    return slurm._make_submission_file_text(slurm._submitit_command_str, uid="dry-run")
+    return compat.sbatch_text(slurm, uid="dry-run")

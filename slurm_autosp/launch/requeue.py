@@ -17,6 +17,8 @@ from typing import NoReturn
 import submitit
 import torch.distributed as dist
 
+from slurm_autosp import compat
+
 log = logging.getLogger(__name__)
 
 REQUEUES = "requeues.jsonl"
@@ -70,8 +72,7 @@ def requeue_and_exit(run_dir: Path, rank: int, max_requeues: int) -> NoReturn:
         log.info("requeueing (restart %d of at most %d)", restarts + 1, max_requeues)
         _record(run_dir, job_env.job_id, restarts + 1)
         try:
-            # submitit's per-backend requeue: scontrol on SLURM, the local controller's exit code otherwise.
-            job_env._requeue(max_requeues - restarts - 1)
+            compat.requeue(job_env, max_requeues - restarts - 1)
         except subprocess.CalledProcessError as err:
             # On preemption with PreemptMode=REQUEUE, SLURM is requeueing the job itself.
             log.warning("scontrol requeue failed (%s); relying on SLURM's own requeue", err)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from slurm_autosp.launch.job import TrainingJob
+from slurm_autosp.job import TrainingJob
 
 if TYPE_CHECKING:  # the measuring modules import the compiler: only after the environment
     from slurm_autosp.checkpoint.signals import StopRequest

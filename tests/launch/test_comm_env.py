@@ -4,9 +4,10 @@ import os
 
 import pytest
 
-from slurm_autosp.config import Fabric, Vendor
+from slurm_autosp import compat
+from slurm_autosp.config import Fabric, Vendor, load_config
+from slurm_autosp.job import collective_env_for, private_cache_dir
 from slurm_autosp.launch.comm_env import collective_env, collective_env_settings
-from slurm_autosp.launch.job import private_cache_dir
 
 RUN_DIR = "/shared/runs/llama70b_128k"
 
@@ -57,6 +58,18 @@ def test_user_values_always_win():
     user = {"FI_PROVIDER": "tcp", "NCCL_DEBUG": "WARN", "TRITON_CACHE_DIR": "/home/me/triton"}
     e = env(fabric="efa", user_env=user, debug=True)
     assert {k: e[k] for k in user} == user
+
+
+def test_torchs_exported_default_cache_is_not_taken_for_the_users_choice():
+    """Importing torch._dynamo exports TORCHINDUCTOR_CACHE_DIR=torch's default (also into the
+    job's environment, from the submitting process): the node-local cache still applies."""
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml"])
+    default = {"TORCHINDUCTOR_CACHE_DIR": compat.inductor_default_cache_dir(), "TMPDIR": "/local"}
+    assert collective_env_for(cfg, default)["TORCHINDUCTOR_CACHE_DIR"] == (
+        f"/local/slurm_autosp_cache_{os.getuid()}/inductor"
+    )
+    mine = {"TORCHINDUCTOR_CACHE_DIR": "/scratch/me/inductor"}
+    assert collective_env_for(cfg, mine)["TORCHINDUCTOR_CACHE_DIR"] == "/scratch/me/inductor"
 
 
 def test_a_user_value_under_another_name_wins_too():

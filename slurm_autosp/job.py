@@ -1,4 +1,11 @@
-"""What every rank runs: the callable submitit pickles into the job."""
+"""What every rank runs: the callable submitit pickles into the job.
+
+Above train in the dependency order (config -> launch/compile/engine -> train -> job -> the
+commands). Importing train imports torch._dynamo, which exports torch's default
+TORCHINDUCTOR_CACHE_DIR when imported; inductor reads the variable each time it opens its
+cache, and DeepSpeed (imported by its engine when built) reads DS_ACCELERATOR on its first
+get_accelerator(): both are set in `TrainingJob.__call__`, before either is used.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +16,21 @@ import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import submitit
 import torch
 import torch.distributed as dist
 
+from slurm_autosp import compat
 from slurm_autosp.checkpoint.lock import RunLock, acquire_lock, release_lock
+from slurm_autosp.checkpoint.signals import StopRequest
 from slurm_autosp.config import ConfigError, JobConfig, Vendor
+from slurm_autosp.launch.comm_env import collective_env
+from slurm_autosp.launch.distributed import DistContext, init_distributed
+from slurm_autosp.launch.placement import Parallel, build_parallel, verify_topology
 from slurm_autosp.launch.run_dir import prepare_run_dir
-
-if TYPE_CHECKING:
-    from slurm_autosp.checkpoint.signals import StopRequest
-    from slurm_autosp.launch.distributed import DistContext
-    from slurm_autosp.launch.placement import Parallel
+from slurm_autosp.train import train
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +56,6 @@ class TrainingJob:
         self.claim = claim
 
     def __call__(self):
-        from slurm_autosp.checkpoint.signals import StopRequest
-        from slurm_autosp.launch.distributed import init_distributed
-        from slurm_autosp.launch.placement import build_parallel, verify_topology
-
         stop = StopRequest.install()
         cfg = self.cfg
         job_env = submitit.JobEnvironment()
@@ -89,9 +93,6 @@ class TrainingJob:
     def work(self, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> Any:
         """What the job does once the process group, the run and the layout are set: train.
         A subclass does other work on the same path (the probe)."""
-        # imported after the environment is set: inductor reads its cache dir on import
-        from slurm_autosp.train import train
-
         return train(self.cfg, ctx, parallel, stop)
 
 
@@ -116,10 +117,13 @@ def _claim_run(cfg: JobConfig, job_env: submitit.JobEnvironment, claim: LockClai
 
 def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str, str]:
     """The NCCL/RCCL settings for this job's vendor and fabric; `cluster.env` and anything in
-    `inherited` (the job's own environment) win over ours."""
-    from slurm_autosp.launch.comm_env import collective_env
-
+    `inherited` (the job's own environment) win over ours. A TORCHINDUCTOR_CACHE_DIR equal to
+    torch's default is not the user's: importing torch._dynamo exports it (in the submitting
+    process too, whose environment the job inherits)."""
     c = cfg.cluster
+    inherited = dict(inherited)
+    if inherited.get("TORCHINDUCTOR_CACHE_DIR") == compat.inductor_default_cache_dir():
+        del inherited["TORCHINDUCTOR_CACHE_DIR"]
     env = collective_env(
         c.vendor if c.uses_gpus else Vendor.none,
         c.fabric,
