@@ -34,6 +34,7 @@ from slurm_autosp.launch.distributed import DistContext
 from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.launch.requeue import requeue_and_exit
 from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
+from slurm_autosp.plan import training_choices
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,6 @@ def compile_for_sp(
 
 
 def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> TrainResult:
-    from slurm_autosp.plan import training_choices
-
     choices = training_choices(cfg)
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, ctx.device, choices.zero_stage)
