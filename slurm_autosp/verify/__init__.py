@@ -1,0 +1,35 @@
+"""Check, before spending GPU hours, that AutoSP trains your model exactly as one device would:
+`python -m slurm_autosp.verify` (the command and its arguments: verify.command).
+
+options: the `verify.*` keys and the shrunk model; ranks: what every rank runs; report: the
+figures, which fail and why; command: spawning the ranks, the exit status.
+"""
+
+from slurm_autosp.verify.command import main, run_verify
+from slurm_autosp.verify.options import (
+    Inject,
+    VerifyOptions,
+    load_options,
+    shrink_model_config,
+    split_arguments,
+    verify_seq_len,
+)
+from slurm_autosp.verify.ranks import make_batch, run_rank, shift_labels_per_shard
+from slurm_autosp.verify.report import Report, failures, format_report
+
+__all__ = [
+    "Inject",
+    "Report",
+    "VerifyOptions",
+    "failures",
+    "format_report",
+    "load_options",
+    "main",
+    "make_batch",
+    "run_rank",
+    "run_verify",
+    "shift_labels_per_shard",
+    "shrink_model_config",
+    "split_arguments",
+    "verify_seq_len",
+]

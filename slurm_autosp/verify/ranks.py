@@ -1,0 +1,208 @@
+"""What every verify rank runs: the AutoSP step and, on rank 0, the single-device reference."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from slurm_autosp.config import JobConfig, ModelConfig
+from slurm_autosp.verify.options import (
+    Inject,
+    VerifyOptions,
+    shrink_model_config,
+    verify_seq_len,
+)
+from slurm_autosp.verify.report import Report
+
+
+def force_full_fp32() -> None:
+    """No TF32 or reduced-precision matmuls: the comparison is against exact fp32."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def make_batch(rows: int, seq_len: int, vocab_size: int, seed: int) -> dict[str, Any]:
+    """Random tokens, with ignored labels thinning out along the sequence (90% ignored at the
+    start, none at the end), so SP shards hold very different numbers of valid labels."""
+    import torch
+
+    from slurm_autosp.compile import IGNORE_INDEX
+
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, vocab_size, (rows, seq_len), generator=generator)
+    labels = input_ids.clone()
+    ignored = torch.rand(rows, seq_len, generator=generator) < torch.linspace(0.9, 0.0, seq_len)
+    labels[ignored] = IGNORE_INDEX
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def shift_labels_per_shard(labels: Any, sp_rank: int, sp_size: int) -> Any:
+    """THE BUG verify must catch: shard the labels first, then shift inside the shard. The last
+    token of every shard loses its target (the first token of the next shard)."""
+    import torch
+    import torch.nn.functional as F
+
+    from slurm_autosp.compile import IGNORE_INDEX
+
+    padded = F.pad(labels, (0, -labels.shape[1] % sp_size), value=IGNORE_INDEX)
+    shard = padded.shape[1] // sp_size
+    local = padded[:, sp_rank * shard : (sp_rank + 1) * shard]
+    return torch.cat(
+        [local[:, 1:], torch.full_like(local[:, :1], IGNORE_INDEX)], dim=1
+    ).contiguous()
+
+
+def _per_token_loss(logits: Any, shift_labels: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.detach().float().transpose(1, 2), shift_labels, reduction="none")
+
+
+def _reference(model: Any, batch: dict[str, Any]) -> tuple[float, Any, dict[str, Any]]:
+    """The plain model on one device: loss, per-token losses [B, S], gradients."""
+    import torch
+
+    from slurm_autosp.compile import IGNORE_INDEX
+
+    labels = batch["labels"]
+    out = model(input_ids=batch["input_ids"], labels=labels, use_cache=False)
+    out.loss.backward()
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return float(out.loss.detach()), _per_token_loss(out.logits, shifted), grads
+
+
+def run_rank(
+    rank: int,
+    world_size: int,
+    cfg: JobConfig,
+    options: VerifyOptions,
+    init_file: str,
+    result_file: str,
+) -> None:
+    """One rank: an AutoSP step on its shard, gradients averaged over the world; rank 0 also
+    runs the reference and writes the report."""
+    import torch
+    import torch.distributed as dist
+
+    from slurm_autosp.compile import (
+        AutoSPBackend,
+        compile_model,
+        loss_scale,
+        prepare_sp_inputs,
+        set_sp_group,
+    )
+    from slurm_autosp.model import build_model
+
+    torch.set_num_threads(1)
+    force_full_fp32()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        sp_size = cfg.parallel.sp_size
+        sp_rank, dp_rank = rank % sp_size, rank // sp_size
+        sp_groups = [
+            dist.new_group(list(range(s, s + sp_size))) for s in range(0, world_size, sp_size)
+        ]
+        model_cfg = shrink_model_config(cfg.model, options)
+        seq_len = verify_seq_len(sp_size, options)
+        assert model_cfg.vocab_size is not None  # shrink_model_config sets it
+        batch = make_batch(options.rows * options.dp, seq_len, model_cfg.vocab_size, options.seed)
+
+        torch.manual_seed(options.seed)
+        model = build_model(model_cfg).float()
+        reference_model = copy.deepcopy(model) if rank == 0 else None
+
+        rows = slice(dp_rank * options.rows, (dp_rank + 1) * options.rows)
+        local = {key: value[rows] for key, value in batch.items()}
+        shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size)
+        if options.inject is Inject.per_shard_shift:
+            buggy = shift_labels_per_shard(local["labels"], sp_rank, sp_size)
+            shard = dataclasses.replace(
+                shard, shift_labels=buggy, valid_labels=int((buggy != -100).sum())
+            )
+        count = torch.tensor(shard.valid_labels)
+        dist.all_reduce(count)
+
+        backend = AutoSPBackend(sp_size)
+        compile_model(model, backend, per_layer=cfg.compile.per_layer)
+        set_sp_group(sp_groups[dp_rank])
+        out = model(**shard.model_kwargs(count.clamp(min=1)))
+        (out.loss * loss_scale(world_size, grad_accum=1)).backward()
+        backend.require_sdpa_found()
+
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        per_token = _per_token_loss(out.logits, shard.shift_labels).contiguous()
+        gathered = [torch.empty_like(per_token) for _ in range(world_size)]
+        dist.all_gather(gathered, per_token)
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            dist.all_reduce(grad)
+            grads[name] = grad / world_size
+        if rank != 0:
+            return
+
+        ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch)
+        # gathered[rank] is (dp_rank, sp_rank)'s [rows, shard]: rows by DP, sequence by SP
+        replicas = [
+            torch.cat(gathered[d * sp_size : (d + 1) * sp_size], dim=1) for d in range(options.dp)
+        ]
+        full = torch.cat(replicas, dim=0)
+        token_diff = (full[:, :seq_len] - ref_per_token).abs()
+        mismatched = sorted(
+            {int(p) for p in (token_diff > options.tolerance).nonzero()[:, 1].tolist()}
+        )
+        grad_errors = {}
+        for name, reference in ref_grads.items():
+            scale = reference.abs().max().clamp(min=1e-30)
+            grad_errors[_short_name(name)] = float((grads[name] - reference).abs().max() / scale)
+        report = Report(
+            description=_describe(cfg, model_cfg, options, seq_len, count=int(count), batch=batch),
+            sp_size=sp_size,
+            seq_len=seq_len,
+            shard_len=shard.input_ids.shape[1],
+            loss=float(loss),
+            ref_loss=ref_loss,
+            token_error=float(token_diff.max()),
+            mismatched_positions=mismatched,
+            grad_errors=grad_errors,
+        )
+        torch.save(dataclasses.asdict(report), result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def _short_name(name: str) -> str:
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def _describe(
+    cfg: JobConfig,
+    model: ModelConfig,
+    options: VerifyOptions,
+    seq_len: int,
+    count: int,
+    batch: dict[str, Any],
+) -> str:
+    sp = cfg.parallel.sp_size
+    injected = (
+        f"; INJECTED BUG: {options.inject.value}" if options.inject is not Inject.none else ""
+    )
+    heads, kv = model.num_attention_heads, model.num_key_value_heads
+    assert heads is not None and kv is not None  # shrink_model_config sets both
+    padded = seq_len + (-seq_len % sp)
+    return (
+        f"AutoSP verify: {model.model_type}, {heads} query heads / {kv} KV heads (GQA {heads // kv}:1), shrunk to "
+        f"{model.num_hidden_layers} layers, head_dim {model.head_dim}, hidden {model.hidden_size}, "
+        f"vocab {model.vocab_size}\n"
+        f"  sp_size={sp} x dp={options.dp} local CPU ranks (gloo), fp32, "
+        f"compile.per_layer={cfg.compile.per_layer}; batch {batch['input_ids'].shape[0]} x {seq_len} tokens "
+        f"(padded to {padded} = {sp} shards of {padded // sp}), {count} valid labels{injected}"
+    )
