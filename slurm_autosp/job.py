@@ -22,9 +22,9 @@ import submitit
 import torch
 import torch.distributed as dist
 
-from slurm_autosp import compat
 from slurm_autosp.checkpoint.lock import RunLock, acquire_lock, release_lock
 from slurm_autosp.checkpoint.signals import StopRequest
+from slurm_autosp.compat import torch_api
 from slurm_autosp.config import ConfigError, JobConfig, Vendor
 from slurm_autosp.launch.comm_env import collective_env
 from slurm_autosp.launch.distributed import DistContext, init_distributed
@@ -122,7 +122,7 @@ def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str
     process too, whose environment the job inherits)."""
     c = cfg.cluster
     inherited = dict(inherited)
-    if inherited.get("TORCHINDUCTOR_CACHE_DIR") == compat.inductor_default_cache_dir():
+    if inherited.get("TORCHINDUCTOR_CACHE_DIR") == torch_api.inductor_default_cache_dir():
         del inherited["TORCHINDUCTOR_CACHE_DIR"]
     env = collective_env(
         c.vendor if c.uses_gpus else Vendor.none,

@@ -1,13 +1,15 @@
-"""slurm_autosp.compat: every private submitit and torch name it wraps still exists upstream,
-with the parameters the wrapper passes; an upgrade that renames or removes one fails here."""
+"""slurm_autosp.compat: every private submitit and torch name slurm_autosp uses still exists
+upstream, with the parameters it passes; an upgrade that renames or removes one fails here."""
 
+import importlib
 import inspect
 import os
 
+import pytest
 import submitit
 import torch._inductor.runtime.cache_dir_utils as inductor_cache_dir_utils
 
-from slurm_autosp import compat
+from slurm_autosp.compat import submitit_api, torch_api
 from slurm_autosp.config import load_config
 from slurm_autosp.launch.executor import sbatch_script
 
@@ -33,10 +35,35 @@ def test_sbatch_text_renders_through_compat():
 def test_pickle_load_reads_submitit_result_pickles(tmp_path):
     path = tmp_path / "result.pkl"
     submitit.core.utils.cloudpickle_dump(("success", 42), path)
-    assert compat.pickle_load(path) == ("success", 42)
+    assert submitit_api.pickle_load(path) == ("success", 42)
 
 
 def test_inductor_default_cache_dir_is_what_importing_dynamo_exports(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert compat.inductor_default_cache_dir() == inductor_cache_dir_utils.cache_dir()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == compat.inductor_default_cache_dir()
+    assert torch_api.inductor_default_cache_dir() == inductor_cache_dir_utils.cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == torch_api.inductor_default_cache_dir()
+
+
+def test_torch_dynamo_and_inductor_settings_we_set_exist():
+    assert hasattr(torch_api.dynamo_config, "fail_on_recompile_limit_hit")
+    assert hasattr(torch_api.dynamo_config, "recompile_limit")
+    from torch._inductor import config as inductor_config
+
+    assert hasattr(inductor_config, "joint_custom_post_pass") and callable(inductor_config.patch)
+    assert {"uuid", "__call__"} <= set(dir(torch_api.CustomGraphPass))
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [  # used by plan.layer_graph and plan.memory to trace one decoder layer's joint graph
+        ("torch._functorch.aot_autograd", "aot_module_simplified"),
+        ("torch._inductor.compile_fx", "compile_fx"),
+        ("torch._inductor.decomposition", "select_decomp_table"),
+        ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+        ("torch._prims.rng_prims", "run_with_rng_state"),
+        ("torch._prims.rng_prims", "run_and_save_rng_state"),
+        ("torch._ops", "OpOverload"),
+    ],
+)
+def test_private_torch_names_still_exist(module, name):
+    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone"

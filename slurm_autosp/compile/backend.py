@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._inductor.compile_fx import compile_fx
 from torch.fx.node import Argument
 
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
+from slurm_autosp.compat.torch_api import compile_fx
 from slurm_autosp.compile.checkpointing import CheckpointSpec, inductor_config_patches
 from slurm_autosp.config import ActivationCheckpointing
 from slurm_autosp.heads import valid_sp_sizes

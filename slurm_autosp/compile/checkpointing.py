@@ -33,11 +33,15 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers the op
+from slurm_autosp.compat.torch_api import (
+    CustomGraphPass,
+    run_and_save_rng_state,
+    run_with_rng_state,
+)
 from slurm_autosp.config import ActivationCheckpointing
 
 aten = torch.ops.aten
@@ -135,8 +139,6 @@ def _shapes(arg: Any) -> Any:
 def wrapped_op(node: fx.Node) -> tuple[Any, tuple, dict]:
     """(op, args, kwargs) of a node, looking through the RNG-replay wrappers the partitioner
     puts around random ops it recomputes (SDPA kernels are random: they can do dropout)."""
-    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
-
     if node.target is run_with_rng_state:
         return node.args[1], tuple(node.args[2:]), dict(node.kwargs)
     if node.target is run_and_save_rng_state:

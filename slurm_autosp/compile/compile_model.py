@@ -15,6 +15,7 @@ the MLPs (tiling).
 import torch
 from transformers import PreTrainedModel
 
+from slurm_autosp.compat.torch_api import dynamo_config
 from slurm_autosp.compile.backend import AutoSPBackend
 from slurm_autosp.compile.hf_attention import use_sp_attention
 from slurm_autosp.compile.layers import decoder_layers
@@ -52,7 +53,7 @@ def compile_model(
         tile_mlps(model, tile_tokens)
     # Past Dynamo's recompile limit a frame runs eagerly: the attention would run unrewritten,
     # each rank attending within its own shard, silently wrong. Fail instead.
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    dynamo_config.fail_on_recompile_limit_hit = True
     if whole_layers and per_layer:
         return  # tile_layers compiled the tiles
     targets = decoder_layers(model) if per_layer else [model]

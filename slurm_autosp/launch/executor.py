@@ -9,7 +9,7 @@ from typing import Any
 
 import submitit
 
-from slurm_autosp import compat
+from slurm_autosp.compat import submitit_api
 from slurm_autosp.config import Backend, ClusterConfig, ConfigError, JobConfig
 
 SLURM_TOOLS = ("sbatch", "srun")
@@ -111,6 +111,7 @@ def sbatch_script(cfg: JobConfig) -> str:
     from the parameters build_executor gives it, the way AutoExecutor translates them."""
     slurm = _ScriptOnlySlurmExecutor(submitit_dir(cfg.run.dir))
     slurm.update_parameters(
-        **compat.slurm_parameters(slurm, _shared_parameters(cfg)), **_slurm_parameters(cfg.cluster)
+        **submitit_api.slurm_parameters(slurm, _shared_parameters(cfg)),
+        **_slurm_parameters(cfg.cluster),
     )
-    return compat.sbatch_text(slurm, uid="dry-run")
+    return submitit_api.sbatch_text(slurm, uid="dry-run")

@@ -17,7 +17,7 @@ from typing import NoReturn
 import submitit
 import torch.distributed as dist
 
-from slurm_autosp import compat
+from slurm_autosp.compat import submitit_api
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def requeue_and_exit(run_dir: Path, rank: int, max_requeues: int) -> NoReturn:
         log.info("requeueing (restart %d of at most %d)", restarts + 1, max_requeues)
         _record(run_dir, job_env.job_id, restarts + 1)
         try:
-            compat.requeue(job_env, max_requeues - restarts - 1)
+            submitit_api.requeue(job_env, max_requeues - restarts - 1)
         except subprocess.CalledProcessError as err:
             # On preemption with PreemptMode=REQUEUE, SLURM is requeueing the job itself.
             log.warning("scontrol requeue failed (%s); relying on SLURM's own requeue", err)

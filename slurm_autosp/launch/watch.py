@@ -17,7 +17,7 @@ from typing import Any
 
 import submitit
 
-from slurm_autosp import compat
+from slurm_autosp.compat import submitit_api
 from slurm_autosp.launch.scheduler import Liveness, slurm_job_liveness
 
 
@@ -82,7 +82,7 @@ def wait_for_job(
             raise failure
         if all(t.paths.result_pickle.exists() for t in tasks):
             _echo_lines(follower.new_text(), echo)
-            return [compat.pickle_load(t.paths.result_pickle)[1] for t in tasks]
+            return [submitit_api.pickle_load(t.paths.result_pickle)[1] for t in tasks]
         if scheduler.ended():
             missing = [i for i, t in enumerate(tasks) if not t.paths.result_pickle.exists()]
             raise JobFailed(
@@ -96,7 +96,7 @@ def _first_failure(tasks: list[submitit.Job]) -> JobFailed | None:
     for rank, task in enumerate(tasks):
         if not task.paths.result_pickle.exists():
             continue
-        outcome, payload = compat.pickle_load(task.paths.result_pickle)
+        outcome, payload = submitit_api.pickle_load(task.paths.result_pickle)
         if outcome == "error":
             return JobFailed(
                 f"rank {rank} failed:\n{str(payload).rstrip()}\n" + _log_tail(task, rank)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from slurm_autosp import compat
+from slurm_autosp.compat import torch_api
 from slurm_autosp.config import Fabric, Vendor, load_config
 from slurm_autosp.job import collective_env_for, private_cache_dir
 from slurm_autosp.launch.comm_env import collective_env, collective_env_settings
@@ -64,7 +64,10 @@ def test_torchs_exported_default_cache_is_not_taken_for_the_users_choice():
     """Importing torch._dynamo exports TORCHINDUCTOR_CACHE_DIR=torch's default (also into the
     job's environment, from the submitting process): the node-local cache still applies."""
     cfg = load_config(["cfg=configs/tiny_cpu.yaml"])
-    default = {"TORCHINDUCTOR_CACHE_DIR": compat.inductor_default_cache_dir(), "TMPDIR": "/local"}
+    default = {
+        "TORCHINDUCTOR_CACHE_DIR": torch_api.inductor_default_cache_dir(),
+        "TMPDIR": "/local",
+    }
     assert collective_env_for(cfg, default)["TORCHINDUCTOR_CACHE_DIR"] == (
         f"/local/slurm_autosp_cache_{os.getuid()}/inductor"
     )

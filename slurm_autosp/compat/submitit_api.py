@@ -1,21 +1,13 @@
-"""The private APIs of submitit and torch that slurm_autosp relies on, in one place.
-
-Each is a name upstream may rename or remove in any release; tests/test_compat.py checks every
-one against the installed versions, so an upgrade that breaks one fails there, by name, rather
-than deep inside a job. Code elsewhere calls these wrappers instead of the private names.
-"""
+"""submitit's private names that slurm_autosp uses (no torch here: status and submit's
+rendering stay light)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import submitit
 from submitit.core.utils import pickle_load as _pickle_load
-from torch._inductor.runtime import cache_dir_utils as _inductor_cache_dir_utils
-
-# --------------------------------------------------------------------------------- submitit
 
 
 def requeue(job_env: submitit.JobEnvironment, countdown: int) -> None:
@@ -37,12 +29,3 @@ def sbatch_text(executor: submitit.SlurmExecutor, uid: str) -> str:
 def pickle_load(path: str | Path) -> Any:
     """A submitit result pickle: (outcome, payload)."""
     return _pickle_load(path)
-
-
-# ------------------------------------------------------------------------------------ torch
-
-
-def inductor_default_cache_dir() -> str:
-    """Inductor's cache directory when TORCHINDUCTOR_CACHE_DIR is unset; importing
-    torch._dynamo exports it as TORCHINDUCTOR_CACHE_DIR."""
-    return os.path.abspath(_inductor_cache_dir_utils.default_cache_dir())

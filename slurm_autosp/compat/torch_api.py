@@ -1,0 +1,26 @@
+"""torch's private names that slurm_autosp uses outside the plan's layer tracing."""
+
+from __future__ import annotations
+
+import os
+
+from torch._dynamo import config as dynamo_config
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.runtime import cache_dir_utils as _inductor_cache_dir_utils
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+__all__ = [
+    "CustomGraphPass",
+    "compile_fx",
+    "dynamo_config",
+    "inductor_default_cache_dir",
+    "run_and_save_rng_state",
+    "run_with_rng_state",
+]
+
+
+def inductor_default_cache_dir() -> str:
+    """Inductor's cache directory when TORCHINDUCTOR_CACHE_DIR is unset; importing
+    torch._dynamo exports it as TORCHINDUCTOR_CACHE_DIR."""
+    return os.path.abspath(_inductor_cache_dir_utils.default_cache_dir())
