@@ -38,6 +38,9 @@ import sys
 import tempfile
 import time
 
+import torch
+import torch.multiprocessing as mp
+
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, JobConfig, load_config
 from slurm_autosp.model import refuse_unsupported_attention
@@ -53,9 +56,6 @@ from slurm_autosp.verify.report import Report, failures, format_report
 
 def run_verify(cfg: JobConfig, options: VerifyOptions) -> Report:
     """Spawn sp_size x dp CPU ranks, run the check, return rank 0's report."""
-    import torch
-    import torch.multiprocessing as mp
-
     world_size = cfg.parallel.sp_size * options.dp
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

@@ -6,7 +6,20 @@ import copy
 import dataclasses
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from slurm_autosp.compile import (
+    IGNORE_INDEX,
+    AutoSPBackend,
+    compile_model,
+    loss_scale,
+    prepare_sp_inputs,
+    set_sp_group,
+)
 from slurm_autosp.config import JobConfig, ModelConfig
+from slurm_autosp.model import build_model
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -18,8 +31,6 @@ from slurm_autosp.verify.report import Report
 
 def force_full_fp32() -> None:
     """No TF32 or reduced-precision matmuls: the comparison is against exact fp32."""
-    import torch
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -28,9 +39,6 @@ def force_full_fp32() -> None:
 def make_batch(rows: int, seq_len: int, vocab_size: int, seed: int) -> dict[str, Any]:
     """Random tokens, with ignored labels thinning out along the sequence (90% ignored at the
     start, none at the end), so SP shards hold very different numbers of valid labels."""
-    import torch
-
-    from slurm_autosp.compile import IGNORE_INDEX
 
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, vocab_size, (rows, seq_len), generator=generator)
@@ -43,10 +51,6 @@ def make_batch(rows: int, seq_len: int, vocab_size: int, seed: int) -> dict[str,
 def shift_labels_per_shard(labels: Any, sp_rank: int, sp_size: int) -> Any:
     """THE BUG verify must catch: shard the labels first, then shift inside the shard. The last
     token of every shard loses its target (the first token of the next shard)."""
-    import torch
-    import torch.nn.functional as F
-
-    from slurm_autosp.compile import IGNORE_INDEX
 
     padded = F.pad(labels, (0, -labels.shape[1] % sp_size), value=IGNORE_INDEX)
     shard = padded.shape[1] // sp_size
@@ -57,16 +61,11 @@ def shift_labels_per_shard(labels: Any, sp_rank: int, sp_size: int) -> Any:
 
 
 def _per_token_loss(logits: Any, shift_labels: Any) -> Any:
-    import torch.nn.functional as F
-
     return F.cross_entropy(logits.detach().float().transpose(1, 2), shift_labels, reduction="none")
 
 
 def _reference(model: Any, batch: dict[str, Any]) -> tuple[float, Any, dict[str, Any]]:
     """The plain model on one device: loss, per-token losses [B, S], gradients."""
-    import torch
-
-    from slurm_autosp.compile import IGNORE_INDEX
 
     labels = batch["labels"]
     out = model(input_ids=batch["input_ids"], labels=labels, use_cache=False)
@@ -86,17 +85,6 @@ def run_rank(
 ) -> None:
     """One rank: an AutoSP step on its shard, gradients averaged over the world; rank 0 also
     runs the reference and writes the report."""
-    import torch
-    import torch.distributed as dist
-
-    from slurm_autosp.compile import (
-        AutoSPBackend,
-        compile_model,
-        loss_scale,
-        prepare_sp_inputs,
-        set_sp_group,
-    )
-    from slurm_autosp.model import build_model
 
     torch.set_num_threads(1)
     force_full_fp32()
