@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from slurm_autosp.config import ConfigError, ModelConfig
+from slurm_autosp.model import hf_config
 
 
 class Inject(str, enum.Enum):
@@ -81,9 +82,7 @@ def _hf_config_of(model: ModelConfig) -> dict[str, Any]:
     """The model's HF config fields: from its local checkpoint, or from the job config."""
     if not model.pretrained_path:
         return {"model_type": model.model_type, **model.hf_fields()}
-    from transformers import AutoConfig
-
-    loaded = AutoConfig.from_pretrained(model.pretrained_path).to_dict()
+    loaded = hf_config(model).to_dict()
     keep_out = {
         "architectures",
         "torch_dtype",
