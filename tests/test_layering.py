@@ -1,0 +1,67 @@
+"""The dependency order holds: config -> launch/compile/engine/... -> train -> job -> the
+commands (each package's __main__ is a command). No module imports one of a later layer, at
+the top or inside a function."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "slurm_autosp"
+
+LAYERS = [
+    {"config", "heads", "compat", "cli"},
+    {
+        "launch",
+        "compile",
+        "engine",
+        "checkpoint",
+        "data",
+        "model",
+        "optim",
+        "metrics",
+        "plan",
+    },
+    {"train", "evaluate"},
+    {"job"},
+    {"probe"},
+    {"submit", "run", "status", "summary", "verify"},
+]
+LAYER = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def _top(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_every_module_has_a_layer():
+    names = {
+        p.name.removesuffix(".py")
+        for p in PACKAGE.iterdir()
+        if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists())
+    }
+    assert names <= set(LAYER), f"place {sorted(names - set(LAYER))} in LAYERS"
+
+
+def test_no_module_imports_a_later_layer():
+    upward = []
+    for path in PACKAGE.rglob("*.py"):
+        own = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        if own == "__init__":
+            continue
+        rank = len(LAYERS) - 1 if path.name == "__main__.py" else LAYER[own]  # a command
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "slurm_autosp":
+                modules = [f"slurm_autosp.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "slurm_autosp."
+            ):
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names if a.name.startswith("slurm_autosp.")]
+            else:
+                continue
+            upward += [
+                f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {m}"
+                for m in modules
+                if LAYER[_top(m)] > rank
+            ]
+    assert not upward, "\n".join(upward)
