@@ -23,7 +23,7 @@ def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> None:
     """Set every key the plan may decide to what it decided, so no later start plans again."""
     spec = choices.checkpointing
     cfg.parallel.zero_stage = choices.zero_stage
-    cfg.compile.activation_checkpointing = ActivationCheckpointing(spec.policy.value)
+    cfg.compile.activation_checkpointing = spec.policy
     cfg.compile.activation_memory_budget = (
         spec.budget if spec.policy is ActivationCheckpointing.sac else None
     )

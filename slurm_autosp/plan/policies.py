@@ -116,7 +116,7 @@ def checkpoint_candidates(cfg: JobConfig) -> tuple[CheckpointSpec, ...]:
         return AUTO_CANDIDATES
     if policy_from_plan(cfg):
         return _sac_candidates(c.recompute_all_to_all)
-    policy = ActivationCheckpointing(c.activation_checkpointing.value)
+    policy = c.activation_checkpointing
     budget = c.activation_memory_budget if policy is ActivationCheckpointing.sac else 0.0
     assert budget is not None  # a null sac budget is the plan's to choose (policy_from_plan)
     return (CheckpointSpec(policy, budget=budget, recompute_all_to_all=c.recompute_all_to_all),)
