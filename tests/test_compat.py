@@ -58,6 +58,7 @@ def test_torch_dynamo_and_inductor_settings_we_set_exist():
     [  # used by plan.layer_graph and plan.memory to trace one decoder layer's joint graph
         ("torch._functorch.aot_autograd", "aot_module_simplified"),
         ("torch._inductor.compile_fx", "compile_fx"),
+        ("torch._inductor.compile_fx", "partition_fn"),
         ("torch._inductor.decomposition", "select_decomp_table"),
         ("torch._subclasses.fake_tensor", "FakeTensorMode"),
         ("torch._prims.rng_prims", "run_with_rng_state"),

@@ -19,6 +19,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from slurm_autosp.compat.torch_api import (
+    FakeTensorMode,
+    aot_module_simplified,
+    inductor_config,
+    partition_fn,
+    select_decomp_table,
+)
 from slurm_autosp.compile.backend import rewrite_sdpa_for_sp
 from slurm_autosp.compile.checkpointing import (
     ALL_TO_ALL,
@@ -193,11 +200,6 @@ def _partitioned_graphs(
     tiled: bool,
 ) -> tuple[list[tuple[fx.GraphModule, fx.GraphModule]], list[bool]]:
     """Trace the joint graph once; partition a copy of it under each spec."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._inductor import compile_fx
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     layer_class, rotary_class = hf_layer_classes(model)
     config = hf_config(model)
     config._attn_implementation = SP_ATTENTION
@@ -206,10 +208,8 @@ def _partitioned_graphs(
 
     def partition_each(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         for spec in specs:
-            with torch._inductor.config.patch(inductor_config_patches(spec)):
-                partitions.append(
-                    compile_fx.partition_fn(copy.deepcopy(joint), joint_inputs, **kwargs)
-                )
+            with inductor_config.patch(inductor_config_patches(spec)):
+                partitions.append(partition_fn(copy.deepcopy(joint), joint_inputs, **kwargs))
         return partitions[0]
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -224,7 +224,7 @@ def _partitioned_graphs(
             decompositions=select_decomp_table(),
         )
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     previous_dtype = torch.get_default_dtype()
     try:
         with FakeTensorMode():
@@ -244,7 +244,7 @@ def _partitioned_graphs(
             )
     finally:
         torch.set_default_dtype(previous_dtype)
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return partitions, is_parameter
 
 

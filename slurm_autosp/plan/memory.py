@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slurm_autosp.compat.torch_api import FakeTensorMode
 from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.model import hf_config
@@ -81,8 +82,6 @@ class ModelSize:
 
 def model_size(cfg: JobConfig) -> ModelSize:
     """Parameter counts of the configured model, from one fake decoder layer (nothing allocated)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     layer_class, _ = hf_layer_classes(cfg.model)
     config = hf_config(cfg.model)
     with FakeTensorMode():
