@@ -97,14 +97,10 @@ def _hf_config_of(model: ModelConfig) -> dict[str, Any]:
 SPECIAL_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
-def _special_ids_within(fields: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+def _special_ids_within(model: ModelConfig, vocab_size: int) -> dict[str, Any]:
     """The model's pad/bos/eos ids (its own or its HF class's defaults, e.g. Phi-3's pad 32000)
     that fall outside the shrunk vocabulary, mapped to its last id: they would not embed."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(
-        fields["model_type"], **{k: v for k, v in fields.items() if k != "model_type"}
-    )
+    config = hf_config(model)
     moved: dict[str, Any] = {}
     for key in SPECIAL_TOKEN_IDS:
         value = getattr(config, key, None)
@@ -142,7 +138,7 @@ def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConf
     typed = {f.name for f in dataclasses.fields(ModelConfig)}
     extra = {k: v for k, v in fields.items() if k not in typed and k not in shrunk}
     extra.update({k: v for k, v in model.extra.items() if k not in shrunk})
-    extra.update(_special_ids_within(fields, shrunk["vocab_size"]))
+    extra.update(_special_ids_within(model, shrunk["vocab_size"]))
     kept = {k: v for k, v in fields.items() if k in typed and k not in shrunk and k != "extra"}
     kept.pop("model_type", None)
     return dataclasses.replace(
