@@ -20,7 +20,7 @@ def reference_losses(uninterrupted_run):
     return final_result(uninterrupted_run(1)).losses
 
 
-@pytest.mark.parametrize("tasks", [2, 4])
+@pytest.mark.parametrize("tasks", [4])  # 2 ranks: the bit-for-bit test below
 def test_tiny_cpu_trains_through_sbatch_and_leaves_a_complete_run_directory(tasks, tmp_path):
     proc = subprocess.run(
         submit_cmd(
