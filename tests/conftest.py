@@ -4,7 +4,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from reference_run import train_reference
+from reference_run import reference_data, train_reference
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_SCRIPTS = REPO / "tests" / "slurm_cluster"
@@ -34,7 +34,13 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def uninterrupted_run(tmp_path_factory):
+def reference_overrides(tmp_path_factory):
+    """The data overrides of the reference run (its shuffled token file, written once)."""
+    return reference_data(tmp_path_factory.mktemp("reference_data"))
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_run(tmp_path_factory, reference_overrides):
     """`run(zero_stage)`: the run directory of the uninterrupted local reference run under that
     stage, trained once per session however many test files compare against it."""
     runs = {}
@@ -42,7 +48,7 @@ def uninterrupted_run(tmp_path_factory):
     def run(zero_stage):
         if zero_stage not in runs:
             root = tmp_path_factory.mktemp(f"reference_stage{zero_stage}")
-            runs[zero_stage] = train_reference(root, zero_stage)
+            runs[zero_stage] = train_reference(root, zero_stage, reference_overrides)
         return runs[zero_stage]
 
     return run

@@ -14,6 +14,12 @@ TRAIN = [f"train.steps={STEPS}", "train.log_every=1", "parallel.zero_stage=1"]
 
 
 @pytest.fixture(scope="module")
+def train(reference_overrides):
+    """The reference run's training and data settings."""
+    return [*TRAIN, *reference_overrides]
+
+
+@pytest.fixture(scope="module")
 def reference_losses(uninterrupted_run):
     """The uninterrupted run on local processes (the one test_resume_local compares with):
     Slurm must not change a single bit."""
@@ -48,9 +54,9 @@ def test_tiny_cpu_trains_through_sbatch_and_leaves_a_complete_run_directory(task
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_slurm_run_matches_the_local_run_bit_for_bit(tmp_path, reference_losses):
+def test_slurm_run_matches_the_local_run_bit_for_bit(tmp_path, train, reference_losses):
     proc = subprocess.run(
-        submit_cmd("cluster.backend=slurm", f"run.output_root={tmp_path}", *TRAIN),
+        submit_cmd("cluster.backend=slurm", f"run.output_root={tmp_path}", *train),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -60,9 +66,9 @@ def test_slurm_run_matches_the_local_run_bit_for_bit(tmp_path, reference_losses)
     assert final_result(tmp_path / "tiny_cpu").losses == reference_losses
 
 
-def _interrupted_run(tmp_path, reference_losses, interrupt, expect_signal):
+def _interrupted_run(tmp_path, train, reference_losses, interrupt, expect_signal):
     run = RunningSubmit(
-        "cluster.backend=slurm", "cluster.partition=debug", f"run.output_root={tmp_path}", *TRAIN
+        "cluster.backend=slurm", "cluster.partition=debug", f"run.output_root={tmp_path}", *train
     )
     run.wait_for_line(f"step 10/{STEPS} ")
     interrupt(run.job_id)
@@ -81,7 +87,9 @@ def _interrupted_run(tmp_path, reference_losses, interrupt, expect_signal):
     assert result.losses == reference_losses[stopped:]
 
 
-def test_preempted_run_saves_requeues_and_resumes_with_identical_losses(tmp_path, reference_losses):
+def test_preempted_run_saves_requeues_and_resumes_with_identical_losses(
+    tmp_path, train, reference_losses
+):
     def preempt(job_id):
         subprocess.run(
             [
@@ -99,13 +107,13 @@ def test_preempted_run_saves_requeues_and_resumes_with_identical_losses(tmp_path
             capture_output=True,
         )
 
-    _interrupted_run(tmp_path, reference_losses, preempt, "SIGTERM")
+    _interrupted_run(tmp_path, train, reference_losses, preempt, "SIGTERM")
 
 
 def test_pre_timeout_signal_saves_requeues_and_resumes_with_identical_losses(
-    tmp_path, reference_losses
+    tmp_path, train, reference_losses
 ):
     def pre_timeout_signal(job_id):
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
 
-    _interrupted_run(tmp_path, reference_losses, pre_timeout_signal, "SIGUSR2")
+    _interrupted_run(tmp_path, train, reference_losses, pre_timeout_signal, "SIGUSR2")
