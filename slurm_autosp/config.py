@@ -183,6 +183,10 @@ class ParallelConfig:
     # 1: DeepSpeed ZeRO-1 (optimizer state sharded); 3: FSDP2 (parameters, gradients and
     # optimizer state sharded); null: the memory plan chooses (1 when the job fits under it)
     zero_stage: int | None = None
+    # optimizer state in host memory, the Adam step on the host's CPU (ZeRO-1: DeepSpeed's
+    # offload_optimizer; FSDP2: the fp32 shards, their gradients and Adam's moments);
+    # null: the memory plan decides (off where nothing needs it)
+    offload_optimizer: bool | None = None
     allow_cross_domain: bool = False  # let SP groups span NVLink domains (slow; logged)
 
 

@@ -68,8 +68,13 @@ def compile_for_sp(
 def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> TrainResult:
     choices = training_choices(cfg)
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, ctx.device, choices.zero_stage)
-    log.info("engine: %s (loss factor %g)", engine.name, engine.loss_scale)
+    engine = build_engine(cfg, ctx.device, choices.zero_stage, choices.offload_optimizer)
+    log.info(
+        "engine: %s (loss factor %g%s)",
+        engine.name,
+        engine.loss_scale,
+        "; optimizer state in host memory" if choices.offload_optimizer else "",
+    )
     backend = compile_for_sp(
         engine.module, cfg, parallel, choices.checkpointing, choices.tile_tokens
     )

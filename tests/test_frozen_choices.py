@@ -35,13 +35,13 @@ def frozen_llama70b(tmp_path):
 def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_replanning):
     cfg, choices = frozen_llama70b(tmp_path)
     assert choices == TrainingChoices(
-        3, CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True), 0, False
+        3, CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True), 0, False, False
     )
     written = tmp_path / "config.yaml"
     written.write_text(to_yaml(cfg))
     reloaded = load_config([f"cfg={written}"])
     frozen = [getattr(getattr(reloaded, section), key) for section, key in FROZEN_KEYS]
-    assert frozen == [3, "full", None, True, 0, False]  # the budget applies to sac only
+    assert frozen == [3, "full", None, True, 0, False, False]  # the budget applies to sac only
     assert training_choices(reloaded) == choices  # no plan: build_plan would raise
 
 
@@ -57,6 +57,7 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
             "compile.activation_memory_budget=0.5",
             "compile.tile_tokens=1024",
             "compile.offload_activations=true",
+            "parallel.offload_optimizer=true",
         ]
     )
     first.run.dir.mkdir(parents=True)
@@ -64,7 +65,7 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
     requeued = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
     plan_or_adopt(requeued, restarted=True)
     assert training_choices(requeued) == TrainingChoices(
-        3, CheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True
+        3, CheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True, True
     )
 
 

@@ -102,15 +102,22 @@ def test_plan_tile_is_the_largest_power_of_two_within_256_mib_of_mlp_intermediat
     assert tile_tokens_for(cfg, 14336, 2, 524288) == 512
 
 
-def test_ladder_ends_with_tiling_then_offload_of_the_least_memory_policies():
+def test_ladder_ends_with_tiling_then_offloads_of_the_least_memory_policies():
     rungs = ladder(load_config(["cfg=configs/llama8b_32k.yaml"]))
     assert [r.spec for r in rungs[: len(AUTO_CANDIDATES)]] == list(AUTO_CANDIDATES)
-    tail = [(spec_label(r.spec), r.tiled, r.offload) for r in rungs[len(AUTO_CANDIDATES) :]]
+    tail = [
+        (spec_label(r.spec), r.tiled, r.offload, r.offload_optimizer)
+        for r in rungs[len(AUTO_CANDIDATES) :]
+    ]
     assert tail == [
-        ("sac (budget 0, all-to-all recomputed)", True, False),
-        ("full (all-to-all recomputed)", True, False),
-        ("sac (budget 0, all-to-all recomputed)", True, True),
-        ("full (all-to-all recomputed)", True, True),
+        ("sac (budget 0, all-to-all recomputed)", True, False, False),
+        ("full (all-to-all recomputed)", True, False, False),
+        ("sac (budget 0, all-to-all recomputed)", True, True, False),
+        ("full (all-to-all recomputed)", True, True, False),
+        ("sac (budget 0, all-to-all recomputed)", True, False, True),
+        ("full (all-to-all recomputed)", True, False, True),
+        ("sac (budget 0, all-to-all recomputed)", True, True, True),
+        ("full (all-to-all recomputed)", True, True, True),
     ]
     fixed = ladder(
         load_config(
@@ -118,11 +125,12 @@ def test_ladder_ends_with_tiling_then_offload_of_the_least_memory_policies():
                 "cfg=configs/llama8b_32k.yaml",
                 "compile.tile_tokens=0",
                 "compile.offload_activations=false",
+                "parallel.offload_optimizer=false",
             ]
         )
     )
     assert [r.spec for r in fixed] == list(AUTO_CANDIDATES) and not any(
-        r.tiled or r.offload for r in fixed
+        r.tiled or r.offload or r.offload_optimizer for r in fixed
     )
 
 

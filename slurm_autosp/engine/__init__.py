@@ -16,18 +16,21 @@ from slurm_autosp.model import build_model, build_skeleton
 __all__ = ["FSDP2Engine", "TrainEngine", "ZeRO1Engine", "build_engine"]
 
 
-def build_engine(cfg: JobConfig, device: torch.device, zero_stage: int) -> TrainEngine:
-    """Build the model and hand it to the engine for `zero_stage`.
+def build_engine(
+    cfg: JobConfig, device: torch.device, zero_stage: int, offload_optimizer: bool = False
+) -> TrainEngine:
+    """Build the model and hand it to the engine for `zero_stage`, its optimizer state in host
+    memory when `offload_optimizer`.
 
     Under parameter sharding an HF model is built on the meta device and only its shards are
     ever allocated; a pretrained one is read whole by rank 0 alone and scattered into the
     shards. A `model.builder` model is built whole on every rank's CPU, then sharded.
     """
     if zero_stage != 3:
-        return ZeRO1Engine(build_model(cfg.model), cfg)
+        return ZeRO1Engine(build_model(cfg.model), cfg, offload_optimizer)
     if cfg.model.builder:
-        return FSDP2Engine(build_model(cfg.model), cfg, device)
-    engine = FSDP2Engine(build_skeleton(cfg.model), cfg, device)
+        return FSDP2Engine(build_model(cfg.model), cfg, device, offload_optimizer)
+    engine = FSDP2Engine(build_skeleton(cfg.model), cfg, device, offload_optimizer)
     if cfg.model.pretrained_path:
         engine.load_full_weights(
             build_model(cfg.model).state_dict() if dist.get_rank() == 0 else {}

@@ -5,6 +5,10 @@ One `fully_shard` per decoder layer and one at the root, before AutoSP compiles 
 FSDP2's all-gathers and reduce-scatters run in its hooks, outside the compiled graphs, so one
 graph still serves every layer (docs/sharding_spike.md). The optimizer is plain AdamW over the
 local fp32 shards; bf16 runs compute in bf16 and reduce gradients in fp32.
+
+Optimizer offload is torch's `CPUOffloadPolicy`: the fp32 shards, their gradients and Adam's
+moments live in host memory, each layer's shards are copied to the GPU for its all-gather and
+its reduced gradients back, and the AdamW step (fused) runs on the host's CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
 from slurm_autosp.compile import AutoSPCompileError, decoder_layers
@@ -39,23 +48,36 @@ SCHEDULE_FILE = "schedule.pt"
 class FSDP2Engine:
     name = "fsdp2"
 
-    def __init__(self, model: nn.Module, cfg: JobConfig, device: torch.device):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: JobConfig,
+        device: torch.device,
+        offload_optimizer: bool = False,
+    ):
         world = dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
+        self._device = device
         self._compute_dtype = torch.bfloat16 if cfg.precision is Precision.bf16 else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=self._compute_dtype, reduce_dtype=torch.float32)
+        # pinned host memory needs an accelerator; on CPU ranks the copies are no-ops anyway
+        offload = (
+            CPUOffloadPolicy(pin_memory=device.type != "cpu")
+            if offload_optimizer
+            else OffloadPolicy()
+        )
         for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         if any(p.is_meta for p in model.parameters()):
-            materialize(model, device)
+            materialize(model, device, torch.device("cpu") if offload_optimizer else device)
         # HF returns its logits as a slice of the hidden states (a view); the loss only reads
         # it, never in place, which is what FSDP2 warns about on every forward
         warnings.filterwarnings(
             "ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning
         )
         self.module = model
-        self.optimizer = build_optimizer(model, cfg.train)
+        self.optimizer = build_optimizer(model, cfg.train, fused=offload_optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
         self._train = cfg.train
         # FSDP2 divides the reduce-scattered gradient by its mesh size and sums micro-batches
@@ -76,8 +98,7 @@ class FSDP2Engine:
         if self._micro_steps % self._grad_accum:
             return
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = _global_norm([p.grad for p in params if p.grad is not None], self._device)
         torch.nn.utils.clip_grads_with_norm_(params, self._max_norm, norm)
         self._grad_norm = float(norm)
         self.optimizer.step()
@@ -133,6 +154,17 @@ class FSDP2Engine:
         """Nothing to release: the process group belongs to the job."""
 
 
+def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient from every rank's shards, reduced on `device`:
+    offloaded shards are host tensors, and NCCL reduces device tensors only."""
+    local = torch.nn.utils.get_total_norm(
+        [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    )
+    squares = local.to(device, torch.float32).square()
+    dist.all_reduce(squares)
+    return squares.sqrt()
+
+
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     try:
         return decoder_layers(model)
@@ -145,8 +177,9 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate a model built on the meta device and sharded, and initialize it as a whole.
+def materialize(model: nn.Module, device: torch.device, shard_device: torch.device) -> None:
+    """Allocate a model built on the meta device and sharded, and initialize it as a whole:
+    its shards on `shard_device` (the host under CPU offload), its buffers on `device`.
 
     Random init of a DTensor shard is not the slice of a whole-tensor init on every device
     (on CPU each rank draws the same values for its shard). So each module's parameters are
@@ -154,7 +187,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     its slice; only one module's weights exist whole at a time. Buffers (rotary frequencies)
     are recomputed by the same init.
     """
-    model.to_empty(device=device)
+    model.to_empty(device=shard_device)
     init = getattr(model, "_init_weights", None)
     if init is None:
         raise ValueError(
@@ -175,6 +208,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             assert initialised is not None  # set above; init may replace it, never remove it
             _copy_slice(p, initialised.data)
             module._parameters[name] = p
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
 
 
 def _post_order(module: nn.Module) -> Iterator[nn.Module]:

@@ -1,9 +1,9 @@
 """What the config leaves to the plan, decided from the memory: `parallel.zero_stage` null is
 ZeRO-1 when the job fits under it, else ZeRO-3; `compile.activation_checkpointing=auto` is the
 first rung of the ladder (least recomputation first, then sequence tiling, then activation
-offload) that fits; a `sac` budget left null is the largest that fits; `compile.tile_tokens`
-and `compile.offload_activations` left null are the ladder's. Training asks here for what it
-runs with.
+offload, then optimizer offload) that fits; a `sac` budget left null is the largest that fits;
+`compile.tile_tokens`, `compile.offload_activations` and `parallel.offload_optimizer` left null
+are the ladder's. Training asks here for what it runs with.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _choose_rung(
     elif policy_from_plan(cfg):
         how, best = "budget chosen by the plan", "the largest"
     else:
-        how, best = "tiling and offload chosen by the plan", "the least traffic"
+        how, best = "tiling and offloads chosen by the plan", "the least traffic"
     if fitting:
         return fitting[0], f"{how}: {best} that fits"
     return rungs[-1], f"{how}: nothing fits, the least memory"
@@ -137,25 +137,35 @@ class TrainingChoices:
     checkpointing: CheckpointSpec
     tile_tokens: int  # tokens per MLP tile; 0: untiled
     offload_activations: bool
+    offload_optimizer: bool
 
 
 def choices_from_plan(plan: MemoryPlan) -> TrainingChoices:
     memory = plan.configured
-    return TrainingChoices(plan.zero_stage, memory.spec, memory.tile_tokens, memory.rung.offload)
+    return TrainingChoices(
+        plan.zero_stage,
+        memory.spec,
+        memory.tile_tokens,
+        memory.rung.offload,
+        memory.rung.offload_optimizer,
+    )
 
 
 def _plan_decides(cfg: JobConfig) -> bool:
     c = cfg.compile
     open_choice = cfg.parallel.zero_stage is None or policy_from_plan(cfg)
     return _has_plan(cfg) and (
-        open_choice or c.tile_tokens is None or c.offload_activations is None
+        open_choice
+        or c.tile_tokens is None
+        or c.offload_activations is None
+        or cfg.parallel.offload_optimizer is None
     )
 
 
 def training_choices(cfg: JobConfig) -> TrainingChoices:
-    """The ZeRO stage, checkpointing policy, tiling and offload training runs with, from at most
-    one plan: tracing a large layer takes seconds, on every rank. Without a plan (CPU ranks,
-    builder models) tiling and offload are off unless configured."""
+    """The ZeRO stage, checkpointing policy, tiling and offloads training runs with, from at
+    most one plan: tracing a large layer takes seconds, on every rank. Without a plan (CPU
+    ranks, builder models) tiling and offloads are off unless configured."""
     if _plan_decides(cfg):
         return choices_from_plan(build_plan(cfg))
     return TrainingChoices(
@@ -163,6 +173,7 @@ def training_choices(cfg: JobConfig) -> TrainingChoices:
         checkpoint_spec_for(cfg),
         cfg.compile.tile_tokens or 0,
         bool(cfg.compile.offload_activations),
+        bool(cfg.parallel.offload_optimizer),
     )
 
 

@@ -16,6 +16,7 @@ FROZEN_KEYS = (
     ("compile", "recompute_all_to_all"),
     ("compile", "tile_tokens"),
     ("compile", "offload_activations"),
+    ("parallel", "offload_optimizer"),
 )
 
 
@@ -30,6 +31,7 @@ def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> None:
     cfg.compile.recompute_all_to_all = spec.recompute_all_to_all
     cfg.compile.tile_tokens = choices.tile_tokens
     cfg.compile.offload_activations = choices.offload_activations
+    cfg.parallel.offload_optimizer = choices.offload_optimizer
 
 
 def adopt_frozen_choices(cfg: JobConfig, recorded: JobConfig) -> None:

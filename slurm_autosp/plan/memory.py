@@ -27,6 +27,11 @@ bf16, 4 in fp32) and `world` ranks:
 - recompute working buffers: what one layer's backward recomputes, plus a gradient in and
   out of its largest tensor;
 - a fragmentation and runtime margin: 10% of the above plus 1 GiB (CUDA context, NCCL).
+Optimizer offload moves state from the GPU to host memory: under ZeRO-1 (DeepSpeed's
+ZeRO-Offload) the optimizer shard, plus a pinned b-byte staging copy of the rank's parameter
+partition on the host; under ZeRO-3 (FSDP2's CPUOffloadPolicy) the fp32 parameter and gradient
+shards and Adam's moments, the gathered weights staying on the GPU. Host memory per node (80%
+of `cluster.host_memory_gb` usable) holds offloaded activations and optimizer state together.
 Per-token terms (activations, logits, communication buffers, working buffers) are linear in
 the local sequence length, so the longest sequence that fits is solved from one trace.
 """
@@ -61,9 +66,8 @@ def with_margin(subtotal: float) -> float:
     return subtotal * (1 + MARGIN_FRACTION) + RUNTIME_RESERVE
 
 
-HOST_USABLE = (
-    0.8  # of a node's host memory, for offloaded activations (the rest: OS, data, pinned staging)
-)
+# of a node's host memory, for offloaded activations and optimizer state (the rest: OS, data)
+HOST_USABLE = 0.8
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,9 @@ class PolicyMemory:
     host_per_token: float = 0.0  # bytes per local token this rank keeps in host memory (offload)
     host_bytes_per_rank: float = 0.0  # the node's host memory for offload, shared by its ranks
     tile_tokens: int = 0
+    host_fixed: float = (
+        0.0  # bytes this rank keeps in host memory whatever the sequence: optimizer state
+    )
 
     @property
     def spec(self) -> CheckpointSpec:
@@ -113,7 +120,11 @@ class PolicyMemory:
 
     @property
     def host_bytes(self) -> float:
-        return self.host_per_token * self.trace.tokens
+        return self.host_at(self.trace.tokens)
+
+    def host_at(self, tokens: float) -> float:
+        """This rank's host memory at `tokens` local tokens: offloaded activations and state."""
+        return self.host_fixed + self.host_per_token * tokens
 
     def fits(self, gpu_bytes: float) -> bool:
         return self.total <= gpu_bytes and self.host_bytes <= self.host_bytes_per_rank
@@ -137,8 +148,11 @@ class PolicyMemory:
     def longest_local_seq(self, gpu_bytes: float) -> int:
         room = (gpu_bytes - RUNTIME_RESERVE) / (1 + MARGIN_FRACTION) - self.fixed
         longest = max(0, int(room // self.per_token)) if self.per_token else 0
+        host_room = self.host_bytes_per_rank - self.host_fixed
+        if host_room < 0:
+            return 0
         if self.host_per_token:
-            longest = min(longest, int(self.host_bytes_per_rank // self.host_per_token))
+            longest = min(longest, int(host_room // self.host_per_token))
         return longest
 
 
@@ -167,13 +181,13 @@ class MemoryPlan:
         return (local * self.cfg.parallel.sp_size) // 1024 * 1024
 
 
-def _bytes_per_element(cfg: JobConfig) -> int:
+def bytes_per_element(cfg: JobConfig) -> int:
     return 2 if cfg.precision is Precision.bf16 else 4
 
 
 def _state_terms(cfg: JobConfig, size: ModelSize, zero_stage: int) -> dict[str, float]:
     """Parameters, gradients and optimizer state per GPU (see the module docstring)."""
-    b, world, params = _bytes_per_element(cfg), cfg.cluster.world_size, size.total
+    b, world, params = bytes_per_element(cfg), cfg.cluster.world_size, size.total
     if zero_stage == 3:
         return {name: nbytes * params / world for name, nbytes in FSDP2_STATE_BYTES.items()}
     return {
@@ -183,10 +197,22 @@ def _state_terms(cfg: JobConfig, size: ModelSize, zero_stage: int) -> dict[str, 
     }
 
 
+def _offloaded_state(
+    cfg: JobConfig, size: ModelSize, zero_stage: int, state: dict[str, float]
+) -> tuple[dict[str, float], float]:
+    """The state terms left on the GPU under optimizer offload, and the host bytes per rank:
+    ZeRO-1 moves the optimizer shard and stages a b-byte copy of the parameter partition in
+    pinned host memory; ZeRO-3 moves the fp32 shards, their gradients and Adam's moments."""
+    moved = ("optimizer_shard",) if zero_stage == 1 else tuple(state)
+    staging = bytes_per_element(cfg) * size.total / cfg.cluster.world_size
+    host = sum(state[name] for name in moved) + (staging if zero_stage == 1 else 0.0)
+    return {name: 0.0 if name in moved else value for name, value in state.items()}, host
+
+
 def _gathered_weights(cfg: JobConfig, size: ModelSize) -> float:
     """FSDP2's unsharded buffers at the peak: the root group and two layers gathered, the
     lm_head's gradient, one layer's gradient and its fp32 copy for the reduce-scatter."""
-    b = _bytes_per_element(cfg)
+    b = bytes_per_element(cfg)
     return b * (size.root + 2 * size.layer + size.head) + (b + REDUCE_BYTES) * size.layer
 
 
@@ -200,7 +226,7 @@ def policy_memory(
         fetched ahead) and the shared rotary tensors. Tiling adds one tile's recompute working set (a
     whole layer's tiles under `full`: then no all-to-all spans the sequence, see tiled_layer_trace).
     """
-    b = _bytes_per_element(cfg)
+    b = bytes_per_element(cfg)
     hf = hf_config(cfg.model)
     tokens = trace.tokens
     hidden, vocab = hf.hidden_size, hf.vocab_size
@@ -220,8 +246,11 @@ def policy_memory(
     tile_working = tile * trace.tile_bytes_per_token
     logits_chunk = chunk * vocab * (b + 4 + 4)  # logits in the model dtype, fp32, fp32 gradient
     buckets = 2 * ZERO_BUCKET_ELEMENTS * b if zero_stage == 1 else 0.0
+    state, host_state = _state_terms(cfg, size, zero_stage), 0.0
+    if rung.offload_optimizer:
+        state, host_state = _offloaded_state(cfg, size, zero_stage, state)
     terms = {
-        **_state_terms(cfg, size, zero_stage),
+        **state,
         **({"gathered_weights": _gathered_weights(cfg, size)} if zero_stage == 3 else {}),
         "activations": per_token["activations"] * tokens,
         "logits_and_loss": per_token["logits_and_loss_saved"] * tokens + logits_chunk,
@@ -235,5 +264,14 @@ def policy_memory(
     host_per_token = layers_saved + loss_saved if rung.offload else 0.0
     host_per_rank = cfg.cluster.host_memory_gb * GB * HOST_USABLE / cfg.cluster.ranks_per_node
     return PolicyMemory(
-        rung_label(rung), rung, terms, growing, fixed, trace, host_per_token, host_per_rank, tile
+        rung_label(rung),
+        rung,
+        terms,
+        growing,
+        fixed,
+        trace,
+        host_per_token,
+        host_per_rank,
+        tile,
+        host_state,
     )

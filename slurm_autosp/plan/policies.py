@@ -2,9 +2,10 @@
 prints them by: one vocabulary shared by the memory terms, the choice and the text.
 
 A rung is a checkpointing policy, optionally with sequence tiling (under `full` of whole layers:
-no full-sequence tensor outside attention; under the others of the MLP: none of its width) and
-activation offload to host memory; `auto` climbs
-the ladder from the least recomputation and traffic to the least memory.
+no full-sequence tensor outside attention; under the others of the MLP: none of its width),
+activation offload to host memory, and optimizer-state offload to host memory (the Adam step
+on the host's CPU: a cost every optimizer step pays, so the last rungs); `auto` climbs the
+ladder from the least recomputation and traffic to the least memory.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Rung:
     spec: CheckpointSpec
     tiled: bool = False  # the MLP runs in sequence tiles, recomputed tile by tile
     offload: bool = False  # what backward keeps waits in host memory
+    offload_optimizer: bool = False  # optimizer state in host memory, stepped there
 
 
 def _sac_candidates(recompute_all_to_all: bool) -> tuple[CheckpointSpec, ...]:
@@ -56,21 +58,27 @@ _LEAST_MEMORY = (
 
 def ladder(cfg: JobConfig) -> tuple[Rung, ...]:
     """The rungs training may run with, in order of preference: each checkpointing candidate
-    as is, then the least-memory policies tiled, then tiled and offloaded. `compile.tile_tokens`
-    and `compile.offload_activations` set to a value fix that dimension for every rung."""
+    as is, then the least-memory policies tiled, tiled with activation offload, tiled with
+    optimizer offload (where host memory, not the GPU, bounds activation offload), then both. `compile.tile_tokens`, `compile.offload_activations` and
+    `parallel.offload_optimizer` set to a value fix that dimension for every rung."""
     candidates = checkpoint_candidates(cfg)
     tiling, offload = cfg.compile.tile_tokens, cfg.compile.offload_activations
+    optimizer = cfg.parallel.offload_optimizer
     rungs = [Rung(spec) for spec in candidates]
-    if tiling is None or offload is None:
+    if tiling is None or offload is None or optimizer is None:
         tail = [spec for spec in candidates if spec in _LEAST_MEMORY] or [candidates[-1]]
-        rungs += [Rung(spec, tiled=True) for spec in tail] + [
-            Rung(spec, tiled=True, offload=True) for spec in tail
-        ]
+        rungs += (
+            [Rung(spec, tiled=True) for spec in tail]
+            + [Rung(spec, tiled=True, offload=True) for spec in tail]
+            + [Rung(spec, tiled=True, offload_optimizer=True) for spec in tail]
+            + [Rung(spec, tiled=True, offload=True, offload_optimizer=True) for spec in tail]
+        )
     fixed = [
         Rung(
             r.spec,
             r.tiled if tiling is None else tiling > 0,
             r.offload if offload is None else offload,
+            r.offload_optimizer if optimizer is None else optimizer,
         )
         for r in rungs
     ]
@@ -89,13 +97,15 @@ def tile_tokens_for(
 
 
 def rung_label(rung: Rung) -> str:
-    """e.g. "full (all-to-all recomputed) + tiled layers + offload": under `full` tiling tiles
-    whole layers, under the other policies the MLPs (compile.tiled_layer)."""
+    """e.g. "full (all-to-all recomputed) + tiled layers + offload + optimizer offload": under
+    `full` tiling tiles whole layers, under the other policies the MLPs (compile.tiled_layer);
+    "offload" alone is the activations'."""
     tiling = " + tiled layers" if tiles_whole_layers(rung.spec) else " + tiled MLPs"
     return (
         spec_label(rung.spec)
         + (tiling if rung.tiled else "")
         + (" + offload" if rung.offload else "")
+        + (" + optimizer offload" if rung.offload_optimizer else "")
     )
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan.memory import GB, MemoryPlan
+from slurm_autosp.plan.offload_cost import REFERENCE_MFU, optimizer_offload_cost, peak_tflops
 from slurm_autosp.plan.verdict import verdict
 
 ENGINES = {1: "DeepSpeed", 3: "FSDP2"}
-OFFLOAD_REFERENCE_TFLOPS = 989.0  # H100/H200 dense bf16, when trace.peak_tflops_per_gpu is not set
-OFFLOAD_REFERENCE_MFU = 0.4  # the compute the offload traffic has to hide behind
 
 
 def _gb(value: float) -> str:
@@ -56,14 +55,17 @@ def render(plan: MemoryPlan) -> str:
         )
     if memory.rung.offload:
         lines.append("  " + offload_line(plan))
+    if memory.rung.offload_optimizer:
+        lines.append("  " + optimizer_offload_line(plan))
     lines.append(
         f"longest sequence that fits (this cluster shape, per policy; GB per GPU under ZeRO-{plan.zero_stage} "
         f"at seq {cfg.data.seq_len}):"
     )
+    width = max(len(p.label) for p in plan.policies)
     for rung, p in plan.memories[plan.zero_stage].items():
         chosen = "   <- chosen" if rung == memory.rung else ""
         lines.append(
-            f"  {p.label:<50} ZeRO-1: {plan.longest_seq(plan.memories[1][rung]):>10,}   "
+            f"  {p.label:<{width}} ZeRO-1: {plan.longest_seq(plan.memories[1][rung]):>10,}   "
             f"ZeRO-3: {plan.longest_seq(plan.memories[3][rung]):>10,}   needs {p.total / GB:6.1f} GB{chosen}"
         )
     text, _, _ = verdict(plan)
@@ -76,14 +78,30 @@ def offload_line(plan: MemoryPlan) -> str:
     each layer's saved tensors cross the host link once each way per step."""
     cfg, memory = plan.cfg, plan.configured
     c, t = cfg.cluster, memory.trace
-    node = memory.host_bytes * c.ranks_per_node
+    node = memory.host_per_token * t.tokens * c.ranks_per_node
     seconds = t.activation_bytes / (c.host_link_gb_per_s * GB)
-    peak = cfg.trace.peak_tflops_per_gpu or OFFLOAD_REFERENCE_TFLOPS
-    compute = t.forward_flops / (peak * 1e12 * OFFLOAD_REFERENCE_MFU)
+    peak = peak_tflops(cfg)
+    compute = t.forward_flops / (peak * 1e12 * REFERENCE_MFU)
     hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
     return (
         f"activation offload: {node / GB:,.0f} GB of host memory per node (cluster.host_memory_gb="
         f"{c.host_memory_gb:g}, 80% usable); {t.activation_bytes / GB:.2f} GB per layer each way at "
         f"{c.host_link_gb_per_s:g} GB/s = {seconds * 1e3:.0f} ms, {hidden} the layer's forward "
-        f"({compute * 1e3:.0f} ms at {OFFLOAD_REFERENCE_MFU:.0%} of {peak:g} TFLOP/s)"
+        f"({compute * 1e3:.0f} ms at {REFERENCE_MFU:.0%} of {peak:g} TFLOP/s)"
+    )
+
+
+def optimizer_offload_line(plan: MemoryPlan) -> str:
+    """Host memory the optimizer state takes per node, beside the offloaded activations, and
+    what the offload adds to a step (plan.offload_cost)."""
+    c, memory = plan.cfg.cluster, plan.configured
+    cost = optimizer_offload_cost(plan)
+    hidden = "hidden behind the layers" if cost.hidden else "exposed"
+    return (
+        f"optimizer offload: {memory.host_fixed * c.ranks_per_node / GB:,.0f} GB of host memory "
+        f"per node ({memory.host_bytes * c.ranks_per_node / GB:,.0f} GB offloaded in all); per "
+        f"step {cost.link_seconds * 1e3:,.0f} ms of copies at {c.host_link_gb_per_s:g} GB/s "
+        f"({hidden}) and {cost.adam_seconds * 1e3:,.0f} ms of host AdamW: "
+        f"+{cost.exposed_seconds / cost.compute_seconds:.1%} on the step's "
+        f"{cost.compute_seconds:,.1f} s of compute"
     )

@@ -54,13 +54,17 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
             for memory in memories.values():
                 tokens = memory.trace.tokens * scale
                 total = memory.total_at(tokens)
-                host_fits = memory.host_per_token * tokens <= memory.host_bytes_per_rank
-                if (
-                    total <= plan.gpu_bytes and host_fits
-                ):  # prefer no sharding, the least recomputation, no offload
-                    fits.append(
-                        ((stage, memory.trace.recompute_flops, memory.rung.offload), memory, stage)
+                host_fits = memory.host_at(tokens) <= memory.host_bytes_per_rank
+                if total <= plan.gpu_bytes and host_fits:
+                    # prefer no sharding, the least recomputation, no offload
+                    rung = memory.rung
+                    preference = (
+                        stage,
+                        memory.trace.recompute_flops,
+                        rung.offload_optimizer,
+                        rung.offload,
                     )
+                    fits.append((preference, memory, stage))
         if fits:
             _, memory, stage = min(fits, key=lambda item: item[0])
             where = "" if sp <= domain else f" (beyond the NVLink domain of {domain})"

@@ -35,7 +35,12 @@ def predict_memory(cfg: JobConfig, choices: TrainingChoices) -> PlanPrediction |
     if cfg.model.builder:
         return None
     plan = build_plan(cfg)
-    rung = Rung(choices.checkpointing, bool(choices.tile_tokens), choices.offload_activations)
+    rung = Rung(
+        choices.checkpointing,
+        bool(choices.tile_tokens),
+        choices.offload_activations,
+        choices.offload_optimizer,
+    )
     memory = plan.memories[choices.zero_stage][rung]
     t = memory.terms
     b = 2 if cfg.precision is Precision.bf16 else 4

@@ -212,6 +212,7 @@ def describe_job(report: ProbeReport) -> str:
         f"{spec_label(choices.checkpointing)}"
         + (f", MLP tiles of {choices.tile_tokens}" if choices.tile_tokens else "")
         + (", activations offloaded" if choices.offload_activations else "")
+        + (", optimizer state offloaded" if choices.offload_optimizer else "")
         + f"; {cfg.probe.steps} steps, the first compiles"
     )
 

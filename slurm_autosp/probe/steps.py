@@ -90,7 +90,7 @@ def measure_steps(
 ) -> StepMeasurement:
     """`probe.steps` optimizer steps as training runs them; an out-of-memory error ends them."""
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, ctx.device, choices.zero_stage)
+    engine = build_engine(cfg, ctx.device, choices.zero_stage, choices.offload_optimizer)
     backend = compile_for_sp(
         engine.module, cfg, parallel, choices.checkpointing, choices.tile_tokens
     )

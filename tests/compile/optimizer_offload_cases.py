@@ -1,0 +1,103 @@
+"""What the optimizer-offload tests run on every rank: optimizer steps through the real engines
+(DeepSpeed ZeRO-1 with ZeRO-Offload, FSDP2 with CPUOffloadPolicy) with the optimizer state in
+host memory or not, and a save and resume in the middle. Batches, backends and the engines'
+job config come from train_cases, so these cases share the pools' compiled graphs."""
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
+from train_cases import LOSS_CHUNK, SEQ, _job_config, _kwargs, _sp_shards, _whole_weights
+
+from slurm_autosp.compile import compile_model, set_sp_group
+from slurm_autosp.compile.chunked_loss import causal_lm_loss
+from slurm_autosp.verify import make_batch
+
+
+def _build(zero_stage: int, cfg, offload: bool):
+    """The engines as train_cases builds them (FSDP2 from the meta device), offloaded or not."""
+    from slurm_autosp.engine import FSDP2Engine, ZeRO1Engine
+
+    if zero_stage == 1:
+        return ZeRO1Engine(tiny_model("llama", 2), cfg, offload)
+    with torch.device("meta"):
+        model = tiny_model("llama", 2)
+    return FSDP2Engine(model, cfg, torch.device("cpu"), offload)
+
+
+def _offloaded(engine) -> bool:
+    """Whether the engine really keeps its optimizer state on the host and steps it there."""
+    if engine.name == "deepspeed_zero1":
+        inner = engine._engine
+        return inner.zero_cpu_offload() and inner.optimizer.optimizer.defaults["fused"]
+    state = engine.module._get_fsdp_state()._fsdp_param_group
+    policy = type(state.offload_policy).__name__
+    return policy == "CPUOffloadPolicy" and engine.optimizer.defaults["fused"]
+
+
+def _full_grads(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's whole reduced gradient before the optimizer step (collective)."""
+    if engine.name == "fsdp2":
+        return {name: p.grad.full_tensor() for name, p in engine.module.named_parameters()}
+    from deepspeed.utils import safe_get_full_grad
+
+    return {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+
+
+def offload_steps(
+    zero_stage: int,
+    sp_size: int,
+    grad_accum: int,
+    steps: int,
+    offload: bool,
+    checkpoint: str | None = None,
+) -> dict | None:
+    """`steps` optimizer steps on SP x DP ranks; with `checkpoint`, the engine saves there after
+    the first step and a new engine loads it and takes the rest. Rank 0 returns the step losses
+    and gradient norms, the first step's whole gradients, the initial and final whole weights,
+    and whether the optimizer state was offloaded."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
+    cfg = _job_config(dist.get_world_size(), zero_stage, grad_accum, steps)
+    rows = dist.get_world_size() // sp_size * grad_accum
+    engine = _build(zero_stage, cfg, offload)
+    initial = _whole_weights(engine)
+    offloaded = _offloaded(engine)
+    compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
+    set_sp_group(contiguous_sp_group(sp_size))
+    losses, grad_norms, first_grads = [], [], {}
+    for step in range(steps):
+        if checkpoint and step == 1:
+            engine.save(Path(checkpoint))
+            engine.close()
+            engine = _build(zero_stage, cfg, offload)
+            engine.load(Path(checkpoint))
+            compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
+        shards, count = _sp_shards(
+            make_batch(rows, SEQ, VOCAB, seed=100 + step), sp_size, grad_accum
+        )
+        step_loss = torch.zeros(())
+        for shard in shards:
+            loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
+            engine.backward(loss * engine.loss_scale)
+            if step == 0 and shard is shards[-1]:
+                first_grads = _full_grads(engine)
+            engine.step()
+            step_loss += loss.detach()
+        dist.all_reduce(step_loss)
+        losses.append(float(step_loss))
+        grad_norms.append(engine.grad_norm())
+    weights = _whole_weights(engine)
+    engine.close()
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "grads": first_grads,
+        "initial": initial,
+        "weights": weights,
+        "offloaded": offloaded,
+    }
