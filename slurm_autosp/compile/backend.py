@@ -1,12 +1,13 @@
-"""The AutoSP torch.compile backend: Ulysses all-to-alls around every SDPA call, then inductor.
+"""The AutoSP torch.compile backend: Ulysses all-to-alls around every attention call, then inductor.
 
 Two steps, kept apart so each can change alone: `rewrite_sdpa_for_sp` edits the Dynamo FX
 graph (q, k, v go from [B, H, S/P, D] to [B, H/P, S, D] before attention, the output comes
-back after), and `compile_with_inductor` turns the rewritten graph into code, with the
-activation checkpointing policy (`checkpointing.CheckpointSpec`) as recompute tags that the
-min-cut partitioner honours.
+back after; attention is SDPA, or `document_attention` for packed rows), and
+`compile_with_inductor` turns the rewritten graph into code, with the activation checkpointing
+policy (`checkpointing.CheckpointSpec`) as recompute tags that the min-cut partitioner honours.
 """
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch.fx as fx
 from torch.fx.node import Argument
 
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
+import slurm_autosp.compile.document_attention  # noqa: F401 - registers its op
 from slurm_autosp.compat.torch_api import compile_fx
 from slurm_autosp.compile.checkpointing import CheckpointSpec, inductor_config_patches
 from slurm_autosp.config import ActivationCheckpointing
@@ -33,6 +35,8 @@ _SDPA_PARAMS = (
 )
 _HEAD_DIM, _SEQ_DIM = 1, 2
 _ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
+# causal attention within each document; returns (output, logsumexp), handles grouped KV heads
+_DOCUMENT_ATTENTION = torch.ops.slurm_autosp.document_attention.default
 
 
 class AutoSPCompileError(RuntimeError):
@@ -97,8 +101,8 @@ def _check_causal_without_mask(node: fx.Node, arguments: dict[str, Argument]) ->
             "over the whole sequence with is_causal=True and never builds an S x S mask. For "
             "Hugging Face models use compile_model(...) (it switches the model to "
             "slurm_autosp.compile.hf_attention.SP_ATTENTION) and pass the inputs from "
-            "prepare_sp_inputs(...), which turns right padding into ignored labels; left padding "
-            "and packed sequences are not supported."
+            "prepare_sp_inputs(...), which turns right padding into ignored labels and packed rows "
+            "(position_ids or document_ids) into document attention; left padding is not supported."
         )
     if not arguments.get("is_causal", False):
         raise AutoSPCompileError(
@@ -107,9 +111,20 @@ def _check_causal_without_mask(node: fx.Node, arguments: dict[str, Argument]) ->
         )
 
 
+def _document_arguments(node: fx.Node) -> dict[str, Argument]:
+    names = [a.name for a in _DOCUMENT_ATTENTION._schema.arguments]
+    arguments: dict[str, Argument] = dict(zip(names, node.args, strict=False))
+    arguments.update(node.kwargs)
+    return arguments
+
+
 def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
-    arguments = _sdpa_arguments(node)
-    _check_causal_without_mask(node, arguments)
+    documents = node.target is _DOCUMENT_ATTENTION
+    if documents:  # the cumulative lengths are global: they hold for the whole sequence as is
+        arguments = _document_arguments(node)
+    else:
+        arguments = _sdpa_arguments(node)
+        _check_causal_without_mask(node, arguments)
     query, key, value = (arguments[name] for name in ("query", "key", "value"))
     assert isinstance(query, fx.Node) and isinstance(key, fx.Node) and isinstance(value, fx.Node)
     if query.meta["example_value"].dim() != 4:
@@ -134,21 +149,36 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
         arguments["query"] = scatter_heads(query, 1)
         arguments["key"] = scatter_heads(key, layout.kv_repeat)
         arguments["value"] = scatter_heads(value, layout.kv_repeat)
-    arguments["enable_gqa"] = layout.local_grouped
+    if not documents:
+        arguments["enable_gqa"] = layout.local_grouped
     node.args = ()
     node.kwargs = arguments
-    with graph.inserting_after(node):
-        output = graph.call_function(_ALL_TO_ALL, (node, _SEQ_DIM, _HEAD_DIM, sp_size))
-    node.replace_all_uses_with(output, delete_user_cb=lambda user: user is not output)
+    outputs = [node]
+    if documents:  # the attention output is item 0; the log-sum-exp stays for backward
+        outputs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    for local in outputs:
+        _gather_heads_after(graph, local, sp_size)
+
+
+def _gather_heads_after(graph: fx.Graph, local: fx.Node, sp_size: int) -> None:
+    """Every user of `local` ([B, H/P, S, D]) reads it back as [B, H, S/P, D]."""
+    with graph.inserting_after(local):
+        output = graph.call_function(_ALL_TO_ALL, (local, _SEQ_DIM, _HEAD_DIM, sp_size))
+    local.replace_all_uses_with(output, delete_user_cb=lambda user: user is not output)
 
 
 def rewrite_sdpa_for_sp(gm: fx.GraphModule, sp_size: int) -> int:
-    """Wrap every scaled_dot_product_attention in `gm` with the Ulysses all-to-alls.
+    """Wrap every attention call in `gm` (scaled_dot_product_attention, document_attention)
+    with the Ulysses all-to-alls.
 
     Returns how many calls were rewritten; a graph without any is legal (e.g. the lm_head
     graph after a graph break).
     """
-    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SDPA]
+    calls = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in (_SDPA, _DOCUMENT_ATTENTION)
+    ]
     for node in calls:
         _rewrite_one(gm.graph, node, sp_size)
     if calls:

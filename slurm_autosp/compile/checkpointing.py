@@ -9,8 +9,8 @@ it to be recomputed. `CheckpointPass` writes those tags as an inductor joint-gra
 
 Policies (`compile.activation_checkpointing`; `auto` is resolved to one of them by the memory
 plan, `slurm_autosp.plan.checkpoint_spec_for`):
-- `sac`: attention (the SDPA kernels, whose outputs cost O(S^2) FLOPs to recompute) is always
-  kept, never recomputed. The other forward tensors the backward depends on are kept greedily,
+- `sac`: attention (the SDPA kernels and packed rows' `document_attention`, whose outputs cost
+  O(S^2) FLOPs to recompute) is always kept, never recomputed. The other forward tensors the backward depends on are kept greedily,
   dearest first, by the FLOPs it takes to recompute them (from the layer's inputs and what is
   already kept) per byte they occupy: a matmul output costs ~2*K FLOPs per element, an
   elementwise op ~1. Keeping stops when `budget` (a fraction of their total bytes) is spent;
@@ -37,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers the op
+import slurm_autosp.compile.document_attention  # noqa: F401 - registers its ops
 from slurm_autosp.compat.torch_api import (
     CustomGraphPass,
     run_and_save_rng_state,
@@ -47,7 +48,11 @@ from slurm_autosp.config import ActivationCheckpointing
 aten = torch.ops.aten
 ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
 
-# SDPA forward kernels (what F.scaled_dot_product_attention decomposes to in the joint graph).
+DOCUMENT_ATTENTION = torch.ops.slurm_autosp.document_attention.default
+DOCUMENT_ATTENTION_BACKWARD = torch.ops.slurm_autosp.document_attention_backward.default
+
+# SDPA forward kernels (what F.scaled_dot_product_attention decomposes to in the joint graph),
+# and packed rows' attention, an opaque op in the joint graph.
 ATTENTION_OPS = frozenset(
     op
     for name in (
@@ -60,7 +65,7 @@ ATTENTION_OPS = frozenset(
     )
     if hasattr(aten, name)
     for op in [getattr(aten, name).default]
-)
+) | {DOCUMENT_ATTENTION}
 
 
 # Their backward kernels: QK^T is recomputed, then dP, dS, dQ, dK, dV: ~2.5x the forward.
@@ -73,7 +78,7 @@ ATTENTION_BACKWARD_OPS = frozenset(
         "_scaled_dot_product_cudnn_attention_backward",
     )
     if hasattr(aten, name)
-)
+) | {DOCUMENT_ATTENTION_BACKWARD}
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,8 @@ def is_attention(node: fx.Node) -> bool:
 
 def _attention_flops(node: fx.Node) -> int:
     """FLOPs of an SDPA kernel: 4*B*H*Sq*Skv*D forward (QK^T and PV), 2.5x that backward,
-    halved when causal."""
+    halved when causal. Document attention counts as causal over the whole row: its documents'
+    lengths are data, so this is its bound (reached by a row of one document)."""
     op, args, kwargs = wrapped_op(node)
     backward = op in ATTENTION_BACKWARD_OPS
     names = [a.name for a in op._schema.arguments]
@@ -168,7 +174,8 @@ def _attention_flops(node: fx.Node) -> int:
     batch, heads, s_q, d = _shapes(query)
     s_kv = _shapes(key)[-2]
     flops = 4 * batch * heads * s_q * s_kv * d * (5 if backward else 2) // 2
-    return flops // 2 if argument("is_causal", False) else flops
+    causal = op in (DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_BACKWARD) or argument("is_causal", False)
+    return flops // 2 if causal else flops
 
 
 def node_flops(node: fx.Node) -> int:

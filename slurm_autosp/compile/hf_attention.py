@@ -9,8 +9,10 @@ it but makes every decoder layer a different graph (the cache is indexed by `lay
 So the model is switched to `SP_ATTENTION`: HF's own SDPA attention function under another
 name, with a mask function that returns no mask. Both refuse what dropping the mask would get
 wrong (see attention_pattern): a padding mask (only `prepare_sp_inputs` may drop it safely), a
-window shorter than the whole sequence, soft-capping, sinks, non-causal attention. Packed
-sequences are refused by `prepare_sp_inputs`.
+window shorter than the whole sequence, soft-capping, sinks, non-causal attention. Packed rows
+arrive with the cumulative document lengths `prepare_sp_inputs` derived (HF's varlen arguments
+`cu_seq_lens_q`/`cu_seq_lens_k`) and go to `document_attention` instead of SDPA; the backend
+puts the same all-to-alls around either.
 """
 
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from slurm_autosp.compile.all_to_all import registered_sp_size
 from slurm_autosp.compile.attention_pattern import check_attention_call, check_mask_request
 from slurm_autosp.compile.backend import AutoSPCompileError
+from slurm_autosp.compile.document_attention import document_attention
 
 SP_ATTENTION = "slurm_autosp_sdpa"
 TILED_ATTENTION = "slurm_autosp_tiled_sdpa"  # the attention of sequence-tiled layers (tiled_layer)
@@ -52,10 +55,48 @@ def _no_mask(
     return None
 
 
-def _sp_sdpa_attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """HF's SDPA attention, after refusing what it would silently ignore."""
+def _document_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each document, returned as HF's attention functions return it
+    ([B, S, H, D], no weights)."""
+    name = type(module).__name__
+    if kwargs.get("dropout"):
+        raise AutoSPCompileError(
+            f"{name} asks for attention dropout={kwargs['dropout']} over packed documents; "
+            "document attention has no dropout (set the model's attention_dropout=0)"
+        )
+    if kwargs.get("cu_seq_lens_k") is not cu_seqlens:
+        raise AutoSPCompileError(
+            f"{name} got different cu_seq_lens_q and cu_seq_lens_k; packed documents attend "
+            "within themselves, so both must be the lengths prepare_sp_inputs derived"
+        )
+    scaling = kwargs.get("scaling")
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    output, _ = document_attention(query, key, value, cu_seqlens, scale)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _sp_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> Any:
+    """HF's SDPA attention, after refusing what it would silently ignore; attention within each
+    document for packed rows."""
     check_attention_call(module, kwargs)
-    return sdpa_attention_forward(module, *args, **kwargs)
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is not None:
+        return _document_attention_forward(module, query, key, value, cu_seqlens, kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 AttentionInterface.register(SP_ATTENTION, _sp_sdpa_attention)

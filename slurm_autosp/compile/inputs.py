@@ -2,13 +2,24 @@
 
 Everything that depends on the whole sequence happens here, once, before sharding: labels
 are shifted over the whole sequence (so the label pair crossing a shard boundary is kept),
-padding becomes ignored labels, and position ids are global. The compiled graph then sees
-only local tensors and is identical on every rank.
+padding becomes ignored labels, and position ids are global. Packed rows (several documents
+per row) get positions that restart per document, an ignored label at each document's end
+and the cumulative document lengths of the whole batch, which every rank's attention reads
+after its all-to-all. The compiled graph then sees only local tensors (and those lengths) and
+is identical on every rank.
 """
 
 from dataclasses import dataclass
 
 import torch
+
+from slurm_autosp.compile.documents import (
+    PackedRowsError,
+    cumulative_lengths,
+    positions_within,
+    starts_from_document_ids,
+    starts_from_position_ids,
+)
 
 IGNORE_INDEX = -100
 
@@ -19,13 +30,15 @@ class SPBatch:
 
     `valid_labels` counts the labels of this shard that enter the loss. Summed over every
     rank of the world and every micro-batch of the optimizer step, it is the step's loss
-    normaliser (`num_items_in_batch`).
+    normaliser (`num_items_in_batch`). `cu_seqlens` (packed rows only) are the cumulative
+    document lengths of the whole, padded batch, the same on every rank of the SP group.
     """
 
     input_ids: torch.Tensor
     shift_labels: torch.Tensor
     position_ids: torch.Tensor
     valid_labels: int
+    cu_seqlens: torch.Tensor | None = None
 
     def model_kwargs(self, num_items_in_batch: torch.Tensor | int) -> dict[str, object]:
         """Keyword arguments for an HF causal LM: its loss is then this shard's summed token
@@ -33,9 +46,10 @@ class SPBatch:
 
         `labels` only switches HF's loss on; `shift_labels` is what it reads. The count goes in
         as a tensor so Dynamo does not specialise the graph on its value. `use_cache=False`:
-        a KV cache would make every decoder layer a different graph.
+        a KV cache would make every decoder layer a different graph. Packed rows' document
+        lengths travel as HF's varlen attention arguments, which reach the attention function.
         """
-        return {
+        kwargs: dict[str, object] = {
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
             "labels": self.shift_labels,
@@ -43,6 +57,9 @@ class SPBatch:
             "num_items_in_batch": torch.as_tensor(num_items_in_batch, device=self.input_ids.device),
             "use_cache": False,
         }
+        if self.cu_seqlens is not None:
+            kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = self.cu_seqlens
+        return kwargs
 
 
 def _drop_trailing_padding(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -55,24 +72,42 @@ def _drop_trailing_padding(labels: torch.Tensor, attention_mask: torch.Tensor) -
         raise ValueError(
             f"attention_mask of batch rows {rows} is not right padding (ones, then only zeros). "
             "Sequence parallel attention is causal without a mask, which is exact only for "
-            "trailing padding: pad on the right (tokenizer.padding_side='right'); packed or "
-            "left-padded batches are not supported."
+            "trailing padding: pad on the right (tokenizer.padding_side='right'); left-padded "
+            "batches are not supported (packed rows pass position_ids or document_ids, not a mask)."
         )
     return labels.masked_fill(~valid, IGNORE_INDEX)
 
 
-def _check_single_sequence_rows(
-    position_ids: torch.Tensor, attention_mask: torch.Tensor | None
-) -> None:
-    steps = position_ids[:, 1:] - position_ids[:, :-1]
-    if attention_mask is not None:
-        steps = steps.masked_fill(~attention_mask[:, 1:].bool(), 1)
-    if not bool((steps == 1).all()):
-        raise ValueError(
-            "position_ids do not increase by one along each row: packed sequences (several "
-            "documents per row) need a document mask, which sequence parallelism does not "
-            "support yet. Pass one sequence per row, or omit position_ids."
-        )
+def _document_starts(
+    position_ids: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+    valid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(position ids, document starts or None when no row holds more than one document)."""
+    batch, seq = valid.shape
+    if document_ids is None and position_ids is None:
+        return torch.arange(seq, device=valid.device).expand(batch, seq), None
+    if document_ids is None:
+        assert position_ids is not None
+        position_ids = position_ids.expand(batch, seq)
+        starts = starts_from_position_ids(position_ids, valid)
+    else:
+        if document_ids.shape[-1] != seq:
+            raise PackedRowsError(
+                f"document_ids has shape {tuple(document_ids.shape)}; it needs one id per token of "
+                f"input_ids {(batch, seq)}"
+            )
+        starts = starts_from_document_ids(document_ids.expand(batch, seq))
+        derived = positions_within(starts)
+        if position_ids is not None and not torch.equal(
+            position_ids.expand(batch, seq)[valid], derived[valid]
+        ):
+            raise PackedRowsError(
+                "position_ids disagree with document_ids: each document's positions must run "
+                "0, 1, 2, ...; pass document_ids alone and the positions are derived from them"
+            )
+        position_ids = derived
+    return position_ids, starts if bool(starts[:, 1:].any()) else None
 
 
 def _pad_to_multiple(tensor: torch.Tensor, multiple: int, value: int) -> torch.Tensor:
@@ -89,12 +124,15 @@ def prepare_sp_inputs(
     sp_rank: int,
     sp_size: int,
     pad_token_id: int = 0,
+    document_ids: torch.Tensor | None = None,
 ) -> SPBatch:
     """Shard a [B, S] causal-LM batch for SP rank `sp_rank` of `sp_size`.
 
     `labels` default to `input_ids` (they are shifted here, as HF would shift them).
     `attention_mask` may only mark right padding ([B, S]; custom masks are refused). S need not divide by `sp_size`: the batch is
-    padded with `pad_token_id` tokens whose labels are ignored.
+    padded with `pad_token_id` tokens whose labels are ignored. A row holds several documents
+    when its `position_ids` restart at 0 or its `document_ids` [B, S] change; attention then
+    stays within each document, and no label predicts across a boundary.
     """
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} is outside the SP group of size {sp_size}")
@@ -108,14 +146,17 @@ def prepare_sp_inputs(
         )
     if attention_mask is not None:
         labels = _drop_trailing_padding(labels, attention_mask)
-    if position_ids is None:
-        position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-    else:
-        position_ids = position_ids.expand(batch, seq)
-        _check_single_sequence_rows(position_ids, attention_mask)
+    valid = (
+        torch.ones_like(input_ids, dtype=torch.bool)
+        if attention_mask is None
+        else attention_mask.bool()
+    )
+    position_ids, starts = _document_starts(position_ids, document_ids, valid)
 
     ignored_last = torch.full_like(labels[:, :1], IGNORE_INDEX)
     shift_labels = torch.cat([labels[:, 1:], ignored_last], dim=1)
+    if starts is not None:  # a document's last token predicts nothing: the next token is another's
+        shift_labels[:, :-1].masked_fill_(starts[:, 1:], IGNORE_INDEX)
     padding = -seq % sp_size
     position_tail = position_ids[:, -1:] + torch.arange(1, padding + 1, device=position_ids.device)
     position_ids = torch.cat([position_ids, position_tail], dim=1)
@@ -130,4 +171,5 @@ def prepare_sp_inputs(
         shift_labels=local_labels,
         position_ids=position_ids[:, local].contiguous(),
         valid_labels=int((local_labels != IGNORE_INDEX).sum()),
+        cu_seqlens=None if starts is None else cumulative_lengths(starts, input_ids.shape[1]),
     )

@@ -110,6 +110,12 @@ def _tiled_attention(
             "tiled layers attend causally without a mask, and recompute attention, which dropout "
             "would make differ from the forward (set attention_dropout=0)"
         )
+    if kwargs.get("cu_seq_lens_q") is not None:
+        raise AutoSPCompileError(
+            f"{type(module).__name__} got packed documents in a tiled layer: tiled layers attend "
+            "causally over the whole row only; train packed documents without tiled layers "
+            "(compile.tile_tokens=0, or compile.activation_checkpointing other than full)"
+        )
     if _tap.answer is not None:
         return _tap.answer, None
     _tap.qkv, _tap.scaling, _tap.module = (query, key, value), scaling, module

@@ -47,11 +47,11 @@ def test_left_padding_is_refused_naming_the_rows():
         prepare_sp_inputs(ids, attention_mask=mask, sp_rank=0, sp_size=2)
 
 
-def test_packed_position_ids_are_refused():
+def test_position_ids_that_jump_without_restarting_a_document_are_refused():
     ids = torch.arange(1, 9).unsqueeze(0)
-    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
-    with pytest.raises(ValueError, match="packed sequences"):
-        prepare_sp_inputs(ids, position_ids=packed, sp_rank=0, sp_size=2)
+    jumping = torch.tensor([[0, 1, 2, 7, 8, 9, 10, 11]])
+    with pytest.raises(ValueError, match="restart at row 0, token 3 with position 7, not 0"):
+        prepare_sp_inputs(ids, position_ids=jumping, sp_rank=0, sp_size=2)
 
 
 def test_count_goes_to_the_model_as_a_tensor_so_graphs_do_not_specialise_on_it():
