@@ -53,6 +53,11 @@ class DataSource(str, enum.Enum):
     tokens = "tokens"
 
 
+class DocumentBoundaries(str, enum.Enum):
+    concat = "concat"  # documents joined by EOS, attended across like one text
+    masked = "masked"  # attention within each document, positions restart, no label across
+
+
 class Precision(str, enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -175,6 +180,9 @@ class DataConfig:
     # held-out data for evaluation: a prepared directory (its eval split) or a token file;
     # null: data.path's eval split when it is a prepared directory with one, else no evaluation
     eval_path: str | None = None
+    # tokens, prepared directories: masked trains each document alone within packed samples
+    # (their recorded document ends); concat attends across document boundaries
+    documents: DocumentBoundaries = DocumentBoundaries.concat
 
 
 @dataclass
@@ -520,6 +528,17 @@ def validate(cfg: JobConfig) -> None:
             )
         elif not os.path.exists(cfg.data.path):
             problems.append(f"data.path={cfg.data.path}: no such file or directory")
+    if cfg.data.documents is DocumentBoundaries.masked:
+        if cfg.data.source is not DataSource.tokens:
+            problems.append(
+                "data.documents=masked needs data.source=tokens (a prepared directory records "
+                "where its documents end; synthetic samples have no documents)"
+            )
+        if not cfg.compile.enabled or cfg.model.builder:
+            problems.append(
+                "data.documents=masked needs compile.enabled=true and a Hugging Face model (not "
+                "model.builder): attention within each document is AutoSP's attention function"
+            )
     if m.pretrained_path and m.builder:
         problems.append("model.pretrained_path and model.builder are exclusive; set one")
     if m.pretrained_path and not os.path.isdir(m.pretrained_path):

@@ -85,17 +85,20 @@ class Evaluator:
     def _shard(self, first: int) -> SPBatch:
         """This rank's shard of its micro-batch of the round starting at sample `first`."""
         start = first + self.layout.dp_rank(self.rank) * self.micro_batch
-        ids, labels = [], []
+        ids, labels, documents = [], [], []
         for index in range(start, start + self.micro_batch):
             sample = self.source.sample(index % self.samples)
             ids.append(sample.input_ids)
             target = sample.input_ids if sample.labels is None else sample.labels
             labels.append(target if index < self.samples else torch.full_like(target, IGNORE_INDEX))
+            if sample.document_ids is not None:  # data.documents=masked
+                documents.append(sample.document_ids)
         return prepare_sp_inputs(
             torch.stack(ids).to(self.device),
             torch.stack(labels).to(self.device),
             sp_rank=self.layout.sp_rank(self.rank),
             sp_size=self.layout.sp_size,
+            document_ids=torch.stack(documents).to(self.device) if documents else None,
         )
 
     def report(self, step: int, result: EvalResult, writer: SummaryWriter | None) -> None:

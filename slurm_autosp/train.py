@@ -191,6 +191,7 @@ def optimizer_step(
                 None if s.labels is None else s.labels.to(ctx.device),
                 sp_rank=layout.sp_rank(ctx.rank),
                 sp_size=layout.sp_size,
+                document_ids=None if s.document_ids is None else s.document_ids.to(ctx.device),
             )
             for s in samples
         ]

@@ -27,6 +27,7 @@ IDENTITY_KEYS = frozenset(
         "data.path",
         "data.seq_len",
         "data.shuffle",
+        "data.documents",
         "train.seed",
         "train.micro_batch",
         "train.grad_accum",

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from slurm_autosp.compile.inputs import IGNORE_INDEX
-from slurm_autosp.config import ConfigError, DataSource, JobConfig
+from slurm_autosp.config import ConfigError, DataSource, DocumentBoundaries, JobConfig
 from slurm_autosp.data.prepared import (
     TOKENIZER_DIR,
     SplitFiles,
@@ -30,10 +30,12 @@ from slurm_autosp.data.token_file import read_token_file
 @dataclass(frozen=True)
 class Sample:
     """One training sequence; `labels` hold IGNORE_INDEX where it is not trained on (chat data:
-    everything but the assistant's tokens), None where every token is."""
+    everything but the assistant's tokens), None where every token is. `document_ids` (masked
+    documents only) number the documents the sample cuts from the file 0, 1, 2, ... per token."""
 
     input_ids: torch.Tensor  # [seq_len] int64
     labels: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
 
 
 class SampleSource(Protocol):
@@ -115,7 +117,9 @@ class SyntheticSource:
 class TokenFileSource:
     """Samples packed from a memory-mapped token file: documents joined by EOS, cut every
     `seq_len` tokens; past the end it wraps around (the next epoch). With a loss mask (chat
-    data), tokens outside it are not trained on."""
+    data), tokens outside it are not trained on. With the documents' end offsets, each sample
+    carries the document id of each token (a document cut by the sample's start is a document
+    of its own there, from position 0)."""
 
     def __init__(
         self,
@@ -123,6 +127,7 @@ class TokenFileSource:
         seq_len: int,
         vocab_size: int | None = None,
         loss_mask_path: Path | None = None,
+        document_ends_path: Path | None = None,
     ):
         self.path = Path(path)
         header_vocab, self.tokens = read_token_file(self.path)
@@ -137,6 +142,14 @@ class TokenFileSource:
                 f"{loss_mask_path}: {len(self.loss_mask)} mask entries for {len(self.tokens)} "
                 f"tokens in {self.path}; prepare the dataset again"
             )
+        self.document_ends = None
+        if document_ends_path is not None:
+            self.document_ends = np.load(document_ends_path, mmap_mode="r")
+            if not len(self.document_ends) or int(self.document_ends[-1]) != len(self.tokens):
+                raise ValueError(
+                    f"{document_ends_path}: its last document end is not the {len(self.tokens)} "
+                    f"tokens of {self.path}; prepare the dataset again"
+                )
         self.seq_len = seq_len
         self.num_samples = len(self.tokens) // seq_len
         if self.num_samples == 0:
@@ -149,10 +162,20 @@ class TokenFileSource:
         start = (index % self.num_samples) * self.seq_len
         span = slice(start, start + self.seq_len)
         input_ids = torch.from_numpy(self.tokens[span].astype(np.int64))
-        if self.loss_mask is None:
-            return Sample(input_ids)
-        trained = torch.from_numpy(self.loss_mask[span].astype(bool))
-        return Sample(input_ids, input_ids.masked_fill(~trained, IGNORE_INDEX))
+        labels = None
+        if self.loss_mask is not None:
+            trained = torch.from_numpy(self.loss_mask[span].astype(bool))
+            labels = input_ids.masked_fill(~trained, IGNORE_INDEX)
+        return Sample(input_ids, labels, self._document_ids(start))
+
+    def _document_ids(self, start: int) -> torch.Tensor | None:
+        """Per token of the sample at `start`: how many documents end within the sample before it."""
+        if self.document_ends is None:
+            return None
+        ends = self.document_ends
+        first, last = np.searchsorted(ends, [start, start + self.seq_len - 1], side="right")
+        inside = np.asarray(ends[first:last], dtype=np.int64) - start
+        return torch.from_numpy(np.searchsorted(inside, np.arange(self.seq_len), side="right"))
 
 
 class ShuffledSource:
@@ -213,18 +236,31 @@ class BlendedSource:
 
 
 def open_tokens(
-    path: str | Path, seq_len: int, vocab_size: int | None, split: str = "train"
+    path: str | Path,
+    seq_len: int,
+    vocab_size: int | None,
+    split: str = "train",
+    documents: DocumentBoundaries = DocumentBoundaries.concat,
 ) -> TokenFileSource:
-    """A token file, or a split of a prepared dataset (its loss mask included)."""
+    """A token file, or a split of a prepared dataset (its loss mask included, and its document
+    ends when `documents` is masked)."""
     path = Path(path)
+    masked = documents is DocumentBoundaries.masked
     if not is_prepared(path):
+        if masked:
+            raise ValueError(
+                f"{path}: a bare token file records no document ends, which data.documents=masked "
+                "needs; train on a directory written by `python -m slurm_autosp.data prepare`"
+            )
         return TokenFileSource(path, seq_len, vocab_size)
     read_summary(path)
     files = SplitFiles.of(path, split)
     if not files.tokens.exists():
         raise ValueError(f"{path}: no {split} split (prepare with --eval-fraction > 0)")
     mask = files.loss_mask if files.loss_mask.exists() else None
-    return TokenFileSource(files.tokens, seq_len, vocab_size, mask)
+    return TokenFileSource(
+        files.tokens, seq_len, vocab_size, mask, files.documents if masked else None
+    )
 
 
 def eval_data_path(cfg: JobConfig) -> tuple[str, str] | None:
@@ -246,7 +282,8 @@ def open_eval_source(cfg: JobConfig, vocab_size: int | None) -> TokenFileSource 
     if located is None:
         return None
     path, split = located
-    return open_tokens(path, cfg.data.seq_len, vocab_size or cfg.model.vocab_size, split)
+    vocab_size = vocab_size or cfg.model.vocab_size
+    return open_tokens(path, cfg.data.seq_len, vocab_size, split, cfg.data.documents)
 
 
 def token_paths(cfg: JobConfig) -> list[str]:
@@ -309,7 +346,7 @@ def build_source(cfg: JobConfig, model_vocab_size: int | None = None) -> SampleS
         vocab_size = model_vocab_size or cfg.model.vocab_size
         sources: list[SampleSource] = []
         for path in token_paths(cfg):
-            tokens = open_tokens(path, cfg.data.seq_len, vocab_size)
+            tokens = open_tokens(path, cfg.data.seq_len, vocab_size, documents=cfg.data.documents)
             sources.append(ShuffledSource(tokens, cfg.train.seed) if cfg.data.shuffle else tokens)
         if not cfg.data.blend:
             return sources[0]
@@ -322,6 +359,7 @@ def build_source(cfg: JobConfig, model_vocab_size: int | None = None) -> SampleS
 class MicroBatch:
     input_ids: torch.Tensor  # [micro_batch, seq_len]
     labels: torch.Tensor | None  # the same shape, IGNORE_INDEX where not trained on; None: all
+    document_ids: torch.Tensor | None = None  # the same shape (data.documents=masked)
 
 
 def micro_batch(
@@ -332,7 +370,9 @@ def micro_batch(
     first = step * cfg.global_batch + (micro_step * cfg.dp_size + dp_rank) * t.micro_batch
     samples = [source.sample(first + i) for i in range(t.micro_batch)]
     input_ids = torch.stack([s.input_ids for s in samples])
+    documents = [s.document_ids for s in samples if s.document_ids is not None]
+    document_ids = torch.stack(documents) if documents else None
     if all(s.labels is None for s in samples):
-        return MicroBatch(input_ids, None)
+        return MicroBatch(input_ids, None, document_ids)
     labels = [s.input_ids if s.labels is None else s.labels for s in samples]
-    return MicroBatch(input_ids, torch.stack(labels))
+    return MicroBatch(input_ids, torch.stack(labels), document_ids)
