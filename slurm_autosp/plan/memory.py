@@ -110,9 +110,12 @@ class PolicyMemory:
     host_per_token: float = 0.0  # bytes per local token this rank keeps in host memory (offload)
     host_bytes_per_rank: float = 0.0  # the node's host memory for offload, shared by its ranks
     tile_tokens: int = 0
-    host_fixed: float = (
-        0.0  # bytes this rank keeps in host memory whatever the sequence: optimizer state
-    )
+    # bytes this rank keeps in host memory whatever the sequence: offloaded optimizer state
+    host_fixed: float = 0.0
+    # tiled layers: the working set is the larger of the full-width peak (in per_token) and
+    # what lives beside a tile plus the tile; this line, (per token, fixed), is the tile
+    # branch's excess over the full-width one, counted where positive
+    tile_excess: tuple[float, float] = (0.0, 0.0)
 
     @property
     def spec(self) -> CheckpointSpec:
@@ -137,9 +140,13 @@ class PolicyMemory:
     def margin(self) -> float:
         return with_margin(self.subtotal) - self.subtotal
 
+    def excess_at(self, tokens: float) -> float:
+        per_token, fixed = self.tile_excess
+        return max(0.0, fixed + per_token * tokens)
+
     def total_at(self, tokens: float) -> float:
         """The total, margin included, at `tokens` local tokens instead of the traced ones."""
-        return with_margin(self.fixed + self.per_token * tokens)
+        return with_margin(self.fixed + self.per_token * tokens + self.excess_at(tokens))
 
     @property
     def total(self) -> float:
@@ -148,6 +155,10 @@ class PolicyMemory:
     def longest_local_seq(self, gpu_bytes: float) -> int:
         room = (gpu_bytes - RUNTIME_RESERVE) / (1 + MARGIN_FRACTION) - self.fixed
         longest = max(0, int(room // self.per_token)) if self.per_token else 0
+        excess_per_token, excess_fixed = self.tile_excess
+        if excess_fixed and self.per_token + excess_per_token > 0:  # both branches must fit
+            tiled = (room - excess_fixed) // (self.per_token + excess_per_token)
+            longest = min(longest, max(0, int(tiled)))
         host_room = self.host_bytes_per_rank - self.host_fixed
         if host_room < 0:
             return 0
@@ -223,9 +234,10 @@ def policy_memory(
 
         Offload moves the layers' saved tensors and the loss's saved inputs to host memory: on the
         GPU stay two layers' worth (the one being written out or the one in use, and the one
-        fetched ahead) and the shared rotary tensors. Tiling adds one tile's recompute working set (a
-    whole layer's tiles under `full`: then no all-to-all spans the sequence, see tiled_layer_trace).
-    """
+        fetched ahead) and the shared rotary tensors. Tiled MLPs add one tile's recompute working set
+    to the layer's peak; a whole layer's tiles under `full` run beside only what lives between
+    them (then no all-to-all spans the sequence, see tiled_layer_trace), so the working set is
+    the larger of that plus a tile and the full-width peak (`tile_excess`)."""
     b = bytes_per_element(cfg)
     hf = hf_config(cfg.model)
     tokens = trace.tokens
@@ -243,7 +255,12 @@ def policy_memory(
         "recompute_working": trace.working_bytes / tokens,
     }
     tile = tile_tokens_for(cfg, hf.intermediate_size, b, tokens) if rung.tiled else 0
-    tile_working = tile * trace.tile_bytes_per_token
+    beside_tile = trace.tile_alongside_bytes  # a tiled layer's: see LayerTrace.working_bytes_with
+    tile_excess = (
+        ((beside_tile - trace.working_bytes) / tokens, tile * trace.tile_bytes_per_token)
+        if beside_tile
+        else (0.0, 0.0)
+    )
     logits_chunk = chunk * vocab * (b + 4 + 4)  # logits in the model dtype, fp32, fp32 gradient
     buckets = 2 * ZERO_BUCKET_ELEMENTS * b if zero_stage == 1 else 0.0
     state, host_state = _state_terms(cfg, size, zero_stage), 0.0
@@ -255,12 +272,13 @@ def policy_memory(
         "activations": per_token["activations"] * tokens,
         "logits_and_loss": per_token["logits_and_loss_saved"] * tokens + logits_chunk,
         "communication": per_token["communication_all_to_all"] * tokens + buckets,
-        "recompute_working": per_token["recompute_working"] * tokens + tile_working,
+        "recompute_working": trace.working_bytes_with(tile),
     }
     growing = sum(per_token.values()) + (
         vocab * (b + 8) if not cfg.compile.loss_chunk_tokens else 0
     )
-    fixed = sum(terms.values()) - growing * tokens
+    excess = max(0.0, tile_excess[1] + tile_excess[0] * tokens)
+    fixed = sum(terms.values()) - growing * tokens - excess
     host_per_token = layers_saved + loss_saved if rung.offload else 0.0
     host_per_rank = cfg.cluster.host_memory_gb * GB * HOST_USABLE / cfg.cluster.ranks_per_node
     return PolicyMemory(
@@ -274,4 +292,5 @@ def policy_memory(
         host_per_rank,
         tile,
         host_state,
+        tile_excess,
     )
