@@ -188,6 +188,7 @@ def plan_prediction(mode: str, seq: int, tile: int) -> dict:
     layers = 2 if mode.endswith("offloaded") else LAYERS
     return {
         "held": layers * trace.activation_bytes + trace.shared_bytes,
+        "largest": max(t.nbytes for t in trace.saved if t.kind != "parameter"),
         "working": trace.working_bytes + (tile * trace.tile_bytes_per_token if tiled else 0),
     }
 
@@ -212,20 +213,29 @@ def _mib(value: float) -> str:
     return f"{value / 2**20:,.1f} MiB"
 
 
+def _largest(row: dict, plan: dict) -> str:
+    """The largest saved tensor beside the plan's; offloaded: the offload's hooks replace the
+    counting ones, so no figure."""
+    if row["mode"].endswith("offloaded"):
+        return "-"
+    return f"{_mib(row['largest'])} ({_mib(plan['largest'])}, {row['largest'] / plan['largest'] - 1:+.1%})"
+
+
 def render(rows: list[dict], args: argparse.Namespace) -> str:
     bases = {row["mode"].startswith("full"): row for row in reversed(rows)}
     lines = [
         f"S = {args.seq} over SP={SP} ({args.seq // SP} tokens per rank), tiles of {args.tile} tokens, "
         f"hidden 64, intermediate 1024, {LAYERS} layers, fp32, sac budget 0 (full: full, all-to-alls "
         f"recomputed); rank 0, median of {args.steps} steps; step ratio against the first mode of its policy",
-        "| mode | held for bw (plan) | largest saved | peak working (plan) | step | vs untiled | moved/layer | resident |",
+        "| mode | held for bw (plan) | largest saved (plan) | peak working (plan) | step | vs untiled | moved/layer | resident |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         plan = row["plan"]
         lines.append(
             f"| {row['mode']} | {_mib(row['held'])} ({_mib(plan['held'])}, {row['held'] / plan['held'] - 1:+.1%}) "
-            f"| {_mib(row['largest']) if row['largest'] else '-'} | {_mib(row['working'])} ({_mib(plan['working'])}) "
+            f"| {_largest(row, plan)} "
+            f"| {_mib(row['working'])} ({_mib(plan['working'])}, {row['working'] / plan['working'] - 1:+.1%}) "
             f"| {row['step_s'] * 1e3:.0f} ms "
             f"| x{row['step_s'] / bases[row['mode'].startswith('full')]['step_s']:.2f} "
             f"| {_mib(row['moved_per_layer']) if 'moved_per_layer' in row else '-'} "

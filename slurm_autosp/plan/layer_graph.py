@@ -73,6 +73,9 @@ class LayerTrace:
     forward_peak_bytes: int = 0  # peak of the tensors each graph allocates itself (liveness in
     backward_peak_bytes: int = 0  # graph order), beyond its inputs
     tile_bytes_per_token: int = 0  # tiled: what one tile's recompute holds, per token of the tile
+    # a tiled layer: the full-width bytes alive while one of its tiles runs (0: a tiled MLP,
+    # whose tile runs inside the layer's backward, at its peak)
+    tile_alongside_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:
@@ -99,6 +102,15 @@ class LayerTrace:
         """Working buffers beyond the saved tensors: the larger of the forward's and the
         backward's (recomputation included) peak of live intermediate tensors."""
         return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+    def working_bytes_with(self, tile: int) -> int:
+        """Working buffers with tiles of `tile` tokens: a tiled MLP's tile adds to the layer's
+        peak; a tiled layer's tile runs beside only what lives between its tiles, so its peak
+        is the larger of that plus the tile and the full-width points (attention's backward)."""
+        tile_bytes = tile * self.tile_bytes_per_token
+        if not self.tile_alongside_bytes:
+            return self.working_bytes + tile_bytes
+        return max(self.working_bytes, self.tile_alongside_bytes + tile_bytes)
 
 
 _EXTERN_KERNELS = {
@@ -387,8 +399,9 @@ def tiled_layer_trace(
     tokens). One tile holds, per token, what the layer compiled under `spec` holds in its
     backward (its saved input and its recompute working set, the attention it never runs included:
     an upper bound) plus the chunked all-to-alls' buffers (four of the widest per token: input
-    slice, send, receive, output slice). The plan adds the tile's bytes to the widest full-width
-    point, though that (attention's backward) runs between the tiles: an upper bound too.
+    slice, send, receive, output slice). A backward tile runs beside the second point's tensors
+    (forward tiles beside fewer); attention's backward runs between the tiles, so the peak is the
+    larger of the two (LayerTrace.working_bytes_with).
     The q, k, v projections run four times a step, not twice.
     """
     config = hf_config(model)
@@ -400,9 +413,10 @@ def tiled_layer_trace(
     kv0, kv = 2 * kv_heads * head_dim * b, 2 * kv_heads * repeat * head_dim * b
     o, h, lse = q, config.hidden_size * b, heads * 4
     forward = max(2 * q + kv0, q + kv + 2 * o + lse)
+    between_tiles = 2 * h + q + kv + 3 * o + lse  # the backward's tiles run beside these
     backward = max(
         h + 2 * q + kv0,
-        2 * h + q + kv + 3 * o + lse,
+        between_tiles,
         h + 2 * q + 2 * kv + 2 * o + lse + 2 * q,
         h + 2 * (q + kv),
     )
@@ -437,4 +451,5 @@ def tiled_layer_trace(
         backward_peak_bytes=backward * tokens,
         tile_bytes_per_token=(untiled.activation_bytes + untiled.working_bytes) // tokens
         + 4 * max(q, kv),
+        tile_alongside_bytes=between_tiles * tokens,
     )
