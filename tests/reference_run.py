@@ -1,15 +1,20 @@
 """The uninterrupted local reference run that resumed runs (local and on Slurm) must match bit
 for bit; tests/conftest.py's `uninterrupted_run` fixture trains it once per session and stage.
 
-It reads a token file in a seeded shuffled order: 100 samples of 256 tokens, 2 a step, so an
-epoch is 50 steps and the 160 steps run into a fourth epoch, each in its own order. A run
+It reads a prepared directory in a seeded shuffled order, with per-document attention
+(data.documents=masked, documents of 1 to 400 tokens): 100 samples of 256 tokens, 2 a step, so
+an epoch is 50 steps and the 160 steps run into a fourth epoch, each in its own order. A run
 stopped in its first epoch must read, after the resume, what this one read."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from slurm_autosp.data import SyntheticSource, write_token_file
+from slurm_autosp.data.prepared import SUMMARY, SplitFiles
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_STEPS = 160
@@ -22,12 +27,30 @@ REFERENCE_ARGS = [
 ]
 
 
+def prepared_dataset(root: Path, document_lengths: list[int], vocab_size: int = 256) -> Path:
+    """A prepared directory as `prepare` writes it: tokens, document ends, summary (last)."""
+    root.mkdir(parents=True, exist_ok=True)
+    files = SplitFiles.of(root, "train")
+    tokens = SyntheticSource(vocab_size, sum(document_lengths), seed=1).sample(0).input_ids
+    write_token_file(files.tokens, tokens.numpy(), vocab_size)
+    np.save(files.documents, np.cumsum(document_lengths).astype(np.uint64))
+    summary = {"documents": len(document_lengths), "tokens": sum(document_lengths)}
+    (root / SUMMARY).write_text(json.dumps(summary))
+    return root
+
+
 def reference_data(folder: Path) -> tuple[str, ...]:
-    """Write the reference's token file into `folder`; returns the overrides that read it."""
-    tokens = folder / "stream.tokens"
-    stream = SyntheticSource(vocab_size=256, seq_len=REFERENCE_SAMPLES * 256, seed=1).sample(0)
-    write_token_file(tokens, stream.input_ids.numpy(), vocab_size=256)
-    return ("data.source=tokens", f"data.path={tokens}", "data.shuffle=true")
+    """Write the reference's prepared directory into `folder`; returns the overrides that read
+    it."""
+    lengths = np.random.default_rng(0).integers(1, 400, REFERENCE_SAMPLES * 256).cumsum()
+    ends = [*lengths[lengths < REFERENCE_SAMPLES * 256].tolist(), REFERENCE_SAMPLES * 256]
+    data = prepared_dataset(folder / "prepared", np.diff(ends, prepend=0).tolist())
+    return (
+        "data.source=tokens",
+        f"data.path={data}",
+        "data.shuffle=true",
+        "data.documents=masked",
+    )
 
 
 def train_reference(root: Path, zero_stage: int, overrides: tuple[str, ...] = ()) -> Path:

@@ -99,6 +99,7 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(
     reference, resumed = final_result(uninterrupted), final_result(tmp_path / "resumed")
     assert resumed.first_step == stopped
     assert resumed.losses == reference.losses[stopped:]  # bitwise: same floats after the resume
+    assert reference.losses[-1] < reference.losses[0] / 2, "the masked reference run learns"
 
     status = subprocess.run(
         [sys.executable, "-m", "slurm_autosp.status", str(tmp_path / "resumed")],
