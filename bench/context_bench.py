@@ -22,8 +22,10 @@ offloaded. Columns, per rank (rank 0):
 - step: median wall time of forward+backward;
 - moved/layer, resident: offload's bytes to host per layer per step, and its peak of fetched copies;
 - plan: the plan's activations for this mode (layers x the traced layer's saved bytes + the
-  shared cos/sin; offloaded: two layers' worth) and its working bytes (traced backward peak,
-  plus one tile's working set when tiled; for tiled layers plan.layer_graph.tiled_layer_trace).
+  shared cos/sin; offloaded: two layers' worth), its largest saved tensor and its working bytes
+  (LayerTrace.working_bytes_with: the traced peak plus one tile's working set for tiled MLPs;
+  for tiled layers, from plan.layer_graph.tiled_layer_trace, the larger of the full-width peak
+  and what lives beside a tile plus the tile).
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ def plan_prediction(mode: str, seq: int, tile: int) -> dict:
     return {
         "held": layers * trace.activation_bytes + trace.shared_bytes,
         "largest": max(t.nbytes for t in trace.saved if t.kind != "parameter"),
-        "working": trace.working_bytes + (tile * trace.tile_bytes_per_token if tiled else 0),
+        "working": trace.working_bytes_with(tile if tiled else 0),
     }
 
 

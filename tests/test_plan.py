@@ -170,6 +170,30 @@ def test_llama8b_4m_fits_one_node_with_tiled_offloaded_layers():
     assert memory.host_bytes * 8 <= 2048e9 * 0.8
 
 
+def test_a_tiled_layers_tiles_run_beside_less_than_its_full_width_peak():
+    """A tiled layer's tiles run between its full-width points (attention's backward), beside
+    only what lives between them: its working set is the larger of the two, not their sum, and
+    the longest sequence fits under both (the tile branch binds at short sequences, the
+    full-width one at long)."""
+    plan = build_plan(load_config(["cfg=configs/llama8b_4m.yaml"]))
+    full_a2a = CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
+    memory = plan.memories[3][Rung(full_a2a, tiled=True)]
+    t, tile = memory.trace, memory.tile_tokens
+    beside = t.tile_alongside_bytes + tile * t.tile_bytes_per_token
+    assert 0 < t.tile_alongside_bytes < t.working_bytes
+    assert memory.terms["recompute_working"] == max(t.working_bytes, beside)
+    local = memory.longest_local_seq(plan.gpu_bytes)
+    assert memory.total_at(local) <= plan.gpu_bytes < memory.total_at(local + 1)
+    short = tile  # one tile's worth of tokens: the tile branch is the larger there
+    per_token = t.working_bytes / t.tokens
+    assert memory.excess_at(short) == pytest.approx(
+        t.tile_alongside_bytes / t.tokens * short
+        + tile * t.tile_bytes_per_token
+        - per_token * short
+    )
+    assert memory.excess_at(10 * t.tokens) == 0.0
+
+
 def test_tiled_layers_reach_1m_tokens_for_llama70b_on_8_nodes():
     """With 2 TB of host memory per node, 70B's limit is the host memory the offload fills."""
     plan = build_plan(
