@@ -21,6 +21,7 @@ from slurm_autosp.plan import (
     verdict,
     zero_stage_for,
 )
+from slurm_autosp.plan.memory import model_size, policy_memory
 from slurm_autosp.plan.policies import Rung, ladder, spec_label, tile_tokens_for
 
 TERMS = (
@@ -251,6 +252,28 @@ def test_plan_prints_every_term_and_the_longest_sequence_per_policy(llama70b_pla
         "sac (budget 0)",
     ):
         assert f"  {policy} " in text, policy
+
+
+def test_masked_documents_count_every_micro_batchs_document_boundaries(llama8b_plan, tmp_path):
+    """cu_seqlens, int32, at most a document per token of the whole sequence (SP=8) plus the
+    total, for each of the 4 micro-batches a step prepares; plain rows carry none."""
+    masked = load_config(
+        [
+            "cfg=configs/llama8b_32k.yaml",
+            "data.source=tokens",
+            f"data.path={tmp_path}",
+            "data.documents=masked",
+        ]
+    )
+    plain = llama8b_plan.configured
+    memory = policy_memory(
+        masked, plain.trace, model_size(masked), llama8b_plan.zero_stage, plain.rung
+    )
+    tokens = plain.trace.tokens
+    assert memory.terms["document_boundaries"] == 4 * (4 * 8 * tokens + 4)
+    assert memory.per_token - plain.per_token == 4 * 4 * 8
+    assert memory.fixed == pytest.approx(plain.fixed + 4 * 4)
+    assert "document_boundaries" not in plain.terms
 
 
 def test_llama8b_32k_fits_with_sac_under_zero1(llama8b_plan):

@@ -22,6 +22,8 @@ bf16, 4 in fp32) and `world` ranks:
   share;
 - logits and loss: the final norm's saved tensors and the lm_head input, plus one chunk of
   fp32 logits and their gradient (`compile.loss_chunk_tokens`; 0 = all tokens at once);
+- document boundaries (`data.documents=masked` only): every prepared micro-batch's cu_seqlens,
+  int32, at most one entry per token of the whole sequence (a document per token) plus one;
 - communication: the all-to-all send/receive/concatenate buffers of the largest all-to-all,
   and under ZeRO-1 DeepSpeed's reduce and all-gather buckets (5e8 elements each);
 - recompute working buffers: what one layer's backward recomputes, plus a gradient in and
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 
 from slurm_autosp.compat.torch_api import FakeTensorMode
 from slurm_autosp.compile.checkpointing import CheckpointSpec
-from slurm_autosp.config import JobConfig, Precision
+from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan.layer_graph import LayerTrace, hf_layer_classes
 from slurm_autosp.plan.policies import Rung, rung_label, tile_tokens_for
@@ -56,6 +58,7 @@ FSDP2_STATE_BYTES = {
     "optimizer_shard": 8,
 }  # fp32 shard, fp32 grad, Adam m + v
 REDUCE_BYTES = 4  # FSDP2 reduce_dtype: fp32
+CU_SEQLENS_BYTES = 4  # int32, one per document of a micro-batch, and its total
 MARGIN_FRACTION = 0.10
 RUNTIME_RESERVE = 2**30
 
@@ -263,6 +266,10 @@ def policy_memory(
     )
     logits_chunk = chunk * vocab * (b + 4 + 4)  # logits in the model dtype, fp32, fp32 gradient
     buckets = 2 * ZERO_BUCKET_ELEMENTS * b if zero_stage == 1 else 0.0
+    if cfg.data.documents is DocumentBoundaries.masked:  # bytes per document: bound by tokens
+        per_token["document_boundaries"] = (
+            CU_SEQLENS_BYTES * cfg.parallel.sp_size * cfg.train.grad_accum
+        )
     state, host_state = _state_terms(cfg, size, zero_stage), 0.0
     if rung.offload_optimizer:
         state, host_state = _offloaded_state(cfg, size, zero_stage, state)
@@ -274,6 +281,10 @@ def policy_memory(
         "communication": per_token["communication_all_to_all"] * tokens + buckets,
         "recompute_working": trace.working_bytes_with(tile),
     }
+    if "document_boundaries" in per_token:  # train_step prepares every micro-batch up front
+        terms["document_boundaries"] = (
+            per_token["document_boundaries"] * tokens + CU_SEQLENS_BYTES * cfg.train.grad_accum
+        )
     growing = sum(per_token.values()) + (
         vocab * (b + 8) if not cfg.compile.loss_chunk_tokens else 0
     )
