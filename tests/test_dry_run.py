@@ -1,9 +1,7 @@
 """Dry runs and submit-time checks work without a GPU or a cluster and submit nothing."""
 
-import subprocess
-import sys
-
 import pytest
+from in_process import run_command
 from slurm_helpers import REPO
 
 from slurm_autosp.config import load_config
@@ -13,18 +11,13 @@ from slurm_autosp.launch.topology import (
     nvlink_domains_from_links,
     parse_nvidia_smi_topo,
 )
+from slurm_autosp.submit import main as submit_main
 
 FIXTURES = REPO / "tests" / "fixtures"
 
 
 def submit(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.submit", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_command(submit_main, *args)
 
 
 def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):

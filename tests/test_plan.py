@@ -3,11 +3,10 @@ activation memory against what a CPU run actually holds."""
 
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from in_process import run_command
 from slurm_helpers import REPO
 
 from slurm_autosp.compile.checkpointing import CheckpointSpec
@@ -21,6 +20,7 @@ from slurm_autosp.plan import (
     verdict,
     zero_stage_for,
 )
+from slurm_autosp.plan.__main__ import main as plan_main
 from slurm_autosp.plan.memory import model_size, policy_memory
 from slurm_autosp.plan.policies import Rung, ladder, spec_label, tile_tokens_for
 
@@ -72,13 +72,7 @@ def test_llama70b_128k_fits_under_zero3_chosen_by_the_plan(llama70b_plan):
 
 
 def test_plan_command_exits_0_for_llama70b_128k():
-    proc = subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.plan", "cfg=configs/llama70b_128k.yaml"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_command(plan_main, f"cfg={REPO / 'configs' / 'llama70b_128k.yaml'}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: fits" in proc.stdout and "under ZeRO-3" in proc.stdout, proc.stdout
 

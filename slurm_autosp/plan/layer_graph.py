@@ -276,7 +276,28 @@ def trace_decoder_layer(
     layer is traced without it; its one saved tensor, the MLP input, and the forward it
     recomputes in backward are added here. Its per-tile working memory does not grow with the
     sequence and is the memory plan's to add.
+
+    Traces are kept for the process (a trace of a large layer takes seconds): planning the
+    same job again, as `submit` after `plan` or each dry run of a test session, reuses them.
     """
+    key = (repr(model), local_seq, sp_size, tuple(specs), micro_batch, dtype, tiled)
+    if key not in _TRACES:
+        _TRACES[key] = _trace(model, local_seq, sp_size, specs, micro_batch, dtype, tiled)
+    return copy.deepcopy(_TRACES[key])
+
+
+_TRACES: dict[tuple[Any, ...], list[LayerTrace]] = {}
+
+
+def _trace(
+    model: ModelConfig,
+    local_seq: int,
+    sp_size: int,
+    specs: list[CheckpointSpec],
+    micro_batch: int,
+    dtype: torch.dtype,
+    tiled: bool,
+) -> list[LayerTrace]:
     partitions, is_parameter = _partitioned_graphs(
         model, local_seq, sp_size, micro_batch, dtype, specs, tiled
     )
