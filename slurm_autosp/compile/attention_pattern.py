@@ -1,11 +1,13 @@
 """Which attention a Hugging Face model asks for, against what the AutoSP graph computes.
 
-The compiled graph computes causal self-attention over the whole sequence, with no mask.
-Anything else a model's layers ask for — a sliding window or chunk shorter than the sequence,
-logit soft-capping, attention sinks, bidirectional attention, a mixing layer that is not
-attention — would be computed wrongly without a word, so each is named and refused: from the
-config before a job starts (`unsupported_attention`), and again where the model runs
-(`check_attention_call`, `check_mask_request`), for models that reach AutoSP another way.
+The compiled graph computes causal self-attention over the whole sequence, within each packed
+document, and within a sliding window on the layers whose config asks for one (`layer_window`:
+what the layer passes its attention function, checked against its config's layer types).
+Anything else a model's layers ask for — a chunk shorter than the sequence, logit soft-capping,
+attention sinks, bidirectional attention, a mixing layer that is not attention — would be
+computed wrongly without a word, so each is named and refused: from the config before a job
+starts (`unsupported_attention`), and again where the model runs (`check_attention_call`,
+`check_mask_request`), for models that reach AutoSP another way.
 """
 
 from __future__ import annotations
@@ -19,11 +21,8 @@ from transformers import PretrainedConfig
 from transformers.masking_utils import bidirectional_mask_function
 
 FULL = "full_attention"
-# layer type -> (what it is called, the HF config field holding its span)
-WINDOWED = {
-    "sliding_attention": ("sliding-window attention", "sliding_window"),
-    "chunked_attention": ("chunked attention", "attention_chunk_size"),
-}
+SLIDING = "sliding_attention"  # computed: a window within the document (document_attention)
+CHUNKED = "chunked_attention"  # refused when the chunk is shorter than the sequence
 
 
 class UnsupportedAttention(RuntimeError):
@@ -48,12 +47,12 @@ def _layer_types(config: PretrainedConfig) -> list[str]:
         return list(declared)
     layers = int(getattr(config, "num_hidden_layers", 1) or 1)
     if getattr(config, "attention_chunk_size", None):
-        return ["chunked_attention"] * layers
+        return [CHUNKED] * layers
     if (
         getattr(config, "sliding_window", None)
         and getattr(config, "use_sliding_window", True) is not False
     ):
-        return ["sliding_attention"] * layers
+        return [SLIDING] * layers
     return [FULL] * layers
 
 
@@ -64,15 +63,15 @@ def unsupported_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
     types = _layer_types(config)
     for layer_type in dict.fromkeys(types):
         where = _layers([i for i, t in enumerate(types) if t == layer_type], len(types))
-        if layer_type in WINDOWED:
-            what, field = WINDOWED[layer_type]
-            window = getattr(config, field, None)
-            if window_matters(window, seq_len):
+        if layer_type == CHUNKED:
+            chunk = getattr(config, "attention_chunk_size", None)
+            if window_matters(chunk, seq_len):
                 problems.append(
-                    f"{what} ({field}={window} on {where}) over {seq_len} tokens: "
-                    f"tokens farther apart than {window} would attend to each other (data.seq_len <= {window} is exact)"
+                    f"chunked attention (attention_chunk_size={chunk} on {where}) over {seq_len} "
+                    f"tokens: tokens of different chunks would attend to each other "
+                    f"(data.seq_len <= {chunk} is exact)"
                 )
-        elif layer_type != FULL:
+        elif layer_type not in (FULL, SLIDING):
             problems.append(
                 f"{layer_type} ({where}) mixes tokens along the sequence outside attention"
             )
@@ -88,7 +87,7 @@ def unsupported_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
 
 def check_attention_call(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """Refuse what an HF attention layer asks of its attention function that the graph ignores:
-    soft-capping, sinks, a position bias, non-causal attention. (Windows come through the mask: `check_mask_request`.)"""
+    soft-capping, sinks, a position bias, non-causal attention. (Windows: `layer_window`.)"""
     name = type(module).__name__
     if kwargs.get("softcap") is not None:
         raise UnsupportedAttention(
@@ -111,21 +110,55 @@ def check_attention_call(module: torch.nn.Module, kwargs: dict[str, Any]) -> Non
         )
 
 
+def layer_window(module: torch.nn.Module, kwargs: dict[str, Any]) -> int | None:
+    """The sliding window (in tokens) a layer's attention keeps, None for none: what the layer
+    passes its attention function (`sliding_window`, as HF's flash-attention path reads it),
+    refused when it disagrees with the window its config gives the layer, from which HF builds
+    the layer's mask (a layer that windows through the mask alone would otherwise attend wider)."""
+    asked = kwargs.get("sliding_window")
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    if config is None or layer is None:
+        return asked
+    types = _layer_types(config)
+    expected = getattr(config, "sliding_window", None) if types[layer] == SLIDING else None
+    if asked != expected:
+        raise UnsupportedAttention(
+            f"{type(module).__name__} of layer {layer} passes sliding_window={asked} to its "
+            f"attention, but its config gives the layer {types[layer]} with "
+            f"sliding_window={getattr(config, 'sliding_window', None)}; AutoSP applies the window "
+            "the layer passes, so the two must agree"
+        )
+    return asked
+
+
+def _is_sliding_window(local_size: int, config: PretrainedConfig | None) -> bool:
+    """Whether a mask of `local_size` is the config's sliding window (which the attention function
+    applies, `layer_window`) rather than a chunk or anything else."""
+    if config is None or getattr(config, "attention_chunk_size", None) == local_size:
+        return False
+    types = _layer_types(config)
+    return SLIDING in types and getattr(config, "sliding_window", None) == local_size
+
+
 def check_mask_request(
     mask_function: Callable[..., Any] | None,
     local_size: int | None,
     seq_len: int | torch.SymInt,
     config: PretrainedConfig | None,
+    applies_windows: bool,
 ) -> None:
     """Refuse a mask the model asks for that is more than causal over `seq_len` tokens (the whole,
-    padded sequence, not this rank's shard): a window or chunk shorter than it, or no causality."""
+    padded sequence, not this rank's shard) and that the attention does not apply itself: a chunk
+    shorter than it, a sliding window unless the attention `applies_windows`, or no causality."""
     model = getattr(config, "model_type", "the model")
+    if applies_windows and local_size is not None and _is_sliding_window(local_size, config):
+        local_size = None
     if isinstance(seq_len, torch.SymInt) and local_size is not None:
         if statically_known_true(seq_len <= local_size):  # decides without specialising the length
             return
         raise UnsupportedAttention(
             f"{model} asks for sliding-window or chunked attention of {local_size} tokens over a sequence whose "
-            "length is symbolic while the whole model is traced, so AutoSP cannot tell whether the window "
+            "length is symbolic while the whole model is traced, so AutoSP cannot tell whether the chunk "
             "matters; compile per decoder layer (per_layer=True), where the mask is requested eagerly"
         )
     if window_matters(local_size, seq_len):

@@ -4,8 +4,9 @@ Hugging Face's packed convention (`DataCollatorWithFlattening`): position ids th
 where a document starts. The explicit one: a document id per token, constant over each
 document. Both become one [B, S] boolean tensor, True at each document's first token; from it
 come the per-document positions (RoPE restarts), the labels that would cross a boundary, and
-the cumulative document lengths the attention reads. Inputs that do not describe contiguous
-documents are refused: a wrong guess would mix documents silently.
+the cumulative document lengths the attention reads. Left padding is a document of its own
+(`first_valid_tokens` starts the row's first real one): no real token attends to it. Inputs that
+do not describe contiguous documents are refused: a wrong guess would mix documents silently.
 """
 
 import torch
@@ -20,10 +21,19 @@ def _first(where: torch.Tensor) -> str:
     return f"row {row}, token {token}"
 
 
-def starts_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
-    """True where `document_ids` [B, S] change; ids must not decrease along a row, so each
-    document is one contiguous run (an id that comes back would be a document in two pieces)."""
-    steps = document_ids[:, 1:] - document_ids[:, :-1]
+def first_valid_tokens(valid: torch.Tensor) -> torch.Tensor:
+    """True at the first token of each row's run of `valid` tokens (after any left padding)."""
+    before = torch.nn.functional.pad(valid[:, :-1], (1, 0), value=False)
+    return valid & ~before
+
+
+def starts_from_document_ids(document_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """True where `document_ids` [B, S] change between `valid` tokens, at each row's first token
+    and at its first valid one; ids must not decrease along a row, so each document is one
+    contiguous run (an id that comes back would be a document in two pieces)."""
+    steps = (document_ids[:, 1:] - document_ids[:, :-1]).masked_fill(
+        ~(valid[:, 1:] & valid[:, :-1]), 0
+    )
     if bool((steps < 0).any()):
         at = _first(steps < 0)
         raise PackedRowsError(
@@ -31,19 +41,20 @@ def starts_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
             "run of tokens with ids increasing along the row (number the documents 0, 1, 2, ...)"
         )
     first = torch.ones_like(document_ids[:, :1], dtype=torch.bool)
-    return torch.cat([first, steps != 0], dim=1)
+    return torch.cat([first, steps != 0], dim=1) | first_valid_tokens(valid)
 
 
 def starts_from_position_ids(position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """True where `position_ids` [B, S] do not step by one (a document starts); tokens that are
-    not `valid` (right padding) start nothing. In a row of several documents each must start at
-    position 0, as `DataCollatorWithFlattening` writes them."""
+    """True where `position_ids` [B, S] do not step by one between `valid` tokens (a document
+    starts), at each row's first token and at its first valid one; padding starts nothing else.
+    In a row of several documents each must start at position 0, as `DataCollatorWithFlattening`
+    writes them."""
     steps = position_ids[:, 1:] - position_ids[:, :-1]
-    restarts = (steps != 1) & valid[:, 1:]
+    restarts = (steps != 1) & valid[:, 1:] & valid[:, :-1]
     first = torch.ones_like(restarts[:, :1])
-    starts = torch.cat([first, restarts], dim=1)
+    starts = torch.cat([first, restarts], dim=1) | first_valid_tokens(valid)
     packed_rows = restarts.any(dim=1, keepdim=True)
-    wrong = starts & packed_rows & (position_ids != 0)
+    wrong = starts & valid & packed_rows & (position_ids != 0)
     if bool(wrong.any()):
         row, token = (int(i) for i in wrong.nonzero()[0])
         raise PackedRowsError(

@@ -9,10 +9,11 @@ it but makes every decoder layer a different graph (the cache is indexed by `lay
 So the model is switched to `SP_ATTENTION`: HF's own SDPA attention function under another
 name, with a mask function that returns no mask. Both refuse what dropping the mask would get
 wrong (see attention_pattern): a padding mask (only `prepare_sp_inputs` may drop it safely), a
-window shorter than the whole sequence, soft-capping, sinks, non-causal attention. Packed rows
-arrive with the cumulative document lengths `prepare_sp_inputs` derived (HF's varlen arguments
-`cu_seq_lens_q`/`cu_seq_lens_k`) and go to `document_attention` instead of SDPA; the backend
-puts the same all-to-alls around either.
+chunk shorter than the whole sequence, soft-capping, sinks, non-causal attention. Packed and
+left-padded rows arrive with the cumulative document lengths `prepare_sp_inputs` derived (HF's
+varlen arguments `cu_seq_lens_q`/`cu_seq_lens_k`), and a layer's sliding window as HF passes it
+(`sliding_window`); either goes to `document_attention` instead of SDPA, which applies both.
+The backend puts the same all-to-alls around either.
 """
 
 from collections.abc import Callable
@@ -24,7 +25,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from slurm_autosp.compile.all_to_all import registered_sp_size
-from slurm_autosp.compile.attention_pattern import check_attention_call, check_mask_request
+from slurm_autosp.compile.attention_pattern import (
+    check_attention_call,
+    check_mask_request,
+    layer_window,
+    window_matters,
+)
 from slurm_autosp.compile.backend import AutoSPCompileError
 from slurm_autosp.compile.document_attention import document_attention
 
@@ -39,9 +45,12 @@ def _no_mask(
     mask_function: Callable[..., Any] | None = None,
     local_size: int | None = None,
     config: Any = None,
+    applies_windows: bool = True,
     **_: object,
 ) -> None:
-    """Causal attention needs no mask: SDPA's is_causal covers it over the full sequence.
+    """Causal attention needs no mask: SDPA's is_causal covers it over the full sequence, and
+    `document_attention` applies documents and sliding windows (unless not `applies_windows`:
+    tiled layers attend over the whole row).
 
     `kv_length` is this rank's shard; the sequence the mask would cover is all SP ranks' shards.
     """
@@ -49,10 +58,18 @@ def _no_mask(
         raise AutoSPCompileError(
             "an attention_mask was passed to a model prepared for sequence parallelism; pass the "
             "batch through slurm_autosp.compile.prepare_sp_inputs(...) and call the model with "
-            "its .model_kwargs() (right padding becomes ignored labels; left padding is refused)"
+            "its .model_kwargs() (padding becomes ignored labels and, on the left, a document of its own)"
         )
-    check_mask_request(mask_function, local_size, kv_length * registered_sp_size(), config)
+    check_mask_request(
+        mask_function, local_size, kv_length * registered_sp_size(), config, applies_windows
+    )
     return None
+
+
+def _no_mask_tiled(**kwargs: Any) -> None:
+    """`_no_mask` for tiled layers, whose attention is causal over the whole row: a sliding
+    window shorter than it is refused there."""
+    return _no_mask(**kwargs, applies_windows=False)
 
 
 def _document_attention_forward(
@@ -60,16 +77,17 @@ def _document_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    window: int | None,
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each document, returned as HF's attention functions return it
-    ([B, S, H, D], no weights)."""
+    """Causal attention within each document (each row without `cu_seqlens`) and `window`,
+    returned as HF's attention functions return it ([B, S, H, D], no weights)."""
     name = type(module).__name__
     if kwargs.get("dropout"):
         raise AutoSPCompileError(
-            f"{name} asks for attention dropout={kwargs['dropout']} over packed documents; "
-            "document attention has no dropout (set the model's attention_dropout=0)"
+            f"{name} asks for attention dropout={kwargs['dropout']} over packed documents or a "
+            "sliding window; document attention has no dropout (set the model's attention_dropout=0)"
         )
     if kwargs.get("cu_seq_lens_k") is not cu_seqlens:
         raise AutoSPCompileError(
@@ -78,7 +96,7 @@ def _document_attention_forward(
         )
     scaling = kwargs.get("scaling")
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    output, _ = document_attention(query, key, value, cu_seqlens, scale)
+    output, _ = document_attention(query, key, value, cu_seqlens, scale, window or 0)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -91,17 +109,21 @@ def _sp_sdpa_attention(
     **kwargs: Any,
 ) -> Any:
     """HF's SDPA attention, after refusing what it would silently ignore; attention within each
-    document for packed rows."""
+    document for packed rows, and within the window where the layer's is shorter than the whole
+    sequence (this rank's shard times the SP size; a guard on that length, not a specialisation)."""
     check_attention_call(module, kwargs)
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if cu_seqlens is not None:
-        return _document_attention_forward(module, query, key, value, cu_seqlens, kwargs)
+    window = layer_window(module, kwargs)
+    if not window_matters(window, query.shape[2] * registered_sp_size()):
+        window = None
+    if cu_seqlens is not None or window is not None:
+        return _document_attention_forward(module, query, key, value, cu_seqlens, window, kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 AttentionInterface.register(SP_ATTENTION, _sp_sdpa_attention)
 AttentionMaskInterface.register(SP_ATTENTION, _no_mask)
-AttentionMaskInterface.register(TILED_ATTENTION, _no_mask)
+AttentionMaskInterface.register(TILED_ATTENTION, _no_mask_tiled)
 
 
 def use_sp_attention(model: PreTrainedModel) -> None:

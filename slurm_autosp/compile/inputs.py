@@ -2,7 +2,8 @@
 
 Everything that depends on the whole sequence happens here, once, before sharding: labels
 are shifted over the whole sequence (so the label pair crossing a shard boundary is kept),
-padding becomes ignored labels, and position ids are global. Packed rows (several documents
+padding becomes ignored labels (left padding also a document of its own, which no real token
+attends to), and position ids are global. Packed rows (several documents
 per row) get positions that restart per document, an ignored label at each document's end
 and the cumulative document lengths of the whole batch, which every rank's attention reads
 after its all-to-all. The compiled graph then sees only local tensors (and those lengths) and
@@ -16,6 +17,7 @@ import torch
 from slurm_autosp.compile.documents import (
     PackedRowsError,
     cumulative_lengths,
+    first_valid_tokens,
     positions_within,
     starts_from_document_ids,
     starts_from_position_ids,
@@ -62,18 +64,21 @@ class SPBatch:
         return kwargs
 
 
-def _drop_trailing_padding(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Padded positions become ignored labels; causal attention then makes dropping the mask exact."""
+def _ignore_padding(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Padded positions become ignored labels. Padding must be at the ends of a row (left, right
+    or both): trailing padding comes after every token, so causal attention ignores it, and
+    leading padding becomes a document of its own; a hole between tokens would need a mask."""
     valid = attention_mask.bool()
-    lengths = valid.sum(dim=1, keepdim=True)
-    trailing = torch.arange(valid.shape[1], device=valid.device).unsqueeze(0) < lengths
-    if not torch.equal(valid, trailing):
-        rows = (valid != trailing).any(dim=1).nonzero().flatten().tolist()
+    index = torch.arange(valid.shape[1], device=valid.device).unsqueeze(0)
+    first = torch.where(valid, index, valid.shape[1]).min(dim=1, keepdim=True).values
+    run = (index >= first) & (index < first + valid.sum(dim=1, keepdim=True))
+    if not torch.equal(valid, run):
+        rows = (valid != run).any(dim=1).nonzero().flatten().tolist()
         raise ValueError(
-            f"attention_mask of batch rows {rows} is not right padding (ones, then only zeros). "
-            "Sequence parallel attention is causal without a mask, which is exact only for "
-            "trailing padding: pad on the right (tokenizer.padding_side='right'); left-padded "
-            "batches are not supported (packed rows pass position_ids or document_ids, not a mask)."
+            f"attention_mask of batch rows {rows} has padding between tokens (zeros after a one "
+            "and before another). Sequence parallel attention is causal within documents without "
+            "a mask, which is exact only for padding at the ends of a row: pad on the left or the "
+            "right (packed rows pass position_ids or document_ids, not a mask)."
         )
     return labels.masked_fill(~valid, IGNORE_INDEX)
 
@@ -83,11 +88,14 @@ def _document_starts(
     document_ids: torch.Tensor | None,
     valid: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(position ids, document starts or None when no row holds more than one document)."""
+    """(position ids, document starts or None when no row holds more than one document, left
+    padding counting as one)."""
     batch, seq = valid.shape
     if document_ids is None and position_ids is None:
-        return torch.arange(seq, device=valid.device).expand(batch, seq), None
-    if document_ids is None:
+        position_ids = torch.arange(seq, device=valid.device).expand(batch, seq)
+        starts = first_valid_tokens(valid)
+        starts[:, 0] = True
+    elif document_ids is None:
         assert position_ids is not None
         position_ids = position_ids.expand(batch, seq)
         starts = starts_from_position_ids(position_ids, valid)
@@ -97,7 +105,7 @@ def _document_starts(
                 f"document_ids has shape {tuple(document_ids.shape)}; it needs one id per token of "
                 f"input_ids {(batch, seq)}"
             )
-        starts = starts_from_document_ids(document_ids.expand(batch, seq))
+        starts = starts_from_document_ids(document_ids.expand(batch, seq), valid)
         derived = positions_within(starts)
         if position_ids is not None and not torch.equal(
             position_ids.expand(batch, seq)[valid], derived[valid]
@@ -129,7 +137,9 @@ def prepare_sp_inputs(
     """Shard a [B, S] causal-LM batch for SP rank `sp_rank` of `sp_size`.
 
     `labels` default to `input_ids` (they are shifted here, as HF would shift them).
-    `attention_mask` may only mark right padding ([B, S]; custom masks are refused). S need not divide by `sp_size`: the batch is
+    `attention_mask` may only mark padding at the ends of rows ([B, S]; custom masks and holes are
+    refused); left padding is then a document that no real token attends to, with default
+    positions counted from the row's start as Hugging Face counts them. S need not divide by `sp_size`: the batch is
     padded with `pad_token_id` tokens whose labels are ignored. A row holds several documents
     when its `position_ids` restart at 0 or its `document_ids` [B, S] change; attention then
     stays within each document, and no label predicts across a boundary.
@@ -142,10 +152,10 @@ def prepare_sp_inputs(
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}, not the [batch, seq] padding mask "
             f"{tuple(input_ids.shape)} of input_ids: custom attention masks (4-D, per token pair) are not "
-            "supported under sequence parallelism; pass a padding mask (right padding) or none"
+            "supported under sequence parallelism; pass a padding mask (left or right padding) or none"
         )
     if attention_mask is not None:
-        labels = _drop_trailing_padding(labels, attention_mask)
+        labels = _ignore_padding(labels, attention_mask)
     valid = (
         torch.ones_like(input_ids, dtype=torch.bool)
         if attention_mask is None

@@ -112,9 +112,9 @@ def _tiled_attention(
         )
     if kwargs.get("cu_seq_lens_q") is not None:
         raise AutoSPCompileError(
-            f"{type(module).__name__} got packed documents in a tiled layer: tiled layers attend "
-            "causally over the whole row only; train packed documents without tiled layers "
-            "(compile.tile_tokens=0, or compile.activation_checkpointing other than full)"
+            f"{type(module).__name__} got packed documents or left padding in a tiled layer: tiled "
+            "layers attend causally over the whole row only; train packed documents without tiled "
+            "layers (compile.tile_tokens=0, or compile.activation_checkpointing other than full)"
         )
     if _tap.answer is not None:
         return _tap.answer, None

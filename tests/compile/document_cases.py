@@ -27,6 +27,7 @@ class PackedCase:
     kv_heads: int = 2
     per_layer: bool = False
     ignored_labels: bool = False  # some labels inside documents ignored too
+    window: int | None = None  # mistral's sliding_window, within each document
 
 
 def packed_batch(case: PackedCase) -> dict[str, torch.Tensor]:
@@ -56,7 +57,7 @@ def documents_alone(
     """The reference: the plain HF model on each document alone; the loss is the sum of every
     document's token losses over the global label count. Returns it, the per-token losses laid
     out as the packed rows [B, S], and the gradients."""
-    model = tiny_model(case.family, case.kv_heads)
+    model = tiny_model(case.family, case.kv_heads, window=case.window)
     pieces = []
     for row, lengths in enumerate(case.lengths):
         start = 0
@@ -102,7 +103,7 @@ def packed_sp_step(case: PackedCase, sp_size: int) -> dict[str, float]:
     count = torch.tensor(shard.valid_labels)
     dist.all_reduce(count)
 
-    model = tiny_model(case.family, case.kv_heads)
+    model = tiny_model(case.family, case.kv_heads, window=case.window)
     backend = backend_for(sp_size, case.per_layer)
     compile_model(model, backend, per_layer=case.per_layer)
     kwargs = shard.model_kwargs(count)

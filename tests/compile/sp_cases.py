@@ -40,9 +40,10 @@ class Case:
     batch: int = 2
     labels: str = "plain"  # plain | uneven | first_shard_ignored
     right_padding: bool = False
+    left_padding: bool = False
     pass_position_ids: bool = True
     per_layer: bool = False
-    window: int | None = None  # mistral: its sliding_window
+    window: int | None = None  # mistral: its sliding_window on every layer; qwen2: on layer 1 only
 
 
 def tiny_model(
@@ -67,6 +68,9 @@ def tiny_model(
         return LlamaForCausalLM(LlamaConfig(**common))
     if family == "mistral":
         return MistralForCausalLM(MistralConfig(**common, sliding_window=window))
+    if window is not None:  # the window on the layers from max_window_layers on
+        windowed = dict(use_sliding_window=True, sliding_window=window, max_window_layers=1)
+        return Qwen2ForCausalLM(Qwen2Config(**common, **windowed))
     return Qwen2ForCausalLM(Qwen2Config(**common))
 
 
@@ -101,6 +105,12 @@ def make_batch(case: Case) -> dict[str, torch.Tensor]:
         mask = (torch.arange(case.seq)[None] < lengths[:, None]).long()
         batch["input_ids"] = input_ids.masked_fill(mask == 0, 0)
         batch["attention_mask"] = mask
+    if case.left_padding:  # as a left-padding tokenizer writes it; nothing predicts from a pad
+        lengths = torch.tensor([case.seq - 7 * (row + 1) for row in range(case.batch)])
+        mask = (torch.arange(case.seq)[None] >= (case.seq - lengths)[:, None]).long()
+        batch["input_ids"] = input_ids.masked_fill(mask == 0, 0)
+        batch["attention_mask"] = mask
+        labels[torch.arange(case.batch), case.seq - lengths] = IGNORE_INDEX
     if case.pass_position_ids:
         batch["position_ids"] = torch.arange(case.seq).expand(case.batch, case.seq)
     return batch

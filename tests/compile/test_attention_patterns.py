@@ -1,6 +1,7 @@
-"""Attention that the AutoSP graph does not compute (windows shorter than the sequence,
-soft-capping, sinks, bidirectional or linear mixing, custom masks) is refused by name: from
-the config before a job starts, and where the model runs. Never trained silently wrong."""
+"""Attention that the AutoSP graph does not compute (chunks shorter than the sequence, sliding
+windows in tiled layers, soft-capping, sinks, bidirectional or linear mixing, custom masks) is
+refused by name: from the config before a job starts, and where the model runs. Never trained
+silently wrong. Sliding windows are computed (test_sliding_windows) and accepted here."""
 
 import subprocess
 import sys
@@ -10,10 +11,14 @@ import torch
 from slurm_helpers import REPO
 from sp_cases import Case, sp_step
 from test_sp_equivalence import assert_matches_reference
-from transformers import Gemma2Config, Gemma2ForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig
 
 from slurm_autosp.compile import prepare_sp_inputs
-from slurm_autosp.compile.attention_pattern import UnsupportedAttention, check_attention_call
+from slurm_autosp.compile.attention_pattern import (
+    UnsupportedAttention,
+    check_attention_call,
+    check_mask_request,
+)
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.model import refuse_unsupported_attention
@@ -31,33 +36,26 @@ def refusal(*overrides: str) -> str:
     return ""
 
 
-def test_sliding_window_shorter_than_the_sequence_is_refused_naming_it():
-    message = refusal("model.model_type=mistral", "model.extra.sliding_window=16")
+def test_sliding_windows_shorter_than_the_sequence_are_accepted():
+    assert refusal("model.model_type=mistral", "model.extra.sliding_window=16") == ""
     assert (
-        "sliding-window attention (sliding_window=16 on layers 0, 1 of 2) over 256 tokens"
-        in message
+        refusal(
+            "model.model_type=qwen2",
+            "model.num_hidden_layers=4",
+            "model.extra.use_sliding_window=true",
+            "model.extra.sliding_window=32",
+            "model.extra.max_window_layers=2",
+        )
+        == ""
     )
-    assert "data.seq_len <= 16 is exact" in message and "compile.enabled=false" in message
 
 
-def test_window_covering_the_padded_sequence_is_exact_and_accepted():
-    assert refusal("model.model_type=mistral", "model.extra.sliding_window=256") == ""
-    # 255 tokens are padded to 256 for SP=2: the padded sequence is what the ranks attend over
+def test_chunked_attention_shorter_than_the_sequence_is_refused_naming_it():
+    message = refusal("model.model_type=llama4_text", "model.extra.attention_chunk_size=16")
     assert (
-        refusal("model.model_type=mistral", "model.extra.sliding_window=255", "data.seq_len=255")
-        != ""
+        "chunked attention (attention_chunk_size=16 on layers 0, 1 of 2) over 256 tokens" in message
     )
-
-
-def test_window_on_some_layers_names_those_layers():
-    message = refusal(
-        "model.model_type=qwen2",
-        "model.num_hidden_layers=4",
-        "model.extra.use_sliding_window=true",
-        "model.extra.sliding_window=32",
-        "model.extra.max_window_layers=2",
-    )
-    assert "sliding_window=32 on layers 2, 3 of 4" in message
+    assert "data.seq_len <= 16 is exact" in message
 
 
 @pytest.mark.parametrize(
@@ -89,11 +87,11 @@ def test_plain_causal_models_are_accepted():
     assert refusal("model.model_type=qwen2") == ""
 
 
-def test_without_autosp_a_window_is_the_model_own_business():
+def test_without_autosp_a_chunk_is_the_model_own_business():
     assert (
         refusal(
-            "model.model_type=mistral",
-            "model.extra.sliding_window=16",
+            "model.model_type=llama4_text",
+            "model.extra.attention_chunk_size=16",
             "compile.enabled=false",
             "parallel.sp_size=1",
         )
@@ -101,12 +99,13 @@ def test_without_autosp_a_window_is_the_model_own_business():
     )
 
 
-def test_verify_refuses_the_silently_wrong_sliding_window_command(capsys):
+@pytest.mark.slow
+def test_verify_passes_the_sliding_window_command(capsys):
+    """The issue's acceptance command: a 16-token window on verify's 61-token sequences."""
     code = verify_main(
         [TINY, "parallel.sp_size=2", "model.model_type=mistral", "model.extra.sliding_window=16"]
     )
-    assert code == 2
-    assert "sliding_window=16" in capsys.readouterr().err
+    assert code == 0 and "PASS" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["submit", "run", "plan"])
@@ -117,8 +116,8 @@ def test_every_command_refuses_before_starting(command, tmp_path):
             "-m",
             f"slurm_autosp.{command}",
             TINY,
-            "model.model_type=mistral",
-            "model.extra.sliding_window=16",
+            "model.model_type=llama4_text",
+            "model.extra.attention_chunk_size=16",
             f"run.output_root={tmp_path}",
         ],
         cwd=REPO,
@@ -127,7 +126,7 @@ def test_every_command_refuses_before_starting(command, tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "sliding_window=16 on layers 0, 1 of 2" in proc.stderr
+    assert "attention_chunk_size=16 on layers 0, 1 of 2" in proc.stderr
     assert not any(tmp_path.iterdir()), "nothing may be written for a refused job"
 
 
@@ -153,6 +152,16 @@ def test_what_an_attention_layer_asks_beyond_causal_sdpa_is_refused_where_it_run
     check_attention_call(torch.nn.Identity(), {"is_causal": True, "scaling": 0.1})
 
 
+def test_a_sliding_window_mask_passes_where_the_attention_applies_it_not_in_tiled_layers():
+    """Tiled layers attend over the whole row: their mask function refuses the window."""
+    config = MistralConfig(sliding_window=16)
+    check_mask_request(None, 16, 96, config, applies_windows=True)
+    with pytest.raises(UnsupportedAttention, match="attention of 16 tokens over a sequence of 96"):
+        check_mask_request(None, 16, 96, config, applies_windows=False)
+    with pytest.raises(UnsupportedAttention, match="attention of 12 tokens over a sequence of 96"):
+        check_mask_request(None, 12, 96, config, applies_windows=True)  # not the config's window
+
+
 def test_chunked_loss_refuses_a_model_that_transforms_its_logits():
     model = Gemma2ForCausalLM(
         Gemma2Config(
@@ -169,16 +178,6 @@ def test_chunked_loss_refuses_a_model_that_transforms_its_logits():
     batch = prepare_sp_inputs(torch.randint(0, 64, (1, 8)), sp_rank=0, sp_size=1)
     with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
         causal_lm_loss(model, batch.model_kwargs(8), chunk_tokens=4)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("per_layer", [False, True], ids=["whole_model", "per_layer"])
-def test_window_shorter_than_the_whole_sequence_is_refused_on_sp_ranks(pool2, per_layer):
-    """Each rank holds 48 tokens, within the 64-token window; the sequence is 96: refused."""
-    with pytest.raises(
-        Exception, match="sliding-window or chunked attention of 64 tokens over a sequence"
-    ):
-        pool2.run(sp_step, Case(family="mistral", window=64, seq=96, per_layer=per_layer), 2)
 
 
 @pytest.mark.slow

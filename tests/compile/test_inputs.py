@@ -40,10 +40,11 @@ def test_right_padding_becomes_ignored_labels():
     assert "attention_mask" not in shards[0].model_kwargs(3)
 
 
-def test_left_padding_is_refused_naming_the_rows():
-    ids = torch.tensor([[0, 0, 5, 6], [5, 6, 7, 8]])
-    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    with pytest.raises(ValueError, match=r"rows \[0\] is not right padding.*padding_side='right'"):
+def test_padding_between_tokens_is_refused_naming_the_rows():
+    """Padding at either end of a row is exact without a mask (test_sliding_windows); a hole is not."""
+    ids = torch.arange(1, 7).expand(2, 6)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 0]])
+    with pytest.raises(ValueError, match=r"rows \[1\] has padding between tokens"):
         prepare_sp_inputs(ids, attention_mask=mask, sp_rank=0, sp_size=2)
 
 
