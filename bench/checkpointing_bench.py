@@ -23,6 +23,10 @@ two ranks where they differ):
 - attn recomputed: SDPA forward kernels in the layer's backward graph;
 - step: median wall time of forward+backward over the timed steps (the slower rank);
 - loss / grad err: relative to `none` in the same run (loss; worst max|g - g_none| / max|g_none|).
+`*_tiled`: the MLP in tiles of TILE tokens (compile.tile_tokens); `*_tiled_layers`: under `full`,
+the whole layer in tiles (compile.tiled_layer); `*_offloaded`: every saved tensor to host memory
+(compile.offload_activations), the saved column then counting what stays on the device (kept,
+and the peak of copies fetched back) over the layers.
 `deepspeed_attn_kept` is DeepSpeed's policy with the CPU SDPA kernel tagged must-save: its list
 names only the CUDA kernels, so on CPU plain `deepspeed` recomputes attention; with the tag it
 decides as it would on a GPU.
@@ -54,8 +58,13 @@ POLICIES = [
     "sac_replay_a2a",
     "deepspeed",
     "deepspeed_attn_kept",
+    "sac_replay_a2a_tiled",
+    "sac_replay_a2a_tiled_offloaded",
+    "full_replay_a2a_tiled_layers",
+    "full_replay_a2a_tiled_layers_offloaded",
 ]
 CHUNK = 256
+TILE = 256  # tokens per tile for the tiled rows
 
 
 def tiny_llama_config():
@@ -87,7 +96,21 @@ def _spec(policy: str):
             ActivationCheckpointing.torch_default
         ),  # untagged: DeepSpeed's splice decides
         "deepspeed_attn_kept": CheckpointSpec(ActivationCheckpointing.torch_default),
-    }[policy]
+        "sac_replay_a2a_tiled": CheckpointSpec(
+            ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True
+        ),
+        "full_replay_a2a_tiled_layers": CheckpointSpec(
+            ActivationCheckpointing.full, recompute_all_to_all=True
+        ),
+    }[policy.removesuffix("_offloaded")]
+
+
+def _tiled(policy: str) -> bool:
+    return "_tiled" in policy
+
+
+def _whole_layers(policy: str) -> bool:
+    return "_tiled_layers" in policy
 
 
 class _KeepAttentionOnly:
@@ -164,6 +187,7 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
     from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs
     from slurm_autosp.compile.checkpointing import is_quadratic
     from slurm_autosp.compile.chunked_loss import causal_lm_loss
+    from slurm_autosp.compile.offload import ActivationOffload
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -172,7 +196,18 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
         LlamaConfig(**m.hf_fields(), attn_implementation="sdpa", use_cache=False)
     )
     scope = _scope(policy)
-    compile_model(model, AutoSPBackend(SP, _spec(policy)), per_layer=True, dynamic=False)
+    compile_model(
+        model,
+        AutoSPBackend(SP, _spec(policy)),
+        per_layer=True,
+        dynamic=False,
+        tile_tokens=TILE if _tiled(policy) else 0,
+    )
+    offload = (
+        ActivationOffload("cpu", layers=LAYERS, min_bytes=0)
+        if policy.endswith("_offloaded")
+        else None
+    )
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
     shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP)
     count = torch.tensor(shard.valid_labels)
@@ -219,7 +254,8 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
                 dist.barrier()
                 start = time.perf_counter()
                 before = _rss()
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+                with offload.saving() if offload else counting:  # the innermost hooks apply
                     loss = causal_lm_loss(model, kwargs, chunk_tokens=CHUNK)
                 after = _rss()
                 a2a["backward"] = True
@@ -236,9 +272,12 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
     for name, p in model.named_parameters():
         dist.all_reduce(p.grad)
         grads[name] = p.grad / dist.get_world_size()
+    saved = sum(record["storages"].values())
+    if offload is not None:  # what stays on the device: kept, and the peak of fetched copies
+        saved = offload.stats.kept_bytes // (steps + 1) + offload.stats.peak_resident_bytes
     return {
-        "saved_per_token_layer": sum(record["storages"].values()) / LAYERS / local,
-        "quadratic": sum(is_quadratic(s, local, SP) for s in record["shapes"]),
+        "saved_per_token_layer": saved / LAYERS / local,
+        "quadratic": None if offload else sum(is_quadratic(s, local, SP) for s in record["shapes"]),
         "a2a_backward": a2a["count"],
         "step_s": statistics.median(times),
         "loss": total,
@@ -251,16 +290,31 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
 def layer_trace(policy: str, seq: int):
     import torch
 
-    from slurm_autosp.plan.layer_graph import trace_decoder_layer
+    from slurm_autosp.compile.checkpointing import CheckpointSpec
+    from slurm_autosp.config import ActivationCheckpointing
+    from slurm_autosp.plan.layer_graph import forget_traces, tiled_layer_trace, trace_decoder_layer
 
+    forget_traces()  # DeepSpeed's rows trace under its own min-cut
+    spec, whole_layers = _spec(policy), _whole_layers(policy)
+    traced = CheckpointSpec(ActivationCheckpointing.none) if whole_layers else spec
     with _scope(policy):
         (trace,) = trace_decoder_layer(
             tiny_llama_config(),
             local_seq=seq // SP,
             sp_size=SP,
-            specs=[_spec(policy)],
+            specs=[traced],
             dtype=torch.float32,
+            tiled=_tiled(policy) and not whole_layers,
         )
+        if whole_layers:
+            (untiled,) = trace_decoder_layer(
+                tiny_llama_config(),
+                local_seq=seq // SP,
+                sp_size=SP,
+                specs=[spec],
+                dtype=torch.float32,
+            )
+            trace = tiled_layer_trace(tiny_llama_config(), spec, trace, untiled, torch.float32)
     return trace
 
 
@@ -321,6 +375,12 @@ def rank_main(rank: int, init_file: str, seqs: list[int], steps: int, out: str) 
     dist.destroy_process_group()
 
 
+def _quadratic(a: dict, b: dict) -> str:
+    """O(S^2) saved tensors; offloaded rows: the offload's hooks replace the counting ones
+    (their graphs are the tiled rows')."""
+    return "-" if a["quadratic"] is None else str(max(a["quadratic"], b["quadratic"]))
+
+
 def render(rows0: list[dict], rows1: list[dict]) -> str:
     lines = [
         "| S (P=2) | policy | saved B/tok/layer | O(S²) saved | a2a in bw | recompute | attn recomputed | step (s) | loss err | grad err |",
@@ -329,7 +389,7 @@ def render(rows0: list[dict], rows1: list[dict]) -> str:
     for a, b in zip(rows0, rows1, strict=True):
         lines.append(
             f"| {a['seq']} | {a['policy']} | {max(a['saved_per_token_layer'], b['saved_per_token_layer']):,.0f} | "
-            f"{max(a['quadratic'], b['quadratic'])} | {max(a['a2a_backward'], b['a2a_backward'])} | "
+            f"{_quadratic(a, b)} | {max(a['a2a_backward'], b['a2a_backward'])} | "
             f"{a['recompute_share']:.1%} | {a['attention_recomputed']} | {max(a['step_s'], b['step_s']):.3f} | "
             f"{max(a['loss_err'], b['loss_err']):.1e} | {max(a['grad_err'], b['grad_err']):.1e} |"
         )

@@ -289,6 +289,12 @@ def trace_decoder_layer(
 _TRACES: dict[tuple[Any, ...], list[LayerTrace]] = {}
 
 
+def forget_traces() -> None:
+    """Drop the kept traces: for a caller that changes how torch partitions graphs (the
+    checkpointing bench's DeepSpeed rows patch its min-cut), which no key can see."""
+    _TRACES.clear()
+
+
 def _trace(
     model: ModelConfig,
     local_seq: int,
