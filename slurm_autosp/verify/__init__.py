@@ -1,11 +1,13 @@
 """Check, before spending GPU hours, that AutoSP trains your model exactly as one device would:
 `python -m slurm_autosp.verify` (the command and its arguments: verify.command).
 
-options: the `verify.*` keys and the shrunk model; ranks: what every rank runs; report: the
-figures, which fail and why; command: spawning the ranks, the exit status.
+options: the `verify.*` keys and the shrunk model; documents: the packed rows
+`verify.documents` checks; ranks: what every rank runs; report: the figures, which fail and
+why; command: spawning the ranks, the exit status.
 """
 
 from slurm_autosp.verify.command import main, run_verify
+from slurm_autosp.verify.documents import DocumentLayout, choose_layout, verify_layout
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -18,9 +20,11 @@ from slurm_autosp.verify.ranks import make_batch, run_rank, shift_labels_per_sha
 from slurm_autosp.verify.report import Report, failures, format_report
 
 __all__ = [
+    "DocumentLayout",
     "Inject",
     "Report",
     "VerifyOptions",
+    "choose_layout",
     "failures",
     "format_report",
     "load_options",
@@ -31,5 +35,6 @@ __all__ = [
     "shift_labels_per_shard",
     "shrink_model_config",
     "split_arguments",
+    "verify_layout",
     "verify_seq_len",
 ]

@@ -25,6 +25,9 @@ Arguments:
   verify.vocab_size=256   vocabulary of the shrunk copy
   verify.seq_len=0        tokens per sequence; 0 picks 32 x sp_size - 3 (not divisible by SP)
   verify.rows=2           sequences per data-parallel rank
+  verify.documents=0      documents packed per row (document_ids), N >= 2 of uneven lengths: one
+                          spans a shard boundary, one is shorter than a shard, one shard holds
+                          only a document's tail; the reference trains each document alone
   verify.tolerance=1e-5   the largest relative error that passes
   verify.seed=0           weights and batch
   verify.inject=none      testing hook: per_shard_shift shifts labels inside each shard, the
@@ -44,6 +47,7 @@ import torch.multiprocessing as mp
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, JobConfig, load_config
 from slurm_autosp.model import refuse_unsupported_attention
+from slurm_autosp.verify.documents import verify_layout
 from slurm_autosp.verify.options import (
     VerifyOptions,
     load_options,
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(job_args)
         refuse_unsupported_attention(cfg)  # as submit would
         refuse_unsupported_attention(cfg, verify_seq_len(cfg.parallel.sp_size, options))
+        verify_layout(cfg.parallel.sp_size, options)  # refuses a layout that cannot be had
     except ConfigError as err:
         return config_error(err)
     if cfg.parallel.sp_size == 1:

@@ -29,6 +29,7 @@ class VerifyOptions:
     vocab_size: int = 256
     seq_len: int = 0  # 0: 32 * sp_size - 3
     rows: int = 2
+    documents: int = 0  # documents packed per row (verify.documents); 0: one sequence per row
     tolerance: float = 1e-5
     seed: int = 0
     inject: Inject = Inject.none
@@ -75,6 +76,10 @@ def load_options(overrides: list[str]) -> VerifyOptions:
         )
     if options.seq_len < 0:
         raise ConfigError(f"verify.seq_len={options.seq_len} must be >= 0 (0 picks one)")
+    if options.documents < 0:
+        raise ConfigError(
+            f"verify.documents={options.documents} must be >= 0 (0: one sequence per row)"
+        )
     return options
 
 

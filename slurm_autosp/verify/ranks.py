@@ -20,6 +20,7 @@ from slurm_autosp.compile import (
 )
 from slurm_autosp.config import JobConfig, ModelConfig
 from slurm_autosp.model import build_model
+from slurm_autosp.verify.documents import DocumentLayout, verify_layout
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -64,15 +65,44 @@ def _per_token_loss(logits: Any, shift_labels: Any) -> Any:
     return F.cross_entropy(logits.detach().float().transpose(1, 2), shift_labels, reduction="none")
 
 
-def _reference(model: Any, batch: dict[str, Any]) -> tuple[float, Any, dict[str, Any]]:
-    """The plain model on one device: loss, per-token losses [B, S], gradients."""
+def _sequences(batch: dict[str, Any], layout: DocumentLayout | None) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every sequence the reference trains alone: each document of a
+    packed row, else each whole row."""
+    rows, seq = batch["input_ids"].shape
+    spans = (
+        [(0, seq)]
+        if layout is None
+        else [(s, s + n) for s, n in zip(layout.starts, layout.lengths, strict=True)]
+    )
+    return [(row, start, end) for row in range(rows) for start, end in spans]
 
+
+def _reference(
+    model: Any, batch: dict[str, Any], layout: DocumentLayout | None
+) -> tuple[float, Any, dict[str, Any]]:
+    """The unmodified model on one device, each sequence (document) alone, none of AutoSP's
+    code involved: the loss is every token loss over the batch's label count. Returns it, the
+    per-token losses [B, S] and the gradients."""
+
+    sequences = _sequences(batch, layout)
     labels = batch["labels"]
-    out = model(input_ids=batch["input_ids"], labels=labels, use_cache=False)
-    out.loss.backward()
-    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    count = sum(int((labels[r, s + 1 : e] != IGNORE_INDEX).sum()) for r, s, e in sequences)
+    loss = torch.zeros(())
+    per_token = torch.zeros(labels.shape)
+    for row, start, end in sequences:
+        piece = labels[row : row + 1, start:end]
+        out = model(
+            input_ids=batch["input_ids"][row : row + 1, start:end],
+            labels=piece,
+            num_items_in_batch=torch.tensor(max(count, 1)),
+            use_cache=False,
+        )
+        loss = loss + out.loss
+        shifted = F.pad(piece[:, 1:], (0, 1), value=IGNORE_INDEX)
+        per_token[row, start:end] = _per_token_loss(out.logits, shifted)[0]
+    loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    return float(out.loss.detach()), _per_token_loss(out.logits, shifted), grads
+    return float(loss.detach()), per_token, grads
 
 
 def run_rank(
@@ -101,6 +131,9 @@ def run_rank(
         seq_len = verify_seq_len(sp_size, options)
         assert model_cfg.vocab_size is not None  # shrink_model_config sets it
         batch = make_batch(options.rows * options.dp, seq_len, model_cfg.vocab_size, options.seed)
+        layout = verify_layout(sp_size, options)
+        if layout is not None:
+            batch["document_ids"] = layout.document_ids().repeat(options.rows * options.dp, 1)
 
         torch.manual_seed(options.seed)
         model = build_model(model_cfg).float()
@@ -137,7 +170,7 @@ def run_rank(
         if rank != 0:
             return
 
-        ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch)
+        ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch, layout)
         # gathered[rank] is (dp_rank, sp_rank)'s [rows, shard]: rows by DP, sequence by SP
         replicas = [
             torch.cat(gathered[d * sp_size : (d + 1) * sp_size], dim=1) for d in range(options.dp)
@@ -152,7 +185,9 @@ def run_rank(
             scale = reference.abs().max().clamp(min=1e-30)
             grad_errors[_short_name(name)] = float((grads[name] - reference).abs().max() / scale)
         report = Report(
-            description=_describe(cfg, model_cfg, options, seq_len, count=int(count), batch=batch),
+            description=_describe(
+                cfg, model_cfg, options, seq_len, count=int(count), batch=batch, layout=layout
+            ),
             sp_size=sp_size,
             seq_len=seq_len,
             shard_len=shard.input_ids.shape[1],
@@ -178,6 +213,7 @@ def _describe(
     seq_len: int,
     count: int,
     batch: dict[str, Any],
+    layout: DocumentLayout | None,
 ) -> str:
     sp = cfg.parallel.sp_size
     injected = (
@@ -193,4 +229,5 @@ def _describe(
         f"  sp_size={sp} x dp={options.dp} local CPU ranks (gloo), fp32, "
         f"compile.per_layer={cfg.compile.per_layer}; batch {batch['input_ids'].shape[0]} x {seq_len} tokens "
         f"(padded to {padded} = {sp} shards of {padded // sp}), {count} valid labels{injected}"
+        + ("" if layout is None else f"\n  packed: {layout.describe()}")
     )

@@ -7,8 +7,15 @@ import sys
 
 import pytest
 
-from slurm_autosp.config import load_config
-from slurm_autosp.verify import Report, VerifyOptions, failures, main, shrink_model_config
+from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.verify import (
+    Report,
+    VerifyOptions,
+    choose_layout,
+    failures,
+    main,
+    shrink_model_config,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,10 +58,82 @@ def test_per_shard_label_shift_fails_naming_the_shard_boundary(run_verify):
 
 
 @pytest.mark.slow
-def test_llama8b_head_layout_with_sp2_matches_single_device(run_verify):
-    done = run_verify("cfg=configs/llama8b_32k.yaml", "parallel.sp_size=2")
+def test_llama8b_head_layout_with_sp2_and_packed_documents_matches_single_device(run_verify):
+    """Three documents per row against the unmodified model trained on each document alone."""
+    done = run_verify("cfg=configs/llama8b_32k.yaml", "parallel.sp_size=2", "verify.documents=3")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "32 query heads / 8 KV heads (GQA 4:1)" in done.stdout and "PASS" in done.stdout
+    assert "packed: 3 documents per row (document_ids), lengths 5, 11, 45" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "seq_len,sp_size,documents",
+    [(61, 2, 3), (61, 2, 2), (61, 2, 17), (125, 4, 2), (125, 4, 6), (3, 2, 2)],
+)
+def test_packed_layout_spans_a_boundary_holds_a_short_document_and_a_tail_only_shard(
+    seq_len, sp_size, documents
+):
+    layout = choose_layout(seq_len, sp_size, documents)
+    assert layout == choose_layout(seq_len, sp_size, documents)  # deterministic
+    assert sum(layout.lengths) == seq_len and len(layout.lengths) == documents
+    assert len(set(layout.lengths)) > 1 and min(layout.lengths) >= 1
+    assert layout.spanning() and layout.shorter_than_shard()
+    tails = layout.tail_only_shards()
+    assert tails
+    for shard in tails:  # no document starts there: its rank sees only a tail
+        assert not any(
+            shard * layout.shard_len <= s < (shard + 1) * layout.shard_len for s in layout.starts
+        )
+
+
+def test_the_default_layout_and_its_document_ids():
+    layout = choose_layout(61, 2, 3)  # 2 shards of 31 (the last padded by one)
+    assert layout.lengths == (5, 11, 45) and layout.starts == [0, 5, 16]
+    assert (layout.spanning(), layout.shorter_than_shard(), layout.tail_only_shards()) == (
+        [2],
+        [0, 1],
+        [1],
+    )
+    assert layout.document_ids().tolist() == [0] * 5 + [1] * 11 + [2] * 45
+
+
+@pytest.mark.parametrize(
+    "documents,sp_size,message",
+    [
+        (18, 2, "leave 16 tokens before the document that ends the row, too few for 17 more"),
+        (62, 2, "is more documents than the row's 61 tokens"),
+        (1, 2, "need 2 or more documents over 2 or more shards"),
+        (3, 1, "need 2 or more documents over 2 or more shards"),
+    ],
+)
+def test_layouts_that_cannot_be_had_are_refused_naming_the_key(documents, sp_size, message):
+    with pytest.raises(ConfigError, match=f"verify.documents={documents}") as refused:
+        choose_layout(61, sp_size, documents)
+    assert message in str(refused.value)
+
+
+def test_bad_document_counts_exit_2_naming_the_key(capsys):
+    assert main(["cfg=configs/tiny_cpu.yaml", "parallel.sp_size=2", "verify.documents=-1"]) == 2
+    assert "verify.documents=-1 must be >= 0" in capsys.readouterr().err
+    assert main(["cfg=configs/tiny_cpu.yaml", "parallel.sp_size=2", "verify.documents=100"]) == 2
+    assert (
+        "verify.documents=100 is more documents than the row's 61 tokens" in capsys.readouterr().err
+    )
+
+
+def test_shrunk_model_keeps_the_configured_window_fields():
+    model = load_config(
+        [
+            "cfg=configs/tiny_cpu.yaml",
+            "model.model_type=qwen2",
+            "model.extra.use_sliding_window=true",
+            "model.extra.sliding_window=64",
+            "model.extra.max_window_layers=1",
+        ]
+    ).model
+    shrunk = shrink_model_config(model, VerifyOptions())
+    assert (shrunk.extra["use_sliding_window"], shrunk.extra["sliding_window"]) == (True, 64)
+    assert shrunk.extra["max_window_layers"] == 1
 
 
 @pytest.mark.parametrize(
