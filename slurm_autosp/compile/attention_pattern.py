@@ -113,20 +113,21 @@ def check_attention_call(module: torch.nn.Module, kwargs: dict[str, Any]) -> Non
 def layer_window(module: torch.nn.Module, kwargs: dict[str, Any]) -> int | None:
     """The sliding window (in tokens) a layer's attention keeps, None for none: what the layer
     passes its attention function (`sliding_window`, as HF's flash-attention path reads it),
-    refused when it disagrees with the window its config gives the layer, from which HF builds
-    the layer's mask (a layer that windows through the mask alone would otherwise attend wider)."""
+    refused when its config gives no layer that window (e.g. a layer passing none where every
+    layer is windowed: it would window through the mask alone and attend wider here). The check
+    is by config, not by layer index: reading `layer_idx` would make every layer its own graph."""
     asked = kwargs.get("sliding_window")
-    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
-    if config is None or layer is None:
+    config = getattr(module, "config", None)
+    if config is None:
         return asked
-    types = _layer_types(config)
-    expected = getattr(config, "sliding_window", None) if types[layer] == SLIDING else None
-    if asked != expected:
+    types = set(_layer_types(config))
+    window = getattr(config, "sliding_window", None)
+    allowed = ({window} if SLIDING in types else set()) | ({None} if types - {SLIDING} else set())
+    if asked not in allowed:
         raise UnsupportedAttention(
-            f"{type(module).__name__} of layer {layer} passes sliding_window={asked} to its "
-            f"attention, but its config gives the layer {types[layer]} with "
-            f"sliding_window={getattr(config, 'sliding_window', None)}; AutoSP applies the window "
-            "the layer passes, so the two must agree"
+            f"{type(module).__name__} passes sliding_window={asked} to its attention, but its config "
+            f"gives its layers {sorted(types)} with sliding_window={window}; AutoSP applies the "
+            "window the layer passes, so it must be one the config gives"
         )
     return asked
 

@@ -141,11 +141,15 @@ def test_left_padding_is_a_document_whose_labels_are_ignored():
     assert positions.tolist() == [list(range(6))] * 2, "Hugging Face's default positions"
 
 
-def test_a_layer_passing_another_window_than_its_config_gives_it_is_refused():
-    layer = tiny_model("qwen2", 2, window=5).model.layers[1].self_attn
-    assert layer_window(layer, {"sliding_window": 5}) == 5
+def test_a_layer_passing_a_window_its_config_does_not_give_is_refused():
+    windowed = tiny_model("mistral", 2, window=5).model.layers[0].self_attn
+    assert layer_window(windowed, {"sliding_window": 5}) == 5
     with pytest.raises(UnsupportedAttention, match="passes sliding_window=None"):
-        layer_window(layer, {})
+        layer_window(windowed, {})  # every layer is windowed: the mask alone would window it
+    some = tiny_model("qwen2", 2, window=5).model.layers[0].self_attn
+    assert layer_window(some, {}) is None and layer_window(some, {"sliding_window": 5}) == 5
+    with pytest.raises(UnsupportedAttention, match="passes sliding_window=7"):
+        layer_window(some, {"sliding_window": 7})
 
 
 # ------------------------------------------------------------------ SP=2 against one device
