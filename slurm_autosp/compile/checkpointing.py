@@ -159,7 +159,7 @@ def is_attention(node: fx.Node) -> bool:
 def _attention_flops(node: fx.Node) -> int:
     """FLOPs of an SDPA kernel: 4*B*H*Sq*Skv*D forward (QK^T and PV), 2.5x that backward,
     halved when causal. Document attention counts as causal over the whole row: its documents'
-    lengths are data, so this is its bound (reached by a row of one document)."""
+    lengths are data, so this is its bound (reached by a row of one document without a window)."""
     op, args, kwargs = wrapped_op(node)
     backward = op in ATTENTION_BACKWARD_OPS
     names = [a.name for a in op._schema.arguments]

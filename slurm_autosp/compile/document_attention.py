@@ -110,8 +110,8 @@ def _check_device(query: torch.Tensor) -> None:
         raise DocumentAttentionError(
             f"per-document and sliding-window attention run on CPU only so far; on "
             f"{query.device.type} they need the varlen flash kernel, which is not wired in yet: "
-            "train packed documents with data.documents=concat there, and sliding windows "
-            "no shorter than the sequence"
+            "train packed documents with data.documents=concat there, sliding windows no "
+            "shorter than the sequence, and right padding"
         )
 
 
