@@ -11,9 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from slurm_autosp.compile.attention_pattern import unsupported_attention
+from slurm_autosp.compile.attention_pattern import cpu_only_attention, unsupported_attention
 from slurm_autosp.compile.chunked_loss import unsupported_logits
-from slurm_autosp.config import ConfigError, JobConfig, ModelConfig
+from slurm_autosp.config import (
+    ConfigError,
+    DocumentBoundaries,
+    JobConfig,
+    ModelConfig,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -120,6 +125,17 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
         if cfg.compile.enabled
         else []
     )
+    if cfg.compile.enabled and cfg.cluster.gpus_per_node > 0:
+        cpu_only = cpu_only_attention(config, padded) + (
+            ["per-document attention (data.documents=masked)"]
+            if cfg.data.documents is DocumentBoundaries.masked
+            else []
+        )
+        problems += [
+            f"{p} over {padded} tokens runs on CPU ranks only so far (cluster.gpus_per_node="
+            f"{cfg.cluster.gpus_per_node}: the GPU varlen kernel is not wired in yet)"
+            for p in cpu_only
+        ]
     model_class = _hf_model_class(config)
     if cfg.model.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         problems.insert(

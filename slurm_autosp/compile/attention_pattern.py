@@ -85,6 +85,17 @@ def unsupported_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
     return problems
 
 
+def cpu_only_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
+    """The windows of `config` that matter at `seq_len` tokens: computed exactly by
+    `document_attention`, which runs on CPU only so far."""
+    types = _layer_types(config)
+    window = getattr(config, "sliding_window", None)
+    where = [i for i, t in enumerate(types) if t == SLIDING]
+    if not where or not window_matters(window, seq_len):
+        return []
+    return [f"sliding-window attention (sliding_window={window} on {_layers(where, len(types))})"]
+
+
 def check_attention_call(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """Refuse what an HF attention layer asks of its attention function that the graph ignores:
     soft-capping, sinks, a position bias, non-causal attention. (Windows: `layer_window`.)"""

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from reference_run import prepared_dataset
 from slurm_helpers import REPO
 from sp_cases import Case, sp_step
 from test_sp_equivalence import assert_matches_reference
@@ -184,3 +185,21 @@ def test_chunked_loss_refuses_a_model_that_transforms_its_logits():
 def test_window_covering_the_sequence_trains_exactly_under_sp2(pool2):
     case = Case(family="mistral", window=96, seq=96, labels="uneven", per_layer=True)
     assert_matches_reference(pool2.run(sp_step, case, 2))
+
+
+@pytest.mark.parametrize("case", ["window", "documents"])
+def test_attention_computed_on_cpu_only_is_refused_for_gpu_jobs_before_they_start(case, tmp_path):
+    """document_attention runs on CPU ranks only: a GPU job that needs it is refused at submit,
+    not at its first step."""
+    if case == "window":
+        overrides = ["model.model_type=mistral", "model.extra.sliding_window=4096"]
+        named = "sliding-window attention (sliding_window=4096"
+    else:
+        data = prepared_dataset(tmp_path / "prepared", [3000, 70000])
+        overrides = ["data.source=tokens", f"data.path={data}", "data.documents=masked"]
+        named = "per-document attention (data.documents=masked)"
+    gpu = load_config(["cfg=configs/llama8b_32k.yaml", *overrides])
+    with pytest.raises(ConfigError) as refused:
+        refuse_unsupported_attention(gpu)
+    assert named in str(refused.value) and "runs on CPU ranks only" in str(refused.value)
+    refuse_unsupported_attention(load_config(["cfg=configs/tiny_cpu.yaml", *overrides]))
