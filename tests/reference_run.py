@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.data import SyntheticSource, write_token_file
 from slurm_autosp.data.prepared import SUMMARY, SplitFiles
@@ -75,3 +76,10 @@ def train_reference(root: Path, zero_stage: int, overrides: tuple[str, ...] = ()
     )
     assert proc.returncode == 0, proc.stderr
     return root / "ref"
+
+
+def tensorboard_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) as the run's TensorBoard files hold them, every attempt's steps together."""
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("train/loss")]

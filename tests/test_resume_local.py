@@ -11,10 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_run import REFERENCE_ARGS, REFERENCE_SAMPLES, REFERENCE_STEPS, SAMPLES_PER_STEP
+from reference_run import (
+    REFERENCE_ARGS,
+    REFERENCE_SAMPLES,
+    REFERENCE_STEPS,
+    SAMPLES_PER_STEP,
+    tensorboard_losses,
+)
 from safetensors.torch import load_file
 from submitit.core.utils import pickle_load
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = REFERENCE_STEPS
@@ -39,12 +44,6 @@ def final_result(run_dir):
     outcome, result = pickle_load(results[-1])
     assert outcome == "success", result
     return result
-
-
-def tensorboard_losses(run_dir):
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return [(e.step, e.value) for e in events.Scalars("train/loss")]
 
 
 def hf_weights(run_dir):
