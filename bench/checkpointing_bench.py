@@ -43,7 +43,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -182,6 +181,7 @@ def _rss() -> int:
 def run_policy(policy: str, seq: int, steps: int, rank: int):
     import torch
     import torch.distributed as dist
+    from saved_bytes import DecoderSavedBytes
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs
@@ -215,26 +215,7 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
     kwargs = shard.model_kwargs(count)
     local = shard.input_ids.shape[1]
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    record = {"inside": False, "storages": {}, "shapes": [], "shared": set()}
-
-    # The decoder layers run between the embedding and the final norm (both eager, not
-    # compiled: hooks on them fire in order); the rotary cos/sin every layer receives are shared.
-    inner = model.model
-    inner.embed_tokens.register_forward_hook(lambda *_: record.__setitem__("inside", True))
-    inner.norm.register_forward_pre_hook(lambda *_: record.__setitem__("inside", False))
-    inner.rotary_emb.register_forward_hook(
-        lambda _m, _a, out: record["shared"].update(t.untyped_storage().data_ptr() for t in out)
-    )
-
-    def pack(t):
-        if record["inside"]:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params and ptr not in record["shared"]:
-                record["storages"][ptr] = t.untyped_storage().nbytes()
-                record["shapes"].append(tuple(t.shape))
-        return t
-
+    saved_bytes = DecoderSavedBytes(model)
     a2a = {"count": 0, "backward": False}
     original_a2a = dist.all_to_all_single
 
@@ -248,14 +229,12 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
         with scope:
             for step in range(steps + 1):
                 model.zero_grad(set_to_none=True)
-                record["storages"].clear()
-                record["shapes"].clear()
+                saved_bytes.clear()
                 a2a["count"] = 0
                 dist.barrier()
                 start = time.perf_counter()
                 before = _rss()
-                counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-                with offload.saving() if offload else counting:  # the innermost hooks apply
+                with offload.saving() if offload else saved_bytes.counting():
                     loss = causal_lm_loss(model, kwargs, chunk_tokens=CHUNK)
                 after = _rss()
                 a2a["backward"] = True
@@ -272,12 +251,14 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
     for name, p in model.named_parameters():
         dist.all_reduce(p.grad)
         grads[name] = p.grad / dist.get_world_size()
-    saved = sum(record["storages"].values())
+    saved = saved_bytes.bytes
     if offload is not None:  # what stays on the device: kept, and the peak of fetched copies
         saved = offload.stats.kept_bytes // (steps + 1) + offload.stats.peak_resident_bytes
     return {
         "saved_per_token_layer": saved / LAYERS / local,
-        "quadratic": None if offload else sum(is_quadratic(s, local, SP) for s in record["shapes"]),
+        "quadratic": None
+        if offload
+        else sum(is_quadratic(s, local, SP) for s in saved_bytes.shapes),
         "a2a_backward": a2a["count"],
         "step_s": statistics.median(times),
         "loss": total,
@@ -420,16 +401,9 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the resident set at once
     sys.path.insert(0, str(REPO))
-    import torch.multiprocessing as mp
+    from spawn import spawn_ranks
 
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
-        mp.spawn(
-            rank_main,
-            args=(os.path.join(tmp, "store"), seqs, args.steps, os.path.join(tmp, "rows")),
-            nprocs=SP,
-        )
-        rows = [json.load(open(os.path.join(tmp, f"rows.{r}"))) for r in range(SP)]
+    rows = spawn_ranks(rank_main, (seqs, args.steps), SP)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print(render(rows[0], rows[1]))

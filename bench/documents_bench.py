@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +46,7 @@ CHUNK = 256
 def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
     import torch
     import torch.distributed as dist
+    from saved_bytes import DecoderSavedBytes
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs
@@ -85,38 +85,22 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
         kwargs[name] = shard.model_kwargs(count)
     local = plain.input_ids.shape[1]
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    record: dict = {"inside": False, "storages": {}, "shared": set()}
-    inner = model.model
-    inner.embed_tokens.register_forward_hook(lambda *_: record.__setitem__("inside", True))
-    inner.norm.register_forward_pre_hook(lambda *_: record.__setitem__("inside", False))
-    inner.rotary_emb.register_forward_hook(
-        lambda _m, _a, out: record["shared"].update(t.untyped_storage().data_ptr() for t in out)
-    )
-
-    def pack(t):
-        if record["inside"]:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params and ptr not in record["shared"]:
-                # the storage itself is held, so a freed one's address cannot come back as another
-                record["storages"][ptr] = t.untyped_storage()
-        return t
-
+    saved = DecoderSavedBytes(model)
     results = {name: {"times": [], "saved": 0, "loss": None, "grads": None} for name in modes}
     for step in range(steps + 1):  # step 0 compiles and warms up
         for name in modes:
             model.zero_grad(set_to_none=True)
-            record["storages"].clear()
+            saved.clear()
             dist.barrier()
             start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with saved.counting():
                 loss = causal_lm_loss(model, kwargs[name], chunk_tokens=CHUNK)
             (loss * loss_scale(SP, 1)).backward()
             elapsed = time.perf_counter() - start
             result = results[name]
             if step:
                 result["times"].append(elapsed)
-            result["saved"] = sum(s.nbytes() for s in record["storages"].values())
+            result["saved"] = saved.bytes
             total = loss.detach().clone()
             dist.all_reduce(total)
             result["loss"] = float(total)
@@ -193,16 +177,9 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "bench" / "documents_results.json"))
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    import torch.multiprocessing as mp
+    from spawn import spawn_ranks
 
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
-        mp.spawn(
-            rank_main,
-            args=(os.path.join(tmp, "store"), args, os.path.join(tmp, "rows")),
-            nprocs=SP,
-        )
-        rows = [json.load(open(os.path.join(tmp, f"rows.{r}"))) for r in range(SP)]
+    rows = spawn_ranks(rank_main, (args,), SP)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print(render(rows[0], rows[1]))

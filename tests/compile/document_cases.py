@@ -4,17 +4,10 @@ document trained alone on one device (the same rank), reduced to a few error fig
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
+from sp_cases import VOCAB, step_against, tiny_model
 
-from slurm_autosp.compile import (
-    IGNORE_INDEX,
-    compile_model,
-    loss_scale,
-    prepare_sp_inputs,
-    set_sp_group,
-)
+from slurm_autosp.compile import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -85,54 +78,8 @@ def documents_alone(
 
 
 def packed_sp_step(case: PackedCase, sp_size: int) -> dict[str, float]:
-    """One SP step over the packed rows, gradients averaged over the world as ZeRO-1 does,
-    against `documents_alone`: relative loss error, max per-token error on this rank's shard,
-    and the worst parameter's max|g - g_ref| / max|g_ref|."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    sp_group = contiguous_sp_group(sp_size)
-    sp_rank, dp_rank, dp_size = rank % sp_size, rank // sp_size, world // sp_size
+    """One SP step over the packed rows against `documents_alone` (sp_cases.step_against)."""
     batch = packed_batch(case)
-    ref_loss, ref_per_token, ref_grads = documents_alone(case, batch)
-
-    rows = len(case.lengths)
-    mine = slice(dp_rank * rows // dp_size, (dp_rank + 1) * rows // dp_size)
-    shard = prepare_sp_inputs(
-        **{k: v[mine] for k, v in batch.items()}, sp_rank=sp_rank, sp_size=sp_size
-    )
-    assert shard.cu_seqlens is not None, "packed rows must reach document attention"
-    count = torch.tensor(shard.valid_labels)
-    dist.all_reduce(count)
-
+    reference = documents_alone(case, batch)
     model = tiny_model(case.family, case.kv_heads, window=case.window)
-    backend = backend_for(sp_size, case.per_layer)
-    compile_model(model, backend, per_layer=case.per_layer)
-    kwargs = shard.model_kwargs(count)
-    for name in ("input_ids", "position_ids", "shift_labels"):
-        torch._dynamo.mark_dynamic(kwargs[name], 1)
-    set_sp_group(sp_group)
-    out = model(**kwargs)
-    (out.loss * loss_scale(world, grad_accum=1)).backward()
-    backend.require_sdpa_found()
-
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
-    per_token = F.cross_entropy(
-        out.logits.detach().transpose(1, 2), shard.shift_labels, reduction="none"
-    )
-    shard_len = shard.input_ids.shape[1]
-    padded_ref = F.pad(ref_per_token, (0, shard_len * sp_size - ref_per_token.shape[1]))
-    ref_local = padded_ref[mine, sp_rank * shard_len : (sp_rank + 1) * shard_len]
-    grad_error = 0.0
-    for name, param in model.named_parameters():
-        dist.all_reduce(param.grad)
-        param.grad /= world
-        reference = ref_grads[name]
-        grad_error = max(
-            grad_error, float((param.grad - reference).abs().max() / reference.abs().max())
-        )
-    return {
-        "loss_rel_error": float((loss - ref_loss).abs() / ref_loss.abs()),
-        "token_error": float((per_token - ref_local).abs().max()),
-        "grad_rel_error": grad_error,
-        "finite": bool(torch.isfinite(out.loss)),
-    }
+    return step_against(model, case.per_layer, batch, reference, sp_size)

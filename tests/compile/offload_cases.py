@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
 from train_cases import (
-    LOSS_CHUNK,
     SEQ,
     _engine,
     _grad_error,
@@ -24,10 +23,10 @@ from train_cases import (
     _kwargs,
     _sp_shards,
     _whole_weights,
+    take_steps,
 )
 
 from slurm_autosp.compile import compile_model, loss_scale, set_sp_group
-from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile.offload import ActivationOffload
 from slurm_autosp.verify import make_batch
 
@@ -146,27 +145,13 @@ def engine_run(
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
     cfg = _job_config(dist.get_world_size(), zero_stage, grad_accum, steps)
-    rows = dist.get_world_size() // sp_size * grad_accum
     engine = _engine(zero_stage, cfg)
     initial = _whole_weights(engine)
     compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
     set_sp_group(contiguous_sp_group(sp_size))
     offloader = ActivationOffload(torch.device("cpu"), layers=LAYERS, min_bytes=0)
-    losses, grad_norms = [], []
-    for step in range(steps):
-        shards, count = _sp_shards(
-            make_batch(rows, SEQ, VOCAB, seed=100 + step), sp_size, grad_accum
-        )
-        step_loss = torch.zeros(())
-        for shard in shards:
-            with offloader.saving() if offload else nullcontext():
-                loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
-            engine.backward(loss * engine.loss_scale)
-            engine.step()
-            step_loss += loss.detach()
-        dist.all_reduce(step_loss)
-        losses.append(float(step_loss))
-        grad_norms.append(engine.grad_norm())
+    saving = offloader.saving if offload else nullcontext
+    losses, grad_norms = take_steps(engine, range(steps), sp_size, grad_accum, saving)
     weights = _whole_weights(engine)
     engine.close()
     if dist.get_rank() != 0:

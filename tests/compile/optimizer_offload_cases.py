@@ -8,12 +8,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
-from train_cases import LOSS_CHUNK, SEQ, _job_config, _kwargs, _sp_shards, _whole_weights
+from sp_cases import backend_for, contiguous_sp_group, tiny_model
+from train_cases import _job_config, _whole_weights, take_steps
 
 from slurm_autosp.compile import compile_model, set_sp_group
-from slurm_autosp.compile.chunked_loss import causal_lm_loss
-from slurm_autosp.verify import make_batch
 
 
 def _build(zero_stage: int, cfg, offload: bool):
@@ -61,34 +59,29 @@ def offload_steps(
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
     cfg = _job_config(dist.get_world_size(), zero_stage, grad_accum, steps)
-    rows = dist.get_world_size() // sp_size * grad_accum
     engine = _build(zero_stage, cfg, offload)
     initial = _whole_weights(engine)
     offloaded = _offloaded(engine)
     compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
     set_sp_group(contiguous_sp_group(sp_size))
-    losses, grad_norms, first_grads = [], [], {}
-    for step in range(steps):
-        if checkpoint and step == 1:
-            engine.save(Path(checkpoint))
-            engine.close()
-            engine = _build(zero_stage, cfg, offload)
-            engine.load(Path(checkpoint))
-            compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
-        shards, count = _sp_shards(
-            make_batch(rows, SEQ, VOCAB, seed=100 + step), sp_size, grad_accum
-        )
-        step_loss = torch.zeros(())
-        for shard in shards:
-            loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
-            engine.backward(loss * engine.loss_scale)
-            if step == 0 and shard is shards[-1]:
-                first_grads = _full_grads(engine)
-            engine.step()
-            step_loss += loss.detach()
-        dist.all_reduce(step_loss)
-        losses.append(float(step_loss))
-        grad_norms.append(engine.grad_norm())
+    first_grads: dict[str, torch.Tensor] = {}
+
+    def keep_first_grads(micro: int) -> None:
+        if not first_grads and micro == grad_accum - 1:
+            first_grads.update(_full_grads(engine))
+
+    before_save = range(1 if checkpoint else steps)
+    losses, grad_norms = take_steps(
+        engine, before_save, sp_size, grad_accum, after_backward=keep_first_grads
+    )
+    if checkpoint:
+        engine.save(Path(checkpoint))
+        engine.close()
+        engine = _build(zero_stage, cfg, offload)
+        engine.load(Path(checkpoint))
+        compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
+        more_losses, more_norms = take_steps(engine, range(1, steps), sp_size, grad_accum)
+        losses, grad_norms = losses + more_losses, grad_norms + more_norms
     weights = _whole_weights(engine)
     engine.close()
     if dist.get_rank() != 0:

@@ -139,28 +139,44 @@ def reference_step(
     return out.loss.detach(), per_token, grads
 
 
+Reference = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+
 def sp_step(case: Case, sp_size: int) -> dict[str, float]:
     """One SP step with gradients reduced the way DeepSpeed ZeRO-1 does (mean over the world),
     compared with the reference. Returns relative loss error, max per-token error on this
     rank's shard, and the worst parameter's max|g - g_ref| / max|g_ref|."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    sp_group = contiguous_sp_group(sp_size)
-    sp_rank, dp_rank = rank % sp_size, rank // sp_size
-    dp_size = world // sp_size
     batch = make_batch(case)
     if case.labels == "first_shard_ignored":
         batch["labels"] = _ignore_first_shard(batch["labels"], -(-case.seq // sp_size))
-    ref_loss, ref_per_token, ref_grads = reference_step(case, batch)
+    reference = reference_step(case, batch)
+    model = tiny_model(case.family, case.kv_heads, window=case.window)
+    return step_against(model, case.per_layer, batch, reference, sp_size)
 
-    rows = slice(dp_rank * case.batch // dp_size, (dp_rank + 1) * case.batch // dp_size)
+
+def step_against(
+    model: PreTrainedModel,
+    per_layer: bool,
+    batch: dict[str, torch.Tensor],
+    reference: Reference,
+    sp_size: int,
+) -> dict[str, float]:
+    """Compile `model` for SP, take one step on this rank's rows and shard of the global `batch`
+    (rows split over data parallelism, gradients averaged over the world as ZeRO-1 does) and
+    compare with the single-device `reference` (loss, per-token losses [B, S], gradients)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp_group = contiguous_sp_group(sp_size)
+    sp_rank, dp_rank, dp_size = rank % sp_size, rank // sp_size, world // sp_size
+    ref_loss, ref_per_token, ref_grads = reference
+    batch_rows = batch["input_ids"].shape[0]
+    rows = slice(dp_rank * batch_rows // dp_size, (dp_rank + 1) * batch_rows // dp_size)
     local = {key: value[rows] for key, value in batch.items()}
     shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size)
     count = torch.tensor(shard.valid_labels)
     dist.all_reduce(count)
 
-    model = tiny_model(case.family, case.kv_heads, window=case.window)
-    backend = backend_for(sp_size, case.per_layer)
-    compile_model(model, backend, per_layer=case.per_layer)
+    backend = backend_for(sp_size, per_layer)
+    compile_model(model, backend, per_layer=per_layer)
     kwargs = shard.model_kwargs(count)
     for name in ("input_ids", "position_ids", "shift_labels"):
         torch._dynamo.mark_dynamic(kwargs[name], 1)
@@ -175,14 +191,14 @@ def sp_step(case: Case, sp_size: int) -> dict[str, float]:
         out.logits.detach().transpose(1, 2), shard.shift_labels, reduction="none"
     )
     shard_len = shard.input_ids.shape[1]
-    padded_ref = F.pad(ref_per_token, (0, shard_len * sp_size - case.seq))
+    padded_ref = F.pad(ref_per_token, (0, shard_len * sp_size - ref_per_token.shape[1]))
     ref_local = padded_ref[rows, sp_rank * shard_len : (sp_rank + 1) * shard_len]
     grad_error = 0.0
     for name, param in model.named_parameters():
         dist.all_reduce(param.grad)
         param.grad /= world
-        reference = ref_grads[name]
-        error = (param.grad - reference).abs().max() / reference.abs().max()
+        reference_grad = ref_grads[name]
+        error = (param.grad - reference_grad).abs().max() / reference_grad.abs().max()
         grad_error = max(grad_error, float(error))
     return {
         "loss": float(loss),
@@ -190,4 +206,5 @@ def sp_step(case: Case, sp_size: int) -> dict[str, float]:
         "token_error": float((per_token - ref_local).abs().max()),
         "grad_rel_error": grad_error,
         "finite": bool(torch.isfinite(out.loss)),
+        "packed": shard.cu_seqlens is not None,
     }

@@ -13,25 +13,20 @@ from contextlib import contextmanager
 import sp_cases
 import torch
 import torch.distributed as dist
-from sp_cases import VOCAB, Case, contiguous_sp_group, sp_step
+from sp_cases import Case, contiguous_sp_group, sp_step
 from train_cases import (
-    LOSS_CHUNK,
-    SEQ,
     _engine,
     _grad_error,
     _job_config,
-    _kwargs,
-    _sp_shards,
     _whole_weights,
+    take_steps,
 )
 
 from slurm_autosp.compile import AutoSPBackend, compile_model, set_sp_group
 from slurm_autosp.compile.checkpointing import CheckpointSpec
-from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.compile.tiled_layer import SequenceTiledLayer
 from slurm_autosp.compile.tiling import SequenceTiled
 from slurm_autosp.config import ActivationCheckpointing
-from slurm_autosp.verify import make_batch
 
 _full_backends: dict[tuple[int, bool], AutoSPBackend] = {}
 _sp_cases_backend_for = sp_cases.backend_for  # before _sp_step_compiles_tiled replaces it
@@ -101,7 +96,6 @@ def _engine_run(
     first micro-batch's gradients."""
     grad_accum = 2
     cfg = _job_config(dist.get_world_size(), zero_stage, grad_accum, steps)
-    rows = dist.get_world_size() // sp_size * grad_accum
     engine = _engine(zero_stage, cfg)
     initial = _whole_weights(engine)
     compile_model(
@@ -111,21 +105,15 @@ def _engine_run(
         tile_tokens=tile_tokens,
     )
     set_sp_group(contiguous_sp_group(sp_size))
-    losses, grad_norms, first_grads = [], [], {}
-    for step in range(steps):
-        shards, count = _sp_shards(
-            make_batch(rows, SEQ, VOCAB, seed=100 + step), sp_size, grad_accum
-        )
-        step_loss = torch.zeros(())
-        for shard in shards:
-            loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
-            engine.backward(loss * engine.loss_scale)
-            first_grads = first_grads or _first_grads(engine, zero_stage)
-            engine.step()
-            step_loss += loss.detach()
-        dist.all_reduce(step_loss)
-        losses.append(float(step_loss))
-        grad_norms.append(engine.grad_norm())
+    first_grads: dict[str, torch.Tensor] = {}
+
+    def keep_first_grads(micro: int) -> None:
+        if not first_grads:
+            first_grads.update(_first_grads(engine, zero_stage))
+
+    losses, grad_norms = take_steps(
+        engine, range(steps), sp_size, grad_accum, after_backward=keep_first_grads
+    )
     final = _whole_weights(engine)
     tiled = _tiled(engine.module)
     engine.close()

@@ -8,6 +8,7 @@ sp_cases, so these cases share the pools' compiled graphs and caches with the SP
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -146,6 +147,37 @@ def _whole_weights(engine) -> dict:
     return engine.full_state_dict() or {k: v.clone() for k, v in engine.module.state_dict().items()}
 
 
+def take_steps(
+    engine,
+    steps: range,
+    sp_size: int,
+    grad_accum: int,
+    forward_context: Callable[[], AbstractContextManager] = nullcontext,
+    after_backward: Callable[[int], None] = lambda micro: None,
+) -> tuple[list[float], list[float]]:
+    """Optimizer steps `steps` through `engine`, each of grad_accum micro-batches of its own
+    seeded global batch (rows split over DP, sequences over SP); every forward runs under
+    `forward_context()` and is followed by `after_backward(micro)` before the engine's step.
+    Returns each step's global loss and the engine's gradient norms."""
+    rows = dist.get_world_size() // sp_size * grad_accum
+    losses, grad_norms = [], []
+    for step in steps:
+        batch = make_batch(rows, SEQ, VOCAB, seed=100 + step)
+        shards, count = _sp_shards(batch, sp_size, grad_accum)
+        step_loss = torch.zeros(())
+        for micro, shard in enumerate(shards):
+            with forward_context():
+                loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
+            engine.backward(loss * engine.loss_scale)
+            after_backward(micro)
+            engine.step()
+            step_loss += loss.detach()
+        dist.all_reduce(step_loss)
+        losses.append(float(step_loss))
+        grad_norms.append(engine.grad_norm())
+    return losses, grad_norms
+
+
 def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> dict | None:
     """`steps` optimizer steps through the engine for `zero_stage` (DeepSpeed ZeRO-1, or FSDP2
     parameter sharding; torch AdamW and our LR schedule in both) on SP x DP ranks, with the
@@ -167,22 +199,17 @@ def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> 
     initial = _whole_weights(engine)
     compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
     set_sp_group(contiguous_sp_group(sp_size))
-    losses, grad_norms, first_grads = [], [], {}
-    for batch in batches:
-        shards, count = _sp_shards(batch, sp_size, grad_accum)
-        step_loss = torch.zeros(())
-        for shard in shards:
-            loss = causal_lm_loss(engine, _kwargs(shard, count), chunk_tokens=LOSS_CHUNK)
-            engine.backward(loss * engine.loss_scale)
-            if zero_stage == 3 and not losses and shard is shards[-1]:
-                first_grads = {
-                    name: p.grad.full_tensor() for name, p in engine.module.named_parameters()
-                }
-            engine.step()
-            step_loss += loss.detach()
-        dist.all_reduce(step_loss)
-        losses.append(float(step_loss))
-        grad_norms.append(engine.grad_norm())
+    first_grads: dict[str, torch.Tensor] = {}
+
+    def keep_first_grads(micro: int) -> None:
+        if zero_stage == 3 and not first_grads and micro == grad_accum - 1:
+            first_grads.update(
+                {name: p.grad.full_tensor() for name, p in engine.module.named_parameters()}
+            )
+
+    losses, grad_norms = take_steps(
+        engine, range(steps), sp_size, grad_accum, after_backward=keep_first_grads
+    )
     params = _whole_weights(engine)
     engine.close()
     if rank != 0:
