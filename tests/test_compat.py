@@ -1,15 +1,18 @@
-"""slurm_autosp.compat: every private submitit and torch name slurm_autosp uses still exists
+"""slurm_autosp.compat: every private submitit, torch and DeepSpeed name slurm_autosp uses still exists
 upstream, with the parameters it passes; an upgrade that renames or removes one fails here."""
 
 import importlib
 import inspect
 import os
 
+import deepspeed.ops
 import pytest
 import submitit
 import torch._inductor.runtime.cache_dir_utils as inductor_cache_dir_utils
+from deepspeed.accelerator import get_accelerator
+from deepspeed.comm.torch import build_shm_op
 
-from slurm_autosp.compat import submitit_api, torch_api
+from slurm_autosp.compat import deepspeed_api, submitit_api, torch_api
 from slurm_autosp.config import load_config
 from slurm_autosp.launch.executor import sbatch_script
 
@@ -68,3 +71,13 @@ def test_torch_dynamo_and_inductor_settings_we_set_exist():
 )
 def test_private_torch_names_still_exist(module, name):
     assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone"
+
+
+def test_deepspeed_builds_no_shared_memory_op_once_skipped(monkeypatch):
+    """The op's name is the one DeepSpeed's CPU builder uses, and once skipped its comm backend
+    gets no op (were the name stale, this would JIT-build it and return it)."""
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    assert builder.NAME == deepspeed_api.SHARED_MEMORY_COMM_OP
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, builder.NAME, True)
+    deepspeed_api.skip_shared_memory_comm_build()
+    assert build_shm_op() is None

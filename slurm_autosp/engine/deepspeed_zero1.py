@@ -54,6 +54,9 @@ class ZeRO1Engine:
     def __init__(self, model: nn.Module, cfg: JobConfig, offload_optimizer: bool = False):
         import deepspeed
 
+        from slurm_autosp.compat.deepspeed_api import skip_shared_memory_comm_build
+
+        skip_shared_memory_comm_build()
         optimizer = build_optimizer(model, cfg.train, fused=offload_optimizer)
         self._engine, *_ = deepspeed.initialize(
             model=model,
