@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -142,24 +143,17 @@ class DistPool:
         shutil.rmtree(self._init_dir, ignore_errors=True)
 
 
-def dist_pool_fixture_factory(
-    cache_dir_factory: Callable[[pytest.TempPathFactory], str],
-) -> Callable[..., Callable[[int], DistPool]]:
-    """Build a session fixture returning `get(world_size) -> DistPool`: one pool per world
-    size, created on first use, replaced if a previous test left it broken, closed at the end."""
+@pytest.fixture(scope="session")
+def dist_pools(compile_cache_dir: Path) -> Iterator[Callable[[int], DistPool]]:
+    """`get(world_size) -> DistPool`: one pool per world size, created on first use, replaced if
+    a previous test left it broken, closed at the end of the session."""
+    pools: dict[int, DistPool] = {}
 
-    @pytest.fixture(scope="session")
-    def dist_pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[int], DistPool]]:
-        cache_dir = cache_dir_factory(tmp_path_factory)
-        pools: dict[int, DistPool] = {}
+    def get(world_size: int) -> DistPool:
+        if world_size not in pools or pools[world_size].broken:
+            pools[world_size] = DistPool(world_size, str(compile_cache_dir))
+        return pools[world_size]
 
-        def get(world_size: int) -> DistPool:
-            if world_size not in pools or pools[world_size].broken:
-                pools[world_size] = DistPool(world_size, cache_dir)
-            return pools[world_size]
-
-        yield get
-        for pool in pools.values():
-            pool.close()
-
-    return dist_pools
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from reference_run import reference_data, train_reference
+from resubmitted_run import ResubmittedRun, resubmit
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_SCRIPTS = REPO / "tests" / "slurm_cluster"
@@ -34,6 +35,16 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
+def compile_cache_dir(pytestconfig, tmp_path_factory):
+    """Inductor's cache for the tests that compile in pytest's own processes: kept in pytest's
+    cache directory of this checkout, so the full tier reuses what the fast tier compiled (as
+    a training job reuses its node-local cache), and a fresh clone starts cold; a temporary
+    one where pytest's cache is off (-p no:cacheprovider)."""
+    cache = getattr(pytestconfig, "cache", None)
+    return cache.mkdir("inductor") if cache else tmp_path_factory.mktemp("inductor")
+
+
+@pytest.fixture(scope="session")
 def reference_overrides(tmp_path_factory):
     """The data overrides of the reference run (its shuffled token file, written once)."""
     return reference_data(tmp_path_factory.mktemp("reference_data"))
@@ -52,6 +63,12 @@ def uninterrupted_run(tmp_path_factory, reference_overrides):
         return runs[zero_stage]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def resubmitted_run(tmp_path_factory) -> ResubmittedRun:
+    """tests/resubmitted_run.py's run, submitted three times once per session."""
+    return resubmit(tmp_path_factory.mktemp("resubmitted"))
 
 
 @pytest.fixture(scope="session")

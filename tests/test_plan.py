@@ -341,7 +341,7 @@ def _forward_rss(seqs, budgets, queue):
 
 
 @pytest.fixture(scope="module")
-def measured_forward_rss(tmp_path_factory):
+def measured_forward_rss(tmp_path_factory, compile_cache_dir):
     """{(budget, seq): bytes} the forward added to the resident set, measured once."""
     tmp_path = tmp_path_factory.mktemp("forward_rss")
     context = mp.get_context("spawn")
@@ -350,7 +350,7 @@ def measured_forward_rss(tmp_path_factory):
         "MALLOC_MMAP_THRESHOLD_": "65536",
         "PLAN_TEST_STORE": str(tmp_path / "store"),
         "OMP_NUM_THREADS": "1",
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "TORCHINDUCTOR_CACHE_DIR": str(compile_cache_dir),
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

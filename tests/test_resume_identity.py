@@ -4,8 +4,6 @@ refuses, naming them), others may (the job names them); each submission's config
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -118,32 +116,9 @@ def test_kept_configs_are_never_overwritten(tmp_path):
     ]
 
 
-def submit(root, *overrides):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.submit",
-            "cfg=configs/tiny_cpu.yaml",
-            "cluster.backend=local",
-            "train.log_every=1",
-            f"run.output_root={root}",
-            "run.name=r",
-            *overrides,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.mark.slow
-def test_resubmission_with_another_model_is_refused_and_with_more_steps_continues(tmp_path):
-    first = submit(tmp_path, "train.steps=2")
-    assert first.returncode == 0, first.stderr
-
-    other_model = submit(tmp_path, "train.steps=2", "model.hidden_size=96")
+def test_resubmission_with_another_model_is_refused_and_with_more_steps_continues(resubmitted_run):
+    other_model = resubmitted_run.refused
     assert other_model.returncode == 1
     assert "model.hidden_size: 64 in the checkpoint, 96 now" in other_model.stderr
     assert (
@@ -151,20 +126,16 @@ def test_resubmission_with_another_model_is_refused_and_with_more_steps_continue
     )
     assert "| loss " not in other_model.stdout
 
-    longer = submit(tmp_path, "train.steps=3")
-    assert longer.returncode == 0, longer.stderr
-    assert "resuming with changed settings: train.steps 2 -> 3" in longer.stdout
-    assert (
-        f"resumed from {tmp_path / 'r' / 'checkpoints' / 'step_00000002'} at step 2"
-        in longer.stdout
-    )
-    results = (tmp_path / "r" / "submitit").glob("*_0_result.pkl")
+    longer, run_dir = resubmitted_run.resumed.stdout, resubmitted_run.run_dir
+    assert "resuming with changed settings: train.steps 6 -> 8" in longer
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000003'} at step 3" in longer
+    results = (run_dir / "submitit").glob("*_0_result.pkl")
     outcome, result = pickle_load(max(results, key=lambda p: p.stat().st_mtime))
-    assert outcome == "success" and result.first_step == 2 and len(result.losses) == 1
+    assert outcome == "success" and result.first_step == 3 and len(result.losses) == 5
 
-    kept = sorted((tmp_path / "r" / "configs").iterdir())
+    kept = sorted((run_dir / "configs").iterdir())
     assert ["hidden_size: 64" in kept[0].read_text(), "hidden_size: 96" in kept[1].read_text()] == [
         True,
         True,
     ]
-    assert "steps: 3" in (tmp_path / "r" / "config.yaml").read_text()
+    assert "steps: 8" in (run_dir / "config.yaml").read_text()

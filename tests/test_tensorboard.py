@@ -1,9 +1,8 @@
 """What a user sees in a real TensorBoard pointed at a run directory, read over its HTTP API.
 
-One run of the shipped tiny_cpu config (6 steps, checkpoints at 3 and 6, memory traces at
-steps 2 and 5), its last checkpoint then invalidated (no manifest), and the run submitted
-again for 8 steps: it resumes from step 3, so steps 4-6 and the step-5 trace are logged twice
-and TensorBoard must show each once.
+The run is tests/resubmitted_run.py's: 6 steps of the shipped tiny_cpu config, its last
+checkpoint invalidated, and submitted again for 8 steps: it resumes from step 3, so steps 4-6
+and the step-5 trace are logged twice and TensorBoard must show each once.
 """
 
 import json
@@ -22,37 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
-def submit(root, *overrides):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.submit",
-            "cfg=configs/tiny_cpu.yaml",
-            "cluster.backend=local",
-            f"run.output_root={root}",
-            "checkpoint.every_steps=3",
-            "trace.memory_steps=[2,5]",
-            *overrides,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    submit(root, "train.steps=6")
-    run_dir = root / "tiny_cpu"
-    (run_dir / "checkpoints" / "step_00000006" / "manifest.json").unlink()
-    stdout = submit(root, "train.steps=8")
-    assert "at step 3" in stdout, stdout[-3000:]
-    return run_dir
+def run_dir(resubmitted_run):
+    assert "at step 3" in resubmitted_run.resumed.stdout, resubmitted_run.resumed.stdout[-3000:]
+    return resubmitted_run.run_dir
 
 
 class TensorBoard:
@@ -109,13 +81,9 @@ def tensorboard(run_dir, tmp_path_factory):
             assert time.monotonic() < deadline, "tensorboard did not serve the run within 120 s"
             time.sleep(0.5)
         yield board
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=15)
+    finally:  # it has nothing to save, and takes its time to stop when asked
+        server.kill()
+        server.wait(timeout=15)
         log.close()
 
 

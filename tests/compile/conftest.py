@@ -2,9 +2,7 @@
 
 import pytest
 
-from tests._dist_pool import dist_pool_fixture_factory
-
-dist_pools = dist_pool_fixture_factory(lambda factory: str(factory.mktemp("inductor_cache")))
+from tests._dist_pool import dist_pools as dist_pools  # the session's pools, for pool2/pool4
 
 
 @pytest.fixture(scope="session")

@@ -21,12 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def run_verify(tmp_path_factory):
-    """Run the command as a user would, with one inductor cache for this module's runs."""
-    env = {
-        **os.environ,
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("verify_inductor_cache")),
-    }
+def run_verify(compile_cache_dir):
+    """Run the command as a user would, with the tests' inductor cache."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(compile_cache_dir)}
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
