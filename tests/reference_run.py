@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.data import SyntheticSource, write_token_file
@@ -83,3 +85,14 @@ def tensorboard_losses(run_dir: Path) -> list[tuple[int, float]]:
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+
+def hf_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The run's exported Hugging Face weights."""
+    return load_file(run_dir / "hf" / "model.safetensors")
+
+
+def assert_same_weights(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]):
+    """Bit for bit."""
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[name], reference[name]) for name in weights)

@@ -1,29 +1,22 @@
-"""Against a real Slurm on localhost: training through sbatch, preemption and the pre-timeout
-signal, each ending with the same losses as an uninterrupted run."""
+"""Against a real Slurm on localhost: training through sbatch, preemption (under FSDP2) and the
+pre-timeout signal (under ZeRO-1), each ending with the same losses as an uninterrupted run."""
 
 import re
 import subprocess
 
 import pytest
-from reference_run import REFERENCE_STEPS, tensorboard_losses
+from reference_run import REFERENCE_STEPS, assert_same_weights, hf_weights, tensorboard_losses
 from slurm_helpers import REPO, RunningSubmit, final_result, release_requeued, submit_cmd
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 STEPS = REFERENCE_STEPS
-TRAIN = [f"train.steps={STEPS}", "train.log_every=1", "parallel.zero_stage=1"]
+TRAIN = [f"train.steps={STEPS}", "train.log_every=1"]
 
 
 @pytest.fixture(scope="module")
 def train(reference_overrides):
     """The reference run's training and data settings."""
     return [*TRAIN, *reference_overrides]
-
-
-@pytest.fixture(scope="module")
-def reference(uninterrupted_run):
-    """The uninterrupted run on local processes (the one test_resume_local compares with):
-    Slurm must not change a single bit."""
-    return uninterrupted_run(1)
 
 
 @pytest.mark.parametrize("tasks", [4])  # 2 ranks: the interrupted runs below
@@ -54,12 +47,18 @@ def test_tiny_cpu_trains_through_sbatch_and_leaves_a_complete_run_directory(task
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def _interrupted_run(tmp_path, train, reference, interrupt, expect_signal):
+def _interrupted_run(tmp_path, train, uninterrupted_run, zero_stage, interrupt, expect_signal):
     """Interrupted after step 10 and requeued by Slurm, the run's every step (TensorBoard's
-    curve, both attempts) equals the local run's bit for bit, and so do the losses after the
-    resume (the result's float64s)."""
+    curve, both attempts) equals the uninterrupted local run's under the same engine (the one
+    test_resume_local compares with) bit for bit, and so do the losses after the resume (the
+    result's float64s): Slurm must not change a single bit."""
+    reference = uninterrupted_run(zero_stage)
     run = RunningSubmit(
-        "cluster.backend=slurm", "cluster.partition=debug", f"run.output_root={tmp_path}", *train
+        "cluster.backend=slurm",
+        "cluster.partition=debug",
+        f"run.output_root={tmp_path}",
+        f"parallel.zero_stage={zero_stage}",
+        *train,
     )
     run.wait_for_line(f"step 10/{STEPS} ")
     interrupt(run.job_id)
@@ -79,9 +78,12 @@ def _interrupted_run(tmp_path, train, reference, interrupt, expect_signal):
     curve = tensorboard_losses(tmp_path / "tiny_cpu")
     assert [step for step, _ in curve] == list(range(1, STEPS + 1))
     assert curve == tensorboard_losses(reference)
+    assert_same_weights(hf_weights(tmp_path / "tiny_cpu"), hf_weights(reference))
 
 
-def test_preempted_run_saves_requeues_and_resumes_with_identical_losses(tmp_path, train, reference):
+def test_preempted_fsdp2_run_saves_requeues_and_resumes_with_identical_losses(
+    tmp_path, train, uninterrupted_run
+):
     def preempt(job_id):
         subprocess.run(
             [
@@ -99,13 +101,13 @@ def test_preempted_run_saves_requeues_and_resumes_with_identical_losses(tmp_path
             capture_output=True,
         )
 
-    _interrupted_run(tmp_path, train, reference, preempt, "SIGTERM")
+    _interrupted_run(tmp_path, train, uninterrupted_run, 3, preempt, "SIGTERM")
 
 
 def test_pre_timeout_signal_saves_requeues_and_resumes_with_identical_losses(
-    tmp_path, train, reference
+    tmp_path, train, uninterrupted_run
 ):
     def pre_timeout_signal(job_id):
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
 
-    _interrupted_run(tmp_path, train, reference, pre_timeout_signal, "SIGUSR2")
+    _interrupted_run(tmp_path, train, uninterrupted_run, 1, pre_timeout_signal, "SIGUSR2")
