@@ -7,11 +7,10 @@ refuses; then for 8 steps: it resumes from step 3, so steps 4-6 and the step-5 t
 twice and TensorBoard must show each once."""
 
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from local_submit import submit_local
 
 
 @dataclass(frozen=True)
@@ -22,22 +21,11 @@ class ResubmittedRun:
 
 
 def submit(root: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.submit",
-            "cfg=configs/tiny_cpu.yaml",
-            "cluster.backend=local",
-            f"run.output_root={root}",
-            "checkpoint.every_steps=3",
-            "trace.memory_steps=[2,5]",
-            *overrides,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return submit_local(
+        f"run.output_root={root}",
+        "checkpoint.every_steps=3",
+        "trace.memory_steps=[2,5]",
+        *overrides,
     )
 
 

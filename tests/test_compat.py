@@ -76,7 +76,7 @@ def test_private_torch_names_still_exist(module, name):
 def test_deepspeed_builds_no_shared_memory_op_once_skipped(monkeypatch):
     """The op's name is the one DeepSpeed's CPU builder uses, and once skipped its comm backend
     gets no op (were the name stale, this would JIT-build it and return it)."""
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    builder = get_accelerator().create_op_builder(deepspeed_api.SHARED_MEMORY_COMM_BUILDER)
     assert builder.NAME == deepspeed_api.SHARED_MEMORY_COMM_OP
     monkeypatch.setitem(deepspeed.ops.__compatible_ops__, builder.NAME, True)
     deepspeed_api.skip_shared_memory_comm_build()

@@ -1,40 +1,18 @@
 """The embedded default job runs end to end through submitit's local executor."""
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from local_submit import submit_local
 from submitit.core.utils import pickle_load
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def submit(*overrides, env=None, timeout=600):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.submit",
-            "cfg=configs/tiny_cpu.yaml",
-            "cluster.backend=local",
-            *overrides,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    proc = submit(f"run.output_root={root}", "train.steps=30", "train.log_every=1")
+    proc = submit_local(f"run.output_root={root}", "train.steps=30", "train.log_every=1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return root / "tiny_cpu", proc.stdout
 
@@ -79,7 +57,7 @@ def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):
     """)
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = submit(
+    proc = submit_local(
         f"run.output_root={tmp_path}", "model.builder=broken_model:build", env=env, timeout=300
     )
     assert proc.returncode == 1
@@ -93,7 +71,7 @@ def test_tiled_and_offloaded_run_trains_the_same_steps(tiny_run, tmp_path):
     tiles (48 tokens: 3 per rank's 128, the last one short) and the losses are the untiled,
     resident run's (tile order changes only the summation order)."""
     run_dir, _ = tiny_run
-    proc = submit(
+    proc = submit_local(
         f"run.output_root={tmp_path}",
         "train.steps=30",
         "train.log_every=1",

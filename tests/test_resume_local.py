@@ -23,16 +23,15 @@ from submitit.core.utils import pickle_load
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = REFERENCE_STEPS
-ARGS = [*REFERENCE_ARGS, "cluster.backend=local"]
+ARGS = [*REFERENCE_ARGS, "cluster.backend=local", "parallel.zero_stage=1"]
 
 
-def submit_cmd(root, name, zero_stage=1, overrides=()):
+def submit_cmd(root, name, overrides=()):
     return [
         sys.executable,
         "-m",
         "slurm_autosp.submit",
         *ARGS,
-        f"parallel.zero_stage={zero_stage}",
         f"run.output_root={root}",
         f"run.name={name}",
         *overrides,
@@ -53,10 +52,10 @@ def sigusr2_to(folder):
     )
 
 
-def interrupt_after_step(root, name, step, send, zero_stage, overrides=()):
+def interrupt_after_step(root, name, step, send, overrides=()):
     """Run a job and call `send()` once rank 0 has logged `step`; returns submit's stdout."""
     proc = subprocess.Popen(
-        submit_cmd(root, name, zero_stage, overrides),
+        submit_cmd(root, name, overrides),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -78,9 +77,7 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(
     tmp_path, uninterrupted_run, reference_overrides
 ):
     folder = tmp_path / "resumed" / "submitit"
-    stdout = interrupt_after_step(
-        tmp_path, "resumed", 7, sigusr2_to(folder), 1, reference_overrides
-    )
+    stdout = interrupt_after_step(tmp_path, "resumed", 7, sigusr2_to(folder), reference_overrides)
     uninterrupted = uninterrupted_run(1)
     stopped = int(re.search(r"stopping at step (\d+) on SIGUSR2", stdout).group(1))
     assert 7 <= stopped < REFERENCE_SAMPLES // SAMPLES_PER_STEP  # inside the first epoch
