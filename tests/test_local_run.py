@@ -1,7 +1,9 @@
 """The embedded default job runs end to end through submitit's local executor."""
 
 import os
+import re
 import textwrap
+import time
 
 import pytest
 from local_submit import submit_local
@@ -57,12 +59,31 @@ def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):
     """)
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # started as from a background shell, whose SIGINT is ignored: the failing job is still
+    # cancelled, so its controller (which holds our pipes) ends and the command returns
     proc = submit_local(
-        f"run.output_root={tmp_path}", "model.builder=broken_model:build", env=env, timeout=300
+        f"run.output_root={tmp_path}",
+        "model.builder=broken_model:build",
+        env=env,
+        timeout=180,
+        ignore_sigint=True,
     )
     assert proc.returncode == 1
     assert "rank 1 failed" in proc.stderr
     assert "rank one cannot build its model" in proc.stderr
+    controller = int(re.search(r"submitted job (\d+) \(local", proc.stdout).group(1))
+    assert _gone(controller), f"job {controller}'s controller outlived the failed job"
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
 
 
 @pytest.mark.slow

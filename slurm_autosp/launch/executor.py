@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,22 @@ def build_executor(cfg: JobConfig, backend: Backend) -> submitit.AutoExecutor:
     """The executor that submits the job on the resolved `backend` (never auto)."""
     if backend is Backend.slurm:
         _require_slurm_tools()
+    else:
+        _let_local_jobs_be_cancelled()
     executor = submitit.AutoExecutor(folder=submitit_dir(cfg.run.dir), cluster=backend.value)
     slurm = {f"slurm_{k}": v for k, v in _slurm_parameters(cfg.cluster).items()}
     executor.update_parameters(**_shared_parameters(cfg), **slurm)
     return executor
+
+
+def _let_local_jobs_be_cancelled() -> None:
+    """submitit cancels a local job with SIGINT to the controller process it starts, which
+    then kills the ranks. A command started in the background by a shell (`cmd &`, nohup, some
+    CI runners) ignores SIGINT, and an ignored signal stays ignored across exec: the
+    controller would outlive a failed job, with its other ranks waiting in a collective. A
+    handled signal is reset to the default by exec, so handling it here restores it there."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _require_slurm_tools() -> None:
