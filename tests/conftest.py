@@ -25,13 +25,39 @@ def pytest_configure(config):
         config.option.markexpr = ""  # no mark expression: nothing is deselected
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects
+# The session fixtures that cost minutes, each shared by the tests of one pytest-xdist worker.
+# A test using one of them runs on the worker that holds it (the first match names the group).
+_SHARED_BY_GROUP = {
+    "slurm_cluster": "slurm",  # one Slurm on localhost, started once
+    "uninterrupted_run": "slurm",  # the reference runs that local and Slurm resumes match
+    "dist_pools": "dist_pools",  # the multi-rank pools and what their ranks compiled
+    "resubmitted_run": "resubmitted_run",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects and before xdist reads the groups
 def pytest_collection_modifyitems(items):
     """A test that starts the local Slurm is in the slurm tier whether or not it says so, so
-    the fast tier never needs Slurm."""
+    the fast tier never needs Slurm. Every test gets one xdist group (`--dist loadgroup`): the
+    costly session fixture it uses, else its file, whose module fixtures its tests share."""
     for item in items:
         if "slurm_cluster" in item.fixturenames and not item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.slurm)
+        shared = (group for name, group in _SHARED_BY_GROUP.items() if name in item.fixturenames)
+        group = next(shared, item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_finish(session):
+    """Refuse to run spread over workers without the groups: each worker would start its own
+    Slurm and pools. xdist marks a grouped test by its node id, which pytest 9.2 ignores."""
+    grouped = getattr(session.config.option, "loadgroup", False)  # set in each xdist worker
+    if grouped and session.items and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError(
+            "pytest-xdist's --dist loadgroup has no effect under this pytest, so tests sharing a "
+            "Slurm or a pool would run on different workers: install pyproject's test extra "
+            "(pytest<9.2), or run with -n 0"
+        )
 
 
 @pytest.fixture(scope="session")
