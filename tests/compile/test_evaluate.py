@@ -20,14 +20,9 @@ def held_out(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # the fast tier keeps one training equivalence case per engine
 @pytest.mark.parametrize(
-    ("sp_size", "tile_tokens"),
-    [
-        (2, 0),
-        pytest.param(1, 0, marks=pytest.mark.slow),
-        pytest.param(2, 16, marks=pytest.mark.slow),
-    ],
-    ids=["sp2", "dp2", "sp2_tiled"],
+    ("sp_size", "tile_tokens"), [(2, 0), (1, 0), (2, 16)], ids=["sp2", "dp2", "sp2_tiled"]
 )
 def test_sp_eval_loss_equals_single_device_eval_loss(pool2, held_out, sp_size, tile_tokens):
     """5 samples, micro-batches of 2: the last round is one sample and padding (no labels)."""
