@@ -35,6 +35,20 @@ def test_signal_requeue_and_log_options_match_submit(generated):
     assert ours["signal"] == f"USR2@{ClusterConfig().signal_delay_s}"
 
 
+def test_both_end_every_rank_when_one_fails(generated):
+    for script in (SCRIPT, generated):
+        srun = next(line for line in script.splitlines() if line.startswith("srun "))
+        assert " --kill-on-bad-exit=1 " in srun, srun
+
+
+def test_a_kill_on_bad_exit_of_the_users_own_wins():
+    cfg = load_config(
+        ["cfg=configs/llama8b_32k.yaml", "cluster.backend=slurm", "cluster.srun_args=[-K0]"]
+    )
+    srun = next(line for line in sbatch_script(cfg).splitlines() if line.startswith("srun "))
+    assert " -K0 " in srun and "--kill-on-bad-exit" not in srun, srun
+
+
 def test_resource_defaults_match_the_shipped_8_gpu_profile(generated):
     ours, theirs = directives(SCRIPT), directives(generated)
     for option in ("nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task"):

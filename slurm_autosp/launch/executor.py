@@ -87,9 +87,16 @@ def _shared_parameters(cfg: JobConfig) -> dict[str, Any]:
     return params
 
 
+# A rank that fails ends the job step: the other ranks would otherwise wait in a collective,
+# holding their GPUs, until the collective timeout. Requeues exit 0 and are not affected.
+KILL_ON_BAD_EXIT = "--kill-on-bad-exit=1"
+
+
 def _slurm_parameters(c: ClusterConfig) -> dict[str, Any]:
     """The SLURM-only options, in submitit's SlurmExecutor names (the local executor has none)."""
     srun_args = list(c.srun_args)
+    if not any(arg.startswith(("--kill-on-bad-exit", "-K")) for arg in srun_args):
+        srun_args.insert(0, KILL_ON_BAD_EXIT)
     if c.container_image:
         srun_args.append(f"--container-image={c.container_image}")
     if c.container_mounts:
