@@ -4,6 +4,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 from reference_run import reference_data, train_reference
 from resubmitted_run import ResubmittedRun, resubmit
 
@@ -23,6 +24,15 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--full"):
         config.option.markexpr = ""  # no mark expression: nothing is deselected
+    pytest_release = Version(pytest.__version__).release[:2]
+    if config.getoption("dist", "no") == "loadgroup" and pytest_release >= (9, 2):
+        # xdist marks a grouped test in its node id, which pytest 9.2 no longer reads: the
+        # groups would be ignored, and each worker would start its own Slurm and pools
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} ignores pytest-xdist's test groups (--dist loadgroup), "
+            "which keep the tests sharing a Slurm or a pool on one worker: install pyproject's "
+            "test extra (pytest<9.2), or run the tests in one process with -n 0"
+        )
 
 
 # The session fixtures that cost minutes, each shared by the tests of one pytest-xdist worker.
@@ -46,18 +56,6 @@ def pytest_collection_modifyitems(items):
         shared = (group for name, group in _SHARED_BY_GROUP.items() if name in item.fixturenames)
         group = next(shared, item.nodeid.split("::")[0])
         item.add_marker(pytest.mark.xdist_group(group))
-
-
-def pytest_collection_finish(session):
-    """Refuse to run spread over workers without the groups: each worker would start its own
-    Slurm and pools. xdist marks a grouped test by its node id, which pytest 9.2 ignores."""
-    grouped = getattr(session.config.option, "loadgroup", False)  # set in each xdist worker
-    if grouped and session.items and "@" not in session.items[0].nodeid:
-        raise pytest.UsageError(
-            "pytest-xdist's --dist loadgroup has no effect under this pytest, so tests sharing a "
-            "Slurm or a pool would run on different workers: install pyproject's test extra "
-            "(pytest<9.2), or run with -n 0"
-        )
 
 
 @pytest.fixture(scope="session")
