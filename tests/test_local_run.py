@@ -2,9 +2,9 @@
 
 import os
 import re
-import textwrap
 import time
 
+import broken_model
 import pytest
 from local_submit import submit_local
 from submitit.core.utils import pickle_load
@@ -46,31 +46,18 @@ def test_run_directory_holds_config_logs_and_events(tiny_run):
 
 
 def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):
-    (tmp_path / "broken_model.py").write_text(
-        textwrap.dedent("""
-        import submitit
-        from slurm_autosp.model import build_model
-        from dataclasses import replace
-
-        def build(cfg):
-            if submitit.JobEnvironment().global_rank == 1:
-                raise RuntimeError("rank one cannot build its model")
-            return build_model(replace(cfg, builder=None))
-    """)
-    )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     # started as from a background shell, whose SIGINT is ignored: the failing job is still
     # cancelled, so its controller (which holds our pipes) ends and the command returns
     proc = submit_local(
         f"run.output_root={tmp_path}",
-        "model.builder=broken_model:build",
-        env=env,
+        broken_model.BUILDER,
+        env=broken_model.job_env(),
         timeout=180,
         ignore_sigint=True,
     )
     assert proc.returncode == 1
     assert "rank 1 failed" in proc.stderr
-    assert "rank one cannot build its model" in proc.stderr
+    assert broken_model.ERROR in proc.stderr
     controller = int(re.search(r"submitted job (\d+) \(local", proc.stdout).group(1))
     assert _gone(controller), f"job {controller}'s controller outlived the failed job"
 

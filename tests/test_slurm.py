@@ -1,13 +1,11 @@
 """Against a real Slurm on localhost: training through sbatch, preemption (under FSDP2) and the
 pre-timeout signal (under ZeRO-1), each ending with the same losses as an uninterrupted run."""
 
-import os
 import re
 import subprocess
-import sys
-import textwrap
 import time
 
+import broken_model
 import pytest
 from reference_run import REFERENCE_STEPS, assert_same_weights, hf_weights, tensorboard_losses
 from slurm_helpers import (
@@ -128,34 +126,18 @@ def test_a_failing_rank_ends_the_whole_job(tmp_path):
     """Rank 1 fails building its model while rank 0 waits for it in a collective: srun ends
     rank 0 too, within seconds, instead of the job holding its nodes until the collective
     timeout (`cluster.collective_timeout_min`)."""
-    (tmp_path / "broken_model.py").write_text(
-        textwrap.dedent("""
-        import submitit
-        from slurm_autosp.model import build_model
-        from dataclasses import replace
-
-        def build(cfg):
-            if submitit.JobEnvironment().global_rank == 1:
-                raise RuntimeError("rank one cannot build its model")
-            return build_model(replace(cfg, builder=None))
-    """)
-    )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.submit",
-            "cfg=configs/tiny_cpu.yaml",
+        submit_cmd(
             "cluster.backend=slurm",
             f"run.output_root={tmp_path}",
-            "model.builder=broken_model:build",
-        ],
+            broken_model.BUILDER,
+            "follow=false",
+        ),
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
-        env=env,
+        env=broken_model.job_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr  # returns once queued
     job_id = re.search(r"submitted job (\d+) \(slurm", proc.stdout).group(1)
@@ -164,5 +146,5 @@ def test_a_failing_rank_ends_the_whole_job(tmp_path):
         time.sleep(2)
     assert not job_state(job_id), f"job {job_id} still {job_state(job_id)} after rank 1 failed"
     logs = tmp_path / "tiny_cpu" / "submitit"
-    assert "rank one cannot build its model" in (logs / f"{job_id}_1_log.err").read_text()
+    assert broken_model.ERROR in (logs / f"{job_id}_1_log.err").read_text()
     assert "step 1/" not in (logs / f"{job_id}_0_log.out").read_text()
