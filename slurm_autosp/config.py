@@ -581,6 +581,12 @@ def _script_value_problems(cfg: JobConfig) -> list[str]:
         problems.append(
             f"cluster.env keys {bad_env} are not variable names (empty, or containing '=')"
         )
+    port = c.env.get("MASTER_PORT")
+    if port is not None and not (str(port).isdigit() and 1024 <= int(port) <= 65535):
+        problems.append(
+            f"cluster.env.MASTER_PORT={port!r} must be a port number in 1024-65535 "
+            "(the job's rendezvous port on its first host); unset it to derive one from the job id"
+        )
     name = cfg.run.name
     if name in ("", ".", "..") or any(ch in name for ch in "/\\%") or name.startswith("-"):
         problems.append(

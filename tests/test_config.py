@@ -157,6 +157,8 @@ def test_defaults_are_the_tiny_cpu_job():
         ("cluster.signal_delay_s=0", "cluster.signal_delay_s=0 must be >= 1"),
         ("cluster.collective_timeout_min=-1", "cluster.collective_timeout_min=-1.0 must be > 0"),
         ("cluster.env={A=B: 1}", "cluster.env keys ['A=B'] are not variable names"),
+        ("cluster.env.MASTER_PORT=http", "cluster.env.MASTER_PORT='http' must be a port number"),
+        ("cluster.env.MASTER_PORT=80", "cluster.env.MASTER_PORT='80' must be a port number"),
     ],
 )
 def test_values_that_would_fail_later_or_lose_data_are_refused_naming_the_key(override, named):

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from submitit import JobEnvironment
+from submitit.helpers import TorchDistributedEnvironment
+
+# Below Linux's default ephemeral range (net.ipv4.ip_local_port_range, 32768-60999), so no
+# outgoing connection on the host (gloo's pairs, NFS, another job's store clients) can hold it.
+RENDEZVOUS_PORTS = range(20000, 32768)
 
 
 @dataclass(frozen=True)
@@ -22,11 +29,10 @@ class DistContext:
 def init_distributed(use_gpus: bool, timeout_min: float) -> DistContext:
     """Join the job's process group: NCCL (RCCL on ROCm builds) on GPUs, gloo on CPU.
 
-    The rendezvous is the job's first host on a port seeded by the job id (submitit's
-    TorchDistributedEnvironment), so every rank of a job, and no other job, meets there.
+    The rendezvous is the job's first host on `rendezvous_port`, so every rank of a job, and
+    no other job, meets there.
     """
-    from submitit.helpers import TorchDistributedEnvironment
-
+    os.environ["MASTER_PORT"] = str(rendezvous_port(JobEnvironment().job_id))
     env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     if use_gpus:
         device = torch.device("cuda", env.local_rank)
@@ -35,14 +41,42 @@ def init_distributed(use_gpus: bool, timeout_min: float) -> DistContext:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(
-        backend,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=datetime.timedelta(minutes=timeout_min),
-        device_id=device if use_gpus else None,
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(minutes=timeout_min),
+            device_id=device if use_gpus else None,
+        )
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise RuntimeError(
+            f"rank {env.rank}: the rendezvous port {env.master_port} on {env.master_addr} is "
+            "already in use by another process; set cluster.env.MASTER_PORT to a free port "
+            f"(e.g. one in {RENDEZVOUS_PORTS.start}-{RENDEZVOUS_PORTS.stop - 1}) and resubmit"
+        ) from e
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
     return DistContext(
         rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device=device
     )
+
+
+def rendezvous_port(job_id: str) -> int:
+    """MASTER_PORT if the job's environment sets it (cluster.env, or the submitting shell), else
+    a port in RENDEZVOUS_PORTS seeded by the job id.
+
+    submitit's own choice (20000-60000) mostly falls in the ephemeral range, where a busy
+    node's outgoing connections could already hold it (EADDRINUSE at start-up, seen with two
+    jobs sharing a node); a requeued job keeps its id and so its port.
+    """
+    if "MASTER_PORT" in os.environ:
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdigit() and 0 < int(port) <= 65535):
+            raise RuntimeError(
+                f"MASTER_PORT={port!r} in the job's environment is not a port number; set "
+                "cluster.env.MASTER_PORT to a free port, or unset it to derive one from the job id"
+            )
+        return int(port)
+    return RENDEZVOUS_PORTS[zlib.crc32(job_id.encode()) % len(RENDEZVOUS_PORTS)]
