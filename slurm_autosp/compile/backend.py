@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import Argument
 
 import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
@@ -118,6 +120,33 @@ def _document_arguments(node: fx.Node) -> dict[str, Argument]:
     return arguments
 
 
+def _example_value(target: Callable, args: tuple, kwargs: dict[str, Argument]) -> object:
+    """What `target` returns for the arguments' example values, computed on fake tensors.
+
+    Without autograd recording (a saved-tensors hook around the compiling call would be handed
+    fake tensors); the outputs require grad as the op's would.
+    """
+    values = fx.node.map_arg((args, kwargs), lambda n: n.meta["example_value"])
+    tensors = [v for v in pytree.tree_leaves(values) if isinstance(v, FakeTensor)]
+    requires_grad = any(t.requires_grad for t in tensors)
+    # Dynamo's fake mode, which the backend's own must not mix with
+    with tensors[0].fake_mode, torch.no_grad():
+        output = target(*values[0], **values[1])
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.requires_grad_(requires_grad and t.is_floating_point()), output
+    )
+
+
+def _call(
+    graph: fx.Graph, target: Callable, args: tuple, kwargs: dict[str, Argument] | None = None
+) -> fx.Node:
+    """graph.call_function with the example value Dynamo gives every node: AOTAutograd's cache
+    reads it (a method's receiver must be a tensor), without it every start retraces."""
+    node = graph.call_function(target, args, kwargs or {})
+    node.meta["example_value"] = _example_value(target, args, kwargs or {})
+    return node
+
+
 def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
     documents = node.target is _DOCUMENT_ATTENTION
     if documents:  # the cumulative lengths are global: they hold for the whole sequence as is
@@ -140,10 +169,8 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
 
     def scatter_heads(tensor: fx.Node, repeat: int) -> fx.Node:
         if repeat > 1:
-            tensor = graph.call_function(
-                torch.repeat_interleave, (tensor, repeat), {"dim": _HEAD_DIM}
-            )
-        return graph.call_function(_ALL_TO_ALL, (tensor, _HEAD_DIM, _SEQ_DIM, sp_size))
+            tensor = _call(graph, torch.repeat_interleave, (tensor, repeat), {"dim": _HEAD_DIM})
+        return _call(graph, _ALL_TO_ALL, (tensor, _HEAD_DIM, _SEQ_DIM, sp_size))
 
     with graph.inserting_before(node):
         arguments["query"] = scatter_heads(query, 1)
@@ -153,9 +180,15 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
         arguments["enable_gqa"] = layout.local_grouped
     node.args = ()
     node.kwargs = arguments
+    node.meta["example_value"] = _example_value(
+        _DOCUMENT_ATTENTION if documents else _SDPA, (), arguments
+    )
     outputs = [node]
     if documents:  # the attention output is item 0; the log-sum-exp stays for backward
-        outputs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+        items = [u for u in node.users if u.target is operator.getitem]
+        for item in items:
+            item.meta["example_value"] = node.meta["example_value"][item.args[1]]
+        outputs = [item for item in items if item.args[1] == 0]
     for local in outputs:
         _gather_heads_after(graph, local, sp_size)
 
@@ -163,7 +196,7 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
 def _gather_heads_after(graph: fx.Graph, local: fx.Node, sp_size: int) -> None:
     """Every user of `local` ([B, H/P, S, D]) reads it back as [B, H, S/P, D]."""
     with graph.inserting_after(local):
-        output = graph.call_function(_ALL_TO_ALL, (local, _SEQ_DIM, _HEAD_DIM, sp_size))
+        output = _call(graph, _ALL_TO_ALL, (local, _SEQ_DIM, _HEAD_DIM, sp_size))
     local.replace_all_uses_with(output, delete_user_cb=lambda user: user is not output)
 
 

@@ -5,7 +5,8 @@ saves some tensors and a backward that recomputes the rest. It honours
 `node.meta["recompute"]`: MUST_SAVE bans a node from recomputation, PREFER_RECOMPUTE forces
 it to be recomputed. `CheckpointPass` writes those tags as an inductor joint-graph pass
 (`torch._inductor.config.joint_custom_post_pass`), so nothing of torch is patched, and its
-`uuid()` names the policy, so inductor's own compile caches key on it.
+`uuid()` names the policy and the code of our ops, so inductor's and AOTAutograd's compile
+caches key on them.
 
 Policies (`compile.activation_checkpointing`; `auto` is resolved to one of them by the memory
 plan, `slurm_autosp.plan.checkpoint_spec_for`):
@@ -29,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import operator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,8 +38,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
-import slurm_autosp.compile.all_to_all  # noqa: F401 - registers the op
-import slurm_autosp.compile.document_attention  # noqa: F401 - registers its ops
+import slurm_autosp.compile.all_to_all as all_to_all
+import slurm_autosp.compile.document_attention as document_attention
 from slurm_autosp.compat.torch_api import (
     CustomGraphPass,
     run_and_save_rng_state,
@@ -339,8 +341,19 @@ def tag_joint_graph(graph: fx.Graph, spec: CheckpointSpec) -> dict[str, int]:
     return counts
 
 
+def code_key() -> str:
+    """A digest of the code that compiled artifacts hold without Dynamo having traced it: this
+    policy, and the custom ops' backward formulas (AOTAutograd's cache keys on the graph, which
+    names an op but not its formula), so a changed formula is never served from a cache."""
+    digest = hashlib.sha256()
+    for source in (__file__, all_to_all.__file__, document_attention.__file__):
+        digest.update(Path(str(source)).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 class CheckpointPass(CustomGraphPass):
-    """The policy as an inductor joint-graph pass; `uuid()` keys inductor's caches on it."""
+    """The policy as an inductor joint-graph pass; `uuid()` keys the compile caches on it and
+    on our code (`code_key`)."""
 
     def __init__(self, spec: CheckpointSpec) -> None:
         self.spec = spec
@@ -350,18 +363,18 @@ class CheckpointPass(CustomGraphPass):
         self.last_counts = tag_joint_graph(graph, self.spec)
 
     def uuid(self) -> str:
-        with open(__file__, "rb") as source:
-            code = hashlib.sha256(source.read()).hexdigest()[:16]
-        return f"slurm_autosp.checkpointing:{self.spec.key()}:{code}"
+        return f"slurm_autosp.checkpointing:{self.spec.key()}:{_CODE_KEY}"
 
     def __repr__(self) -> str:
         return f"CheckpointPass({self.spec.key()})"
 
 
+_CODE_KEY = code_key()
+
+
 def inductor_config_patches(spec: CheckpointSpec) -> dict[str, Any]:
-    """Inductor config under which `compile_fx` applies `spec` (empty for torch_default)."""
-    if spec.policy is ActivationCheckpointing.torch_default:
-        return {}
+    """Inductor config under which `compile_fx` applies `spec`; the pass is there under
+    torch_default too (it tags nothing), for its cache key."""
     return {"joint_custom_post_pass": CheckpointPass(spec)}
 
 
