@@ -30,7 +30,8 @@ def test_a_restarted_compile_is_served_from_aotautograds_cache(pool2):
     """The all-to-alls the backend inserts carry Dynamo's example values: without them
     AOTAutograd bypassed its cache ("Unsupported call_method target sp_all_to_all") and every
     start traced and partitioned forward and backward again."""
-    for first, restart in pool2.run(compile_twice, Case(seq=64, labels="uneven")):
+    # test_sp_equivalence's plain case: whichever runs first compiles it cold, once
+    for first, restart in pool2.run(compile_twice, Case()):
         assert first.get("autograd_cache_bypass", 0) == 0, first
         assert restart.get("autograd_cache_hit", 0) >= 1 and "autograd_cache_bypass" not in restart
         for attempt in (first, restart):
