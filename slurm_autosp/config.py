@@ -22,6 +22,12 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from slurm_autosp.heads import choices_text, divisors, valid_sp_sizes
 
 ZERO_STAGES = (None, 1, 3)  # null: the memory plan chooses
+USER_PORTS = range(1024, 65536)  # what MASTER_PORT may be: no privileged port
+
+
+def is_user_port(value: object) -> bool:
+    """Whether `value` (a setting's text) names a port in USER_PORTS."""
+    return str(value).isdigit() and int(str(value)) in USER_PORTS
 
 
 class ConfigError(ValueError):
@@ -582,7 +588,7 @@ def _script_value_problems(cfg: JobConfig) -> list[str]:
             f"cluster.env keys {bad_env} are not variable names (empty, or containing '=')"
         )
     port = c.env.get("MASTER_PORT")
-    if port is not None and not (str(port).isdigit() and 1024 <= int(port) <= 65535):
+    if port is not None and not is_user_port(port):
         problems.append(
             f"cluster.env.MASTER_PORT={port!r} must be a port number in 1024-65535 "
             "(the job's rendezvous port on its first host); unset it to derive one from the job id"

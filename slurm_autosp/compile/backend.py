@@ -142,8 +142,9 @@ def _call(
 ) -> fx.Node:
     """graph.call_function with the example value Dynamo gives every node: AOTAutograd's cache
     reads it (a method's receiver must be a tensor), without it every start retraces."""
-    node = graph.call_function(target, args, kwargs or {})
-    node.meta["example_value"] = _example_value(target, args, kwargs or {})
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    node.meta["example_value"] = _example_value(target, args, kwargs)
     return node
 
 

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from submitit import JobEnvironment
 from submitit.helpers import TorchDistributedEnvironment
 
+from slurm_autosp.config import is_user_port
+
 # Below Linux's default ephemeral range (net.ipv4.ip_local_port_range, 32768-60999), so no
 # outgoing connection on the host (gloo's pairs, NFS, another job's store clients) can hold it.
 RENDEZVOUS_PORTS = range(20000, 32768)
@@ -73,7 +75,7 @@ def rendezvous_port(job_id: str) -> int:
     """
     if "MASTER_PORT" in os.environ:
         port = os.environ["MASTER_PORT"]
-        if not (port.isdigit() and 0 < int(port) <= 65535):
+        if not is_user_port(port):
             raise RuntimeError(
                 f"MASTER_PORT={port!r} in the job's environment is not a port number; set "
                 "cluster.env.MASTER_PORT to a free port, or unset it to derive one from the job id"
