@@ -1,5 +1,5 @@
-"""Against a real Slurm on localhost: training through sbatch, preemption (under FSDP2) and the
-pre-timeout signal (under ZeRO-1), each ending with the same losses as an uninterrupted run."""
+"""Against a real Slurm on localhost: training through sbatch; one FSDP2 run preempted, then
+sent the pre-timeout signal, ending with the same losses as an uninterrupted run."""
 
 import re
 import subprocess
@@ -56,70 +56,74 @@ def test_tiny_cpu_trains_through_sbatch_and_leaves_a_complete_run_directory(task
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def _interrupted_run(tmp_path, train, uninterrupted_run, zero_stage, interrupt, expect_signal):
-    """Interrupted after step 10 and requeued by Slurm, the run's every step (TensorBoard's
-    curve, both attempts) equals the uninterrupted local run's under the same engine (the one
-    test_resume_local compares with) bit for bit, and so do the losses after the resume (the
-    result's float64s): Slurm must not change a single bit."""
-    reference = uninterrupted_run(zero_stage)
+def _urgent_job():
+    """A job of the higher-priority partition needing every CPU: Slurm preempts the run
+    (SIGTERM, GraceTime) and requeues it."""
+    subprocess.run(
+        [
+            "sbatch",
+            "-p",
+            "urgent",
+            "-n",
+            "8",
+            "--job-name=urgent",
+            "--output=/dev/null",
+            "--wrap",
+            "sleep 2",
+        ],
+        check=True,
+        capture_output=True,
+    )
+
+
+def _stop_and_restart(run, after_step, interrupt, signal_name):
+    """Interrupt the job once rank 0 logged `after_step`; wait until it stopped with
+    `signal_name` and Slurm started it again. Returns the step it stopped at."""
+    run.wait_for_line(f"step {after_step}/{STEPS} ")
+    interrupt(run.job_id)
+    stopping = run.wait_for_line("stopping at step")
+    assert signal_name in stopping
+    release_requeued(run.job_id)
+    stopped = int(re.search(r"stopping at step (\d+)", stopping).group(1))
+    assert after_step <= stopped < STEPS
+    return stopped
+
+
+def test_preempted_and_pre_timeout_signalled_fsdp2_run_resumes_with_identical_losses(
+    tmp_path, train, uninterrupted_run
+):
+    """Preempted after step 10 (SIGTERM; Slurm requeues it), then sent the pre-timeout signal
+    10 steps into its second start (USR2; the job requeues itself): the run's every step
+    (TensorBoard's curve, all three attempts) equals the uninterrupted local FSDP2 run's bit
+    for bit, and so do the losses after the last resume (the result's float64s) and the
+    exported weights: Slurm must not change a single bit. ZeRO-1's resume is test_resume_local's,
+    stopped by USR2 on local processes."""
+    reference = uninterrupted_run(3)
     run = RunningSubmit(
         "cluster.backend=slurm",
         "cluster.partition=debug",
         f"run.output_root={tmp_path}",
-        f"parallel.zero_stage={zero_stage}",
+        "parallel.zero_stage=3",
         *train,
     )
-    run.wait_for_line(f"step 10/{STEPS} ")
-    interrupt(run.job_id)
-    stopping = run.wait_for_line("stopping at step")
-    assert expect_signal in stopping
-    release_requeued(run.job_id)
-    out = run.finish()
-    stopped = int(re.search(r"stopping at step (\d+)", stopping).group(1))
-    assert 10 <= stopped < STEPS
-    assert (
-        f"resumed from {tmp_path / 'tiny_cpu' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}"
-        in out
+    preempted = _stop_and_restart(run, 10, lambda job_id: _urgent_job(), "SIGTERM")
+    signalled = _stop_and_restart(
+        run,
+        preempted + 10,
+        lambda job_id: subprocess.run(["scancel", "--signal=USR2", job_id], check=True),
+        "SIGUSR2",
     )
+    out = run.finish()
+    checkpoints = tmp_path / "tiny_cpu" / "checkpoints"
+    for stopped in (preempted, signalled):
+        assert f"resumed from {checkpoints / f'step_{stopped:08d}'} at step {stopped}" in out
     result = final_result(tmp_path / "tiny_cpu")
-    assert result.first_step == stopped
-    assert result.losses == final_result(reference).losses[stopped:]
+    assert result.first_step == signalled
+    assert result.losses == final_result(reference).losses[signalled:]
     curve = tensorboard_losses(tmp_path / "tiny_cpu")
     assert [step for step, _ in curve] == list(range(1, STEPS + 1))
     assert curve == tensorboard_losses(reference)
     assert_same_weights(hf_weights(tmp_path / "tiny_cpu"), hf_weights(reference))
-
-
-def test_preempted_fsdp2_run_saves_requeues_and_resumes_with_identical_losses(
-    tmp_path, train, uninterrupted_run
-):
-    def preempt(job_id):
-        subprocess.run(
-            [
-                "sbatch",
-                "-p",
-                "urgent",
-                "-n",
-                "8",
-                "--job-name=urgent",
-                "--output=/dev/null",
-                "--wrap",
-                "sleep 2",
-            ],
-            check=True,
-            capture_output=True,
-        )
-
-    _interrupted_run(tmp_path, train, uninterrupted_run, 3, preempt, "SIGTERM")
-
-
-def test_pre_timeout_signal_saves_requeues_and_resumes_with_identical_losses(
-    tmp_path, train, uninterrupted_run
-):
-    def pre_timeout_signal(job_id):
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-
-    _interrupted_run(tmp_path, train, uninterrupted_run, 1, pre_timeout_signal, "SIGUSR2")
 
 
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
