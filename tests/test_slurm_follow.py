@@ -40,12 +40,17 @@ def counted_squeue(tmp_path):
     return env, lambda: len(calls.read_text().splitlines()) if calls.exists() else 0
 
 
-def test_submit_returns_once_queued_and_status_follow_reattaches(tmp_path, counted_squeue):
+def test_submit_returns_once_queued_status_follow_reattaches_and_the_run_completes(
+    tmp_path, counted_squeue
+):
+    """tiny_cpu on 4 ranks through sbatch: submit returns while the job runs, status --follow
+    streams it to its end, and the run directory holds every rank's log, the config, the last
+    checkpoint, the exported model and TensorBoard's files."""
     env, squeue_calls = counted_squeue
     run_dir = tmp_path / "tiny_cpu"
     started = time.monotonic()
     proc = subprocess.run(
-        submit(tmp_path, "train.steps=30", "train.log_every=1"),
+        submit(tmp_path, "cluster.tasks_per_node=4", "train.steps=30", "train.log_every=1"),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -53,8 +58,9 @@ def test_submit_returns_once_queued_and_status_follow_reattaches(tmp_path, count
         env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id = re.search(r"submitted job (\d+) \(slurm", proc.stdout).group(1)
+    job_id = re.search(r"submitted job (\d+) \(slurm, 4 ranks", proc.stdout).group(1)
     assert job_state(job_id) in ("PENDING", "RUNNING"), proc.stdout  # returned while it runs
+    assert f"per-rank logs in {run_dir / 'submitit'}" in proc.stdout
     assert "step 1/30" not in proc.stdout
     for hint in (
         f"follow:      python -m slurm_autosp.status {run_dir} --follow",
@@ -80,6 +86,11 @@ def test_submit_returns_once_queued_and_status_follow_reattaches(tmp_path, count
     # the status line's lock check, then at most one query per interval while following
     assert squeue_calls() - before <= 2 + seconds / SCHEDULER_POLL_S, (seconds, squeue_calls())
     assert time.monotonic() - started < 600
+    assert len(list((run_dir / "submitit").glob(f"{job_id}_*_log.out"))) == 4
+    assert (run_dir / "config.yaml").exists()
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000030"
+    assert (run_dir / "hf" / "model.safetensors").exists()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_ctrl_c_while_following_a_slurm_job_detaches_and_the_job_runs_on(tmp_path):
