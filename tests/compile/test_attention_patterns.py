@@ -10,8 +10,6 @@ import pytest
 import torch
 from reference_run import prepared_dataset
 from slurm_helpers import REPO
-from sp_cases import Case, sp_step
-from test_sp_equivalence import assert_matches_reference
 from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig
 
 from slurm_autosp.compile import prepare_sp_inputs
@@ -179,12 +177,6 @@ def test_chunked_loss_refuses_a_model_that_transforms_its_logits():
     batch = prepare_sp_inputs(torch.randint(0, 64, (1, 8)), sp_rank=0, sp_size=1)
     with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
         causal_lm_loss(model, batch.model_kwargs(8), chunk_tokens=4)
-
-
-@pytest.mark.slow
-def test_window_covering_the_sequence_trains_exactly_under_sp2(pool2):
-    case = Case(family="mistral", window=96, seq=96, labels="uneven", per_layer=True)
-    assert_matches_reference(pool2.run(sp_step, case, 2))
 
 
 @pytest.mark.parametrize("case", ["window", "documents"])

@@ -91,9 +91,16 @@ def _left_padded_batch(seq: int = 40) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("family", "window", "padded"),
-    [("mistral", 8, False), ("mistral", 8, True), ("qwen2", 5, True), ("llama", None, True)],
+    [
+        ("mistral", 8, False),
+        ("mistral", 40, False),
+        ("mistral", 8, True),
+        ("qwen2", 5, True),
+        ("llama", None, True),
+    ],
     ids=[
         "mistral_window",
+        "mistral_window_covering_the_sequence",
         "mistral_window_left_padding",
         "qwen2_window_on_layer_1",
         "llama_left_padding",
