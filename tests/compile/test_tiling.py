@@ -195,12 +195,12 @@ def test_sp2_tiled_matches_single_device(pool2, whole_layers):
 
 
 @pytest.mark.slow
-@WHAT
-def test_sp2_tiled_batch_of_two_matches_single_device(pool2, whole_layers):
-    """Two sequences per rank: the tiles are slices of a batch. (Data parallelism adds nothing a
-    rank's tiles see: its gradient reduction is the engines', tested tiled below.)"""
+def test_sp2_tiled_layers_of_a_batch_of_two_match_single_device(pool2):
+    """Two sequences per rank: the tiles are slices of a batch. (Tiled MLPs of a batch of two:
+    test_local_run's tiled run. Data parallelism adds nothing a rank's tiles see: its gradient
+    reduction is the engines', tested tiled below.)"""
     case = Case(batch=2, seq=127, labels="uneven", per_layer=True)
-    assert_tiled_matches_reference(pool2.run(tiled_sp_step, case, 2, SP_TILE, whole_layers))
+    assert_tiled_matches_reference(pool2.run(tiled_sp_step, case, 2, SP_TILE, True))
 
 
 @pytest.mark.slow
@@ -212,12 +212,17 @@ def test_sp2_tiled_qwen2_layers_with_one_kv_head_match_single_device(pool2):
 
 
 @pytest.mark.slow
-@WHAT
-@pytest.mark.parametrize("zero_stage", [1, 3], ids=["deepspeed_zero1", "fsdp2"])
+@pytest.mark.parametrize(
+    "zero_stage, whole_layers",
+    [(1, False), (3, False), (3, True)],
+    ids=["deepspeed_zero1-mlps", "fsdp2-mlps", "fsdp2-whole_layers"],
+)
 def test_sp2_optimizer_steps_tiled_equal_untiled(pool2, zero_stage, whole_layers):
     """Two steps of two micro-batches each: the tiles' gradients accumulate into .grad where
     the engine expects them, so the losses (the second step's is the updated weights'), the
-    gradients and their norms are the untiled ones. The weights are held to the bound that
+    gradients and their norms are the untiled ones. Whole layers under FSDP2, which shards
+    each decoder layer, the unit tiled (under ZeRO-1, tiled layers' gradients accumulate into
+    .grad as tiled MLPs' do). The weights are held to the bound that
     train_cases holds them to against one device: AdamW's first steps move a weight by about
     lr * g / (|g| + eps), so where |g| is near eps (1e-8) float rounding of g moves it visibly."""
     result = pool2.run(engine_tiled_vs_untiled, zero_stage, 2, SP_TILE, 2, whole_layers)[0]
