@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from torch._dynamo import config as dynamo_config
+from torch._dynamo import maybe_mark_dynamic
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx, partition_fn
@@ -22,6 +23,7 @@ __all__ = [
     "dynamo_config",
     "inductor_config",
     "inductor_default_cache_dir",
+    "maybe_mark_dynamic",
     "partition_fn",
     "run_and_save_rng_state",
     "run_with_rng_state",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slurm_autosp.compat.torch_api import maybe_mark_dynamic
 from slurm_autosp.compile.documents import (
     PackedRowsError,
     cumulative_lengths,
@@ -49,7 +50,9 @@ class SPBatch:
         `labels` only switches HF's loss on; `shift_labels` is what it reads. The count goes in
         as a tensor so Dynamo does not specialise the graph on its value. `use_cache=False`:
         a KV cache would make every decoder layer a different graph. Packed rows' document
-        lengths travel as HF's varlen attention arguments, which reach the attention function.
+        lengths travel as HF's varlen attention arguments, which reach the attention function;
+        their count changes from batch to batch, so it is symbolic from the first compile (the
+        tensor itself reaches every layer: otherwise the second step would compile again).
         """
         kwargs: dict[str, object] = {
             "input_ids": self.input_ids,
@@ -60,6 +63,7 @@ class SPBatch:
             "use_cache": False,
         }
         if self.cu_seqlens is not None:
+            maybe_mark_dynamic(self.cu_seqlens, 0)
             kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = self.cu_seqlens
         return kwargs
 

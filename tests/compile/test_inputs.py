@@ -2,8 +2,12 @@
 
 import pytest
 import torch
+from sp_cases import tiny_model
+from torch._dynamo.testing import CompileCounter
 
 from slurm_autosp.compile import IGNORE_INDEX, prepare_sp_inputs
+from slurm_autosp.compile.hf_attention import use_sp_attention
+from slurm_autosp.compile.layers import decoder_layers
 
 
 def _shards(sp_size: int, **batch):
@@ -59,3 +63,21 @@ def test_count_goes_to_the_model_as_a_tensor_so_graphs_do_not_specialise_on_it()
     shard = prepare_sp_inputs(torch.arange(1, 9).unsqueeze(0), sp_rank=0, sp_size=2)
     kwargs = shard.model_kwargs(7)
     assert torch.is_tensor(kwargs["num_items_in_batch"]) and kwargs["use_cache"] is False
+
+
+def test_a_new_document_count_does_not_compile_the_layers_again():
+    """Packed rows' document count changes from batch to batch; the compiled layers get the
+    lengths' tensor itself, symbolic in that count from the first step (before, every job
+    compiled its layers twice: static at step 1, again with a symbolic count at step 2)."""
+    model = tiny_model("llama", 2)
+    use_sp_attention(model)
+    counter = CompileCounter()
+    for layer in decoder_layers(model):
+        layer.compile(backend=counter)
+    ids = torch.randint(1, 256, (1, 48), generator=torch.Generator().manual_seed(0))
+    for lengths in ([30, 18], [10, 20, 18], [5, 5, 5, 33]):
+        documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        shard = prepare_sp_inputs(ids, document_ids=documents[None], sp_rank=0, sp_size=1)
+        assert shard.cu_seqlens.numel() == len(lengths) + 1
+        model(**shard.model_kwargs(shard.valid_labels)).loss.backward()
+    assert counter.frame_count == 1, f"the layers compiled {counter.frame_count} times"
