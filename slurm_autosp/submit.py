@@ -29,7 +29,10 @@ import os
 import socket
 import sys
 
+from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.lock import SUBMITTING, RunLock, acquire_lock, release_lock
+from slurm_autosp.checkpoint.schedule import checkpoint_dir
+from slurm_autosp.checkpoint.store import refuse_another_runs_checkpoint
 from slurm_autosp.cli import arguments, config_error, take_flag
 from slurm_autosp.config import Backend, ConfigError, JobConfig, load_config, to_yaml
 from slurm_autosp.data import check_token_file
@@ -88,6 +91,9 @@ def main(argv: list[str] | None = None, job_type: type[TrainingJob] = TrainingJo
         backend = resolve_backend(cfg.cluster.backend)
         plan = plan_verdict(cfg)
         freeze_choices(cfg, plan.choices)
+        refuse_another_runs_checkpoint(
+            checkpoint_dir(cfg.run.dir), run_settings(cfg, layout, plan.choices.zero_stage)
+        )
         if cfg.dry_run:
             print(describe_dry_run(cfg, backend, layout))
             print(plan.text)

@@ -2,8 +2,8 @@
 tests/conftest.py's `resubmitted_run` fixture builds it once per session.
 
 tiny_cpu for 6 steps (checkpoints at 3 and 6, memory traces at steps 2 and 5), its last
-checkpoint then invalidated (no manifest); submitted again with another model, which the job
-refuses; then for 8 steps: it resumes from step 3, so steps 4-6 and the step-5 trace are logged
+checkpoint then invalidated (no manifest); submitted again with another model, which submit
+refuses before queueing a job (from the step-3 checkpoint it would resume); then for 8 steps: it resumes from step 3, so steps 4-6 and the step-5 trace are logged
 twice and TensorBoard must show each once."""
 
 import subprocess

@@ -18,8 +18,9 @@ from slurm_autosp.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
     TrainerState,
+    refuse_another_runs_checkpoint,
 )  # noqa: E402
-from slurm_autosp.config import load_config  # noqa: E402
+from slurm_autosp.config import ConfigError, load_config  # noqa: E402
 from slurm_autosp.engine import build_engine  # noqa: E402
 from slurm_autosp.launch.placement import plan_layout  # noqa: E402
 from slurm_autosp.optim import lr_factor  # noqa: E402
@@ -284,6 +285,27 @@ def test_checkpoint_of_another_zero_stage_or_layout_is_refused(tmp_path, engine)
     )
     with pytest.raises(CheckpointError, match=r"(?s)parallel\.layout: .*parallel\.zero_stage: "):
         store.load_latest(engine, other)
+
+
+def test_submit_refuses_another_runs_checkpoint_from_the_newest_finished_one(tmp_path, engine):
+    """What submit checks before queueing a job: the identity keys of the checkpoint the job
+    would resume (a save without manifest is skipped, as the job skips it); the layout is left
+    to the job; harmless changes pass."""
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=3)
+    store.save(engine, state(1, engine.name))
+    store.save(engine, state(2, engine.name))
+    (tmp_path / "step_00000002" / "manifest.json").unlink()
+    with pytest.raises(ConfigError) as refused:
+        refuse_another_runs_checkpoint(tmp_path, settings(engine.name, "model.hidden_size=96"))
+    assert str(refused.value).startswith(
+        f"checkpoint {tmp_path / 'step_00000001'} belongs to a different run"
+    )
+    assert "model.hidden_size: 64 in the checkpoint, 96 now" in str(refused.value)
+    relaid = dict(
+        settings(engine.name, "train.steps=99", "train.lr=1e-4"), **{"parallel.layout": "x"}
+    )
+    refuse_another_runs_checkpoint(tmp_path, relaid)
+    refuse_another_runs_checkpoint(tmp_path / "none", settings(engine.name, "model.hidden_size=96"))
 
 
 def test_harmless_changes_resume_and_are_logged(tmp_path, engine, caplog):

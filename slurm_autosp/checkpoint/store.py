@@ -35,6 +35,7 @@ from slurm_autosp.checkpoint.manifest import (
     verify_share,
     write_manifest,
 )
+from slurm_autosp.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -187,17 +188,7 @@ class CheckpointStore:
         self._failed.clear()
 
     def checkpoints(self) -> list[Path]:
-        """Committed checkpoints, newest first (the `latest` pointer's target leading)."""
-        if not self.root.is_dir():
-            return []
-        found = sorted((p for p in self.root.glob("step_*") if p.is_dir()), reverse=True)
-        pointer = self.root / LATEST
-        if pointer.exists():
-            target = self.root / pointer.read_text().strip()
-            if target in found:
-                found.remove(target)
-                found.insert(0, target)
-        return found
+        return checkpoints_newest_first(self.root)
 
     def load_latest(self, engine: EngineState, settings: dict[str, Any]) -> TrainerState | None:
         """Resume from the newest checkpoint that verifies (skip and name the others), if it
@@ -268,6 +259,41 @@ class CheckpointStore:
         except (OSError, ValueError, KeyError, TypeError) as err:
             problems = [str(err)]
         return sorted({p for share in _all_gather(problems) for p in share})
+
+
+def checkpoints_newest_first(root: Path) -> list[Path]:
+    """The checkpoint directories under `root`, newest first (the `latest` pointer's target
+    leading)."""
+    if not root.is_dir():
+        return []
+    found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    pointer = root / LATEST
+    if pointer.exists():
+        target = root / pointer.read_text().strip()
+        if target in found:
+            found.remove(target)
+            found.insert(0, target)
+    return found
+
+
+def refuse_another_runs_checkpoint(root: Path, settings: dict[str, Any]) -> None:
+    """Before a job is queued: the checkpoint it would resume from, the newest whose save
+    finished (its manifest written; the job verifies the files), must be of the run `settings`
+    describe. Otherwise the job would be refused only at its start, after its wait in the
+    queue. The layout is left to the job, whose nodes decide it."""
+    for candidate in checkpoints_newest_first(root):
+        try:
+            read_manifest(candidate)
+            state = TrainerState.from_json(json.loads((candidate / TRAINER_STATE).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # the job skips it too
+        if state.settings is None:
+            return  # written before settings were recorded: the job warns
+        changed = differences(state.settings, settings)
+        refused = [d for d in changed if is_identity(d.key) and d.key != "parallel.layout"]
+        if refused:
+            raise ConfigError(refusal(candidate, refused, settings["run.name"]))
+        return
 
 
 def _all_gather(obj: Any) -> list[Any]:
