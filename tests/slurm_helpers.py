@@ -37,18 +37,23 @@ def job_state(job_id: str) -> str:
     ).stdout.strip()
 
 
-def release_requeued(job_id: str, timeout_s: float = 120) -> None:
-    """A requeued job waits ~120 s (its BeginTime); start it now instead."""
+def release_requeued(job_id: str, timeout_s: float = 300) -> None:
+    """Once the job said it stops: it is RUNNING while it saves, then requeued it waits ~120 s
+    (its BeginTime); start it then instead. Returning while it still saved would leave it to
+    wait out the BeginTime."""
     deadline = time.monotonic() + timeout_s
+    requeued = False
     released_at = -1e9
     while time.monotonic() < deadline:
         state = job_state(job_id)
-        if state == "RUNNING":
+        if state == "RUNNING" and requeued:
             return
-        # Each update moves StartTime again: update, then give the scheduler time to start it.
-        if state == "PENDING" and time.monotonic() - released_at > 20:
+        requeued = requeued or state not in ("RUNNING", "")  # "": squeue did not answer
+        # The update makes it eligible now and runs the scheduler (a StartTime in the future
+        # waits for its next periodic pass); again if it did not start.
+        if state == "PENDING" and time.monotonic() - released_at > 5:
             subprocess.run(
-                ["scontrol", "update", f"jobid={job_id}", "StartTime=now+2"], capture_output=True
+                ["scontrol", "update", f"jobid={job_id}", "StartTime=now"], capture_output=True
             )
             released_at = time.monotonic()
         time.sleep(1)
