@@ -73,8 +73,9 @@ class TrainerState:
     settings: dict[str, Any] | None = None
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TrainerState:
+    def read(cls, checkpoint: Path) -> TrainerState:
         """Checkpoints written before `settings` carry an opaque `config_hash` instead, never read."""
+        data = json.loads((checkpoint / TRAINER_STATE).read_text())
         return cls(**{k: v for k, v in data.items() if k != "config_hash"})
 
 
@@ -200,7 +201,7 @@ class CheckpointStore:
                     log.warning("skipping checkpoint %s: %s", candidate, "; ".join(problems))
                 self._failed.add(candidate)
                 continue
-            state = TrainerState.from_json(json.loads((candidate / TRAINER_STATE).read_text()))
+            state = TrainerState.read(candidate)
             self._check_same_run(candidate, state, settings)
             if state.world_size != self.world_size:
                 raise CheckpointError(
@@ -284,7 +285,7 @@ def refuse_another_runs_checkpoint(root: Path, settings: dict[str, Any]) -> None
     for candidate in checkpoints_newest_first(root):
         try:
             read_manifest(candidate)
-            state = TrainerState.from_json(json.loads((candidate / TRAINER_STATE).read_text()))
+            state = TrainerState.read(candidate)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # the job skips it too
         if state.settings is None:
