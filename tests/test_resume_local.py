@@ -114,20 +114,3 @@ def test_signalled_run_requeues_and_resumes_with_identical_losses(
     assert curve == tensorboard_losses(uninterrupted)
 
     assert_same_weights(hf_weights(tmp_path / "resumed"), hf_weights(uninterrupted))
-
-
-@pytest.mark.slow
-def test_unwritable_checkpoint_directory_fails_before_training(tmp_path):
-    run_dir = tmp_path / "blocked"
-    run_dir.mkdir()
-    (run_dir / "checkpoints").write_text("a file where the checkpoint directory should be")
-    proc = subprocess.run(
-        submit_cmd(tmp_path, "blocked"), cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 1
-    assert re.search(
-        r"rank 0 failed:.*checkpoint directory .*blocked/checkpoints is not writable",
-        proc.stderr,
-        re.S,
-    )
-    assert "| loss " not in proc.stdout

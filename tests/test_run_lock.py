@@ -63,6 +63,34 @@ def test_second_live_job_on_the_same_run_is_refused_and_nothing_is_written(tmp_p
     assert not (cfg.run.dir / "config.yaml").exists()
 
 
+def test_a_checkpoint_directory_that_cannot_be_written_is_refused_before_anything_is_written(
+    tmp_path,
+):
+    cfg = run_config(tmp_path, "blocked")
+    (cfg.run.dir / "checkpoints").write_text("a file where the checkpoint directory should be")
+    with pytest.raises(
+        ConfigError,
+        match=rf"run\.output_root={tmp_path}: checkpoint directory .*blocked/checkpoints is not "
+        "writable .*choose a writable run.output_root",
+    ):
+        prepare_run_dir(cfg, local(str(os.getpid())))
+    assert read_lock(cfg.run.dir) is None and not (cfg.run.dir / "config.yaml").exists()
+
+
+def test_a_checkpoint_directory_every_user_can_write_is_refused_naming_the_fix(tmp_path):
+    cfg = run_config(tmp_path, "shared")
+    (cfg.run.dir / "checkpoints").mkdir(mode=0o777)
+    (cfg.run.dir / "checkpoints").chmod(0o777)
+    with pytest.raises(
+        ConfigError, match=r"writable by every user.*chmod o-w .*shared/checkpoints"
+    ):
+        prepare_run_dir(cfg, local(str(os.getpid())))
+    assert read_lock(cfg.run.dir) is None
+    (cfg.run.dir / "checkpoints").chmod(0o755)
+    prepare_run_dir(cfg, local(str(os.getpid())))
+    assert (cfg.run.dir / "config.yaml").exists()
+
+
 def test_lock_of_a_job_that_died_is_taken_over(tmp_path):
     cfg = run_config(tmp_path, "crashed")
     acquire_lock(cfg.run.dir, local(dead_pid()))

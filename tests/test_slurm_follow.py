@@ -100,6 +100,9 @@ def test_ctrl_c_while_following_a_slurm_job_detaches_and_the_job_runs_on(tmp_pat
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as a terminal starts it: pytest started in the background (`cmd &`) ignores SIGINT,
+        # and its children would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     job_id = None
     for line in proc.stdout:

@@ -83,6 +83,31 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def checkpoint_dir_problem(root: Path) -> str:
+    """Why `root` cannot hold this run's checkpoints ("" if it can): it must be a directory we
+    can write, and one other users cannot, since resuming unpickles what DeepSpeed and DCP
+    wrote there. A directory the group can write (teams share runs that way) is warned about."""
+    probe = root / f".write-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        return f"checkpoint directory {root} is not writable ({err.strerror or err})"
+    mode = root.stat().st_mode
+    if mode & stat.S_IWOTH:
+        return (
+            f"checkpoint directory {root} is writable by every user, and resuming loads files from it; "
+            f"chmod o-w {root}"
+        )
+    if mode & stat.S_IWGRP:
+        log.warning(
+            "checkpoint directory %s is writable by its group: anyone in it can change what a resume loads",
+            root,
+        )
+    return ""
+
+
 class CheckpointStore:
     """All ranks call `save` and `load_latest` together; rank 0 does the bookkeeping."""
 
@@ -99,41 +124,16 @@ class CheckpointStore:
         self._failed: set[Path] = set()
 
     def check_writable(self) -> None:
-        """Fail before training, not at the first save an hour later."""
+        """Fail before training, not at the first save an hour later (submit checked it too,
+        but the directory can change while the job waits in the queue)."""
         problem = ""
         if self.rank == 0:
-            probe = self.root / f".write-probe-{os.getpid()}"
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                probe.write_bytes(b"ok")
-                probe.unlink()
-            except OSError as err:
-                problem = (
-                    f"checkpoint directory {self.root} is not writable ({err.strerror or err})"
-                )
-            if not problem:
-                problem = self._permission_problem()
+            problem = checkpoint_dir_problem(self.root)
             if not problem:
                 self._remove_stale_partials()
         problem = _broadcast(problem)
         if problem:
             raise CheckpointError(f"{problem}; choose a writable run.output_root on shared storage")
-
-    def _permission_problem(self) -> str:
-        """Resume unpickles what DeepSpeed and DCP wrote here: a directory others can write is refused,
-        one the group can write (teams share runs that way) is warned about."""
-        mode = self.root.stat().st_mode
-        if mode & stat.S_IWOTH:
-            return (
-                f"checkpoint directory {self.root} is writable by every user, and resuming loads files from it; "
-                f"chmod o-w {self.root}"
-            )
-        if mode & stat.S_IWGRP:
-            log.warning(
-                "checkpoint directory %s is writable by its group: anyone in it can change what a resume loads",
-                self.root,
-            )
-        return ""
 
     def _remove_stale_partials(self) -> None:
         """Half-written saves of a killed job (the run lock means no other job writes here now)."""
