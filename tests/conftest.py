@@ -39,7 +39,7 @@ def pytest_configure(config):
 # A test using one of them runs on the worker that holds it (the first match names the group).
 _SHARED_BY_GROUP = {
     "slurm_cluster": "slurm",  # one Slurm on localhost, started once
-    "uninterrupted_run": "slurm",  # the reference runs that local and Slurm resumes match
+    "uninterrupted_run": "slurm",  # the reference run that local and Slurm resumes match
     "dist_pools": "dist_pools",  # the multi-rank pools and what their ranks compiled
     "resubmitted_run": "resubmitted_run",
 }
@@ -75,18 +75,10 @@ def reference_overrides(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def uninterrupted_run(tmp_path_factory, reference_overrides):
-    """`run(zero_stage)`: the run directory of the uninterrupted local reference run under that
-    stage, trained once per session however many test files compare against it."""
-    runs = {}
-
-    def run(zero_stage):
-        if zero_stage not in runs:
-            root = tmp_path_factory.mktemp(f"reference_stage{zero_stage}")
-            runs[zero_stage] = train_reference(root, zero_stage, reference_overrides)
-        return runs[zero_stage]
-
-    return run
+def uninterrupted_run(tmp_path_factory, reference_overrides) -> Path:
+    """The run directory of the uninterrupted local reference run, trained once per session for
+    the local and the Slurm resumes."""
+    return train_reference(tmp_path_factory.mktemp("reference"), reference_overrides)
 
 
 @pytest.fixture(scope="session")

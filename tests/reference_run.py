@@ -1,10 +1,13 @@
 """The uninterrupted local reference run that resumed runs (local and on Slurm) must match bit
-for bit; tests/conftest.py's `uninterrupted_run` fixture trains it once per session and stage.
+for bit; tests/conftest.py's `uninterrupted_run` fixture trains it once per session.
 
-It reads a prepared directory in a seeded shuffled order, with per-document attention
-(data.documents=masked, documents of 1 to 400 tokens): 100 samples of 256 tokens, 2 a step, so
-an epoch is 50 steps and the 160 steps run into a fourth epoch, each in its own order. A run
-stopped in its first epoch must read, after the resume, what this one read."""
+FSDP2 (parallel.zero_stage=3), on a prepared directory read in a seeded shuffled order, with
+per-document attention (data.documents=masked, documents of 1 to 400 tokens): 50 samples of
+256 tokens, 2 a step, so an epoch is 25 steps and the 100 steps run into a fourth epoch, each
+in its own order. A run stopped in its first epoch must read, after the resume, what this one
+read. ZeRO-1's resume is tested at the engine level (tests/test_checkpoint_store.py,
+tests/compile/test_optimizer_offload_steps.py) and through a resubmitted job
+(tests/resubmitted_run.py)."""
 
 import json
 import subprocess
@@ -20,14 +23,15 @@ from slurm_autosp.data import SyntheticSource, write_token_file
 from slurm_autosp.data.prepared import SUMMARY, SplitFiles
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE_STEPS = 160
-REFERENCE_SAMPLES = 100
+REFERENCE_STEPS = 100
+REFERENCE_SAMPLES = 50
 SAMPLES_PER_STEP = 2
-REFERENCE_ARGS = [
-    "cfg=configs/tiny_cpu.yaml",
+REFERENCE_TRAINING = (
     f"train.steps={REFERENCE_STEPS}",
     "train.log_every=1",
-]
+    "parallel.zero_stage=3",
+)
+REFERENCE_ARGS = ("cfg=configs/tiny_cpu.yaml", *REFERENCE_TRAINING)
 
 
 def prepared_dataset(root: Path, document_lengths: list[int], vocab_size: int = 256) -> Path:
@@ -56,9 +60,8 @@ def reference_data(folder: Path) -> tuple[str, ...]:
     )
 
 
-def train_reference(root: Path, zero_stage: int, overrides: tuple[str, ...] = ()) -> Path:
-    """Train the reference under `zero_stage` (and `overrides`) into root/ref; returns the run
-    directory."""
+def train_reference(root: Path, overrides: tuple[str, ...] = ()) -> Path:
+    """Train the reference (with `overrides`) into root/ref; returns the run directory."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -66,7 +69,6 @@ def train_reference(root: Path, zero_stage: int, overrides: tuple[str, ...] = ()
             "slurm_autosp.submit",
             *REFERENCE_ARGS,
             "cluster.backend=local",
-            f"parallel.zero_stage={zero_stage}",
             f"run.output_root={root}",
             "run.name=ref",
             *overrides,

@@ -8,7 +8,13 @@ import time
 
 import broken_model
 import pytest
-from reference_run import REFERENCE_STEPS, assert_same_weights, hf_weights, tensorboard_losses
+from reference_run import (
+    REFERENCE_STEPS,
+    REFERENCE_TRAINING,
+    assert_same_weights,
+    hf_weights,
+    tensorboard_losses,
+)
 from slurm_helpers import (
     REPO,
     RunningSubmit,
@@ -20,13 +26,12 @@ from slurm_helpers import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 STEPS = REFERENCE_STEPS
-TRAIN = [f"train.steps={STEPS}", "train.log_every=1"]
 
 
 @pytest.fixture(scope="module")
 def train(reference_overrides):
     """The reference run's training and data settings."""
-    return [*TRAIN, *reference_overrides]
+    return [*REFERENCE_TRAINING, *reference_overrides]
 
 
 def _urgent_job():
@@ -71,12 +76,11 @@ def test_preempted_and_pre_timeout_signalled_fsdp2_run_resumes_with_identical_lo
     for bit, and so do the losses after the last resume (the result's float64s) and the
     exported weights: Slurm must not change a single bit. ZeRO-1's resume is test_resume_local's,
     stopped by USR2 on local processes."""
-    reference = uninterrupted_run(3)
+    reference = uninterrupted_run
     run = RunningSubmit(
         "cluster.backend=slurm",
         "cluster.partition=debug",
         f"run.output_root={tmp_path}",
-        "parallel.zero_stage=3",
         *train,
     )
     preempted = _stop_and_restart(run, 10, lambda job_id: _urgent_job(), "SIGTERM")
