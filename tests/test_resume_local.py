@@ -1,8 +1,11 @@
 """A run stopped by SLURM's signal on local processes saves, requeues itself and resumes exactly
 where it stopped, on the reference's shuffled token file: stopped in its first epoch, it reads
 after the resume what the uninterrupted run read, across the later epochs' new orders too.
-test_slurm's run is stopped by Slurm against the same reference."""
+Signalled again once it has been requeued `cluster.max_requeues` times, it stops with its
+checkpoint saved, and submitting it again resumes it to the same end. test_slurm's run is
+stopped by Slurm against the same reference."""
 
+import json
 import re
 import signal
 import subprocess
@@ -19,98 +22,106 @@ from reference_run import (
     hf_weights,
     tensorboard_losses,
 )
-from submitit.core.utils import pickle_load
+from slurm_helpers import final_result
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = REFERENCE_STEPS
-ARGS = [*REFERENCE_ARGS, "cluster.backend=local"]
 
 
-def submit_cmd(root, name, overrides=()):
-    return [
-        sys.executable,
-        "-m",
-        "slurm_autosp.submit",
-        *ARGS,
-        f"run.output_root={root}",
-        f"run.name={name}",
-        *overrides,
-    ]
-
-
-def final_result(run_dir):
-    results = sorted((run_dir / "submitit").glob("*_0_result.pkl"))
-    outcome, result = pickle_load(results[-1])
-    assert outcome == "success", result
-    return result
-
-
-def sigusr2_to(folder):
-    """SLURM's pre-timeout signal, to the job's processes only (those of its submitit folder)."""
-    return lambda: subprocess.run(
-        ["pkill", f"-{signal.SIGUSR2.name}", "-f", f"submitit.core._submit {folder}"], check=True
-    )
-
-
-def interrupt_after_step(root, name, step, send, overrides=()):
-    """Run a job and call `send()` once rank 0 has logged `step`; returns submit's stdout."""
-    proc = subprocess.Popen(
-        submit_cmd(root, name, overrides),
+def submit(root, overrides, **popen):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "slurm_autosp.submit",
+            *REFERENCE_ARGS,
+            "cluster.backend=local",
+            "cluster.max_requeues=1",
+            f"run.output_root={root}",
+            "run.name=resumed",
+            *overrides,
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        **popen,
     )
-    lines = []
+
+
+def sigusr2_to(folder):
+    """SLURM's pre-timeout signal, to the job's processes only (those of its submitit folder)."""
+    subprocess.run(
+        ["pkill", f"-{signal.SIGUSR2.name}", "-f", f"submitit.core._submit {folder}"], check=True
+    )
+
+
+def signalled_twice(root, overrides):
+    """Submit the run; send USR2 once rank 0 logged step 7 and again at its first step after
+    the resume. Returns submit's exit status and output."""
+    proc = submit(root, overrides)
+    folder = root / "resumed" / "submitit"
+    signals, resumed, lines = 0, False, []
     for line in proc.stdout:
         lines.append(line)
-        if f"step {step}/" in line:
-            send()
-            break
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err
-    return "".join(lines) + out
+        resumed = resumed or "resumed from" in line
+        if re.search(r" step \d+/", line) and (
+            (signals == 0 and f" step 7/{STEPS} " in line) or (signals == 1 and resumed)
+        ):
+            sigusr2_to(folder)
+            signals += 1
+    _, err = proc.communicate(timeout=600)
+    assert signals == 2, "".join(lines) + err
+    return proc.returncode, "".join(lines) + err
+
+
+def stops(output, signal_name):
+    """The steps the run stopped at, in order (a failed job's error repeats its log's tail)."""
+    found = re.findall(rf"stopping at step (\d+) on {signal_name}", output)
+    return sorted({int(step) for step in found})
 
 
 @pytest.mark.slow
-def test_signalled_run_requeues_and_resumes_with_identical_losses(
+def test_signalled_run_requeues_stops_at_max_requeues_and_resumes_with_identical_losses(
     tmp_path, uninterrupted_run, reference_overrides
 ):
-    folder = tmp_path / "resumed" / "submitit"
-    stdout = interrupt_after_step(tmp_path, "resumed", 7, sigusr2_to(folder), reference_overrides)
-    uninterrupted = uninterrupted_run
-    stopped = int(re.search(r"stopping at step (\d+) on SIGUSR2", stdout).group(1))
-    assert 7 <= stopped < REFERENCE_SAMPLES // SAMPLES_PER_STEP  # inside the first epoch
+    run_dir, checkpoints = tmp_path / "resumed", tmp_path / "resumed" / "checkpoints"
+    status, out = signalled_twice(tmp_path, reference_overrides)
+    requeued, limited = stops(out, "SIGUSR2")
+    assert 7 <= requeued < REFERENCE_SAMPLES // SAMPLES_PER_STEP  # inside the first epoch
     assert STEPS > 3 * REFERENCE_SAMPLES // SAMPLES_PER_STEP  # the reference reads 4 epochs
-    assert (
-        f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}"
-        in stdout
-    )
+    assert f"resumed from {checkpoints / f'step_{requeued:08d}'} at step {requeued}" in out
+    assert requeued < limited < STEPS
+    assert status == 1 and "stopped by a signal after 1 requeues (cluster.max_requeues=1)" in out
+    records = [json.loads(x) for x in (run_dir / "requeues.jsonl").read_text().splitlines()]
+    assert [r["restart"] for r in records] == [1]
 
-    reference, resumed = final_result(uninterrupted), final_result(tmp_path / "resumed")
-    assert resumed.first_step == stopped
-    assert resumed.losses == reference.losses[stopped:]  # bitwise: same floats after the resume
+    again = submit(tmp_path, reference_overrides)
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0, out + err
+    assert f"resumed from {checkpoints / f'step_{limited:08d}'} at step {limited}" in out
+    resumed = final_result(run_dir)
+    assert resumed.first_step == limited
+    reference = final_result(uninterrupted_run)
+    assert resumed.losses == reference.losses[limited:]  # bitwise: same floats after the resume
     assert reference.losses[-1] < reference.losses[0] / 2, "the masked reference run learns"
 
-    status = subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.status", str(tmp_path / "resumed")],
+    status_text = subprocess.run(
+        [sys.executable, "-m", "slurm_autosp.status", str(run_dir)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     assert (
-        f"steps done: {STEPS} of {STEPS}" in status
-        and "requeues: 1" in status
-        and "not running" in status
+        f"steps done: {STEPS} of {STEPS}" in status_text
+        and "requeues: 1" in status_text
+        and "not running" in status_text
     )
-    assert (
-        f"last good checkpoint: {tmp_path / 'resumed' / 'checkpoints' / f'step_{STEPS:08d}'}"
-        in status
-    )
-    assert "engine fsdp2, 2 ranks" in status
+    assert f"last good checkpoint: {checkpoints / f'step_{STEPS:08d}'}" in status_text
+    assert "engine fsdp2, 2 ranks" in status_text
 
-    curve = tensorboard_losses(tmp_path / "resumed")
+    curve = tensorboard_losses(run_dir)  # all three starts
     assert [s for s, _ in curve] == list(range(1, STEPS + 1))  # no duplicated or missing steps
-    assert curve == tensorboard_losses(uninterrupted)
+    assert curve == tensorboard_losses(uninterrupted_run)
 
-    assert_same_weights(hf_weights(tmp_path / "resumed"), hf_weights(uninterrupted))
+    assert_same_weights(hf_weights(run_dir), hf_weights(uninterrupted_run))

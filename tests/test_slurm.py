@@ -74,8 +74,8 @@ def test_preempted_and_pre_timeout_signalled_fsdp2_run_resumes_with_identical_lo
     10 steps into its second start (USR2; the job requeues itself): the run's every step
     (TensorBoard's curve, all three attempts) equals the uninterrupted local FSDP2 run's bit
     for bit, and so do the losses after the last resume (the result's float64s) and the
-    exported weights: Slurm must not change a single bit. ZeRO-1's resume is test_resume_local's,
-    stopped by USR2 on local processes."""
+    exported weights: Slurm must not change a single bit (test_resume_local stops the same run
+    on local processes)."""
     reference = uninterrupted_run
     run = RunningSubmit(
         "cluster.backend=slurm",
