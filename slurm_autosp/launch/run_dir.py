@@ -13,9 +13,9 @@ from slurm_autosp.config import ConfigError, JobConfig, to_yaml
 
 def prepare_run_dir(cfg: JobConfig, holder: RunLock, *, force: bool = False) -> None:
     """Create the run directory and its checkpoint directory (refused where we cannot write it
-    or every user can: before the job waits in the queue, not when it starts), take its lock for `holder`
-    (refused while another live job trains the run: nothing of that run is touched), then
-    record the config this submission runs with."""
+    or every user can: before the job waits in the queue, not when it starts), take its lock
+    for `holder` (refused while another live job trains the run: nothing of that run is
+    touched), then record the config this submission runs with."""
     run_dir = cfg.run.dir
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
