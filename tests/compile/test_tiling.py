@@ -195,19 +195,13 @@ def test_sp2_tiled_matches_single_device(pool2, whole_layers):
 
 
 @pytest.mark.slow
-def test_sp2_tiled_layers_of_a_batch_of_two_match_single_device(pool2):
-    """Two sequences per rank: the tiles are slices of a batch. (Tiled MLPs of a batch of two:
+def test_sp2_tiled_qwen2_layers_of_a_batch_of_two_with_one_kv_head_match_single_device(pool2):
+    """Qwen2's q, k, v projections have biases; its one KV head is repeated to both SP ranks
+    (the tiled layer's own all-to-alls, and the sum of the copies' gradients in backward). Two
+    sequences per rank: the tiles are slices of a batch. (Tiled MLPs of a batch of two:
     test_local_run's tiled run. Data parallelism adds nothing a rank's tiles see: its gradient
     reduction is the engines', tested tiled below.)"""
-    case = Case(batch=2, seq=127, labels="uneven", per_layer=True)
-    assert_tiled_matches_reference(pool2.run(tiled_sp_step, case, 2, SP_TILE, True))
-
-
-@pytest.mark.slow
-def test_sp2_tiled_qwen2_layers_with_one_kv_head_match_single_device(pool2):
-    """Qwen2's q, k, v projections have biases; its one KV head is repeated to both SP ranks
-    (the tiled layer's own all-to-alls, and the sum of the copies' gradients in backward)."""
-    case = Case(family="qwen2", kv_heads=1, batch=1, seq=127, labels="uneven", per_layer=True)
+    case = Case(family="qwen2", kv_heads=1, batch=2, seq=127, labels="uneven", per_layer=True)
     assert_tiled_matches_reference(pool2.run(tiled_sp_step, case, 2, SP_TILE, True))
 
 
