@@ -303,7 +303,8 @@ BUDGETS = (0.0, 1.0)
 def _forward_rss(seqs, budgets, queue):
     """In a fresh process (SP=1, one gloo rank): VmRSS after minus before the forward of the
     second step at each length, the model compiled per layer with SAC at each budget in turn
-    (one process for both: the imports and process group are paid once)."""
+    (one process for both: the imports and process group are paid once), with dynamic shapes
+    from the first length on (one compile serves both lengths)."""
     import torch.distributed as dist
 
     from slurm_autosp.compile import AutoSPBackend, compile_model, prepare_sp_inputs, set_sp_group
@@ -312,6 +313,7 @@ def _forward_rss(seqs, budgets, queue):
     from slurm_autosp.model import build_model
 
     torch.set_num_threads(1)
+    torch._dynamo.config.assume_static_by_default = False
     dist.init_process_group(
         "gloo", init_method=f"file://{os.environ['PLAN_TEST_STORE']}", rank=0, world_size=1
     )
