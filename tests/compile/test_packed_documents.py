@@ -193,6 +193,8 @@ def test_sp2_packed_rows_match_each_document_alone(pool2, case):
 
 @pytest.mark.slow
 def test_sp4_packed_rows_with_repeated_kv_heads_match_each_document_alone(pool4):
+    """The SP=4 case: 2 KV heads over 4 ranks, each head going to two (one KV head on every
+    rank, and Qwen2's q, k, v biases: test_sp_equivalence's SP=2 qwen2 case)."""
     case = PackedCase(ROWS_95, per_layer=True)
     assert_matches_documents_alone(pool4.run(packed_sp_step, case, 4))
 

@@ -39,13 +39,5 @@ def test_sp2_loss_and_grads_match_single_device(pool2, case):
     assert_matches_reference(pool2.run(sp_step, case, 2))
 
 
-def test_sp4_with_repeated_kv_heads_matches_single_device(pool4):
-    """Qwen2 (q, k, v biases) with 2 KV heads over 4 ranks: each head goes to two ranks. One KV
-    head on every rank is the SP=2 qwen2 case; SP=4 with packed documents is in
-    test_packed_documents."""
-    case = Case(family="qwen2", kv_heads=2, seq=128, labels="uneven")
-    assert_matches_reference(pool4.run(sp_step, case, 4))
-
-
 def test_sp2_dp2_loss_and_grads_match_single_device(pool4):
     assert_matches_reference(pool4.run(sp_step, Case(batch=4, seq=127, labels="uneven"), 2))
