@@ -2,37 +2,30 @@
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from slurm_helpers import REPO
+from in_process import run_command
 
 from slurm_autosp.config import Backend, load_config
 from slurm_autosp.launch.executor import build_executor, sbatch_script
+from slurm_autosp.submit import main as submit_main
 
 NO_SLURM_PATH = str(
     Path(sys.executable).parent
 )  # the interpreter alone: Slurm may be in /usr/bin (the Slurm tests install it)
 
 
-def submit_without_slurm(*args):
-    assert (
-        shutil.which("srun", path=NO_SLURM_PATH) is None
-        and shutil.which("sbatch", path=NO_SLURM_PATH) is None
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.submit", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PATH": NO_SLURM_PATH},
-    )
+@pytest.fixture
+def submit_without_slurm(monkeypatch):
+    """submit's command, run with a PATH that holds no Slurm tool."""
+    monkeypatch.setenv("PATH", NO_SLURM_PATH)
+    assert shutil.which("srun") is None and shutil.which("sbatch") is None
+    return lambda *args: run_command(submit_main, *args)
 
 
-def test_dry_run_renders_the_sbatch_script_without_slurm(tmp_path):
+def test_dry_run_renders_the_sbatch_script_without_slurm(tmp_path, submit_without_slurm):
     proc = submit_without_slurm(
         "cfg=configs/llama70b_128k.yaml", "dry_run=true", f"run.output_root={tmp_path}"
     )
@@ -50,7 +43,9 @@ def test_dry_run_renders_the_sbatch_script_without_slurm(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_slurm_submit_without_slurm_fails_naming_the_backend_before_writing_anything(tmp_path):
+def test_slurm_submit_without_slurm_fails_naming_the_backend_before_writing_anything(
+    tmp_path, submit_without_slurm
+):
     proc = submit_without_slurm(
         "cfg=configs/tiny_cpu.yaml", "cluster.backend=slurm", f"run.output_root={tmp_path}"
     )

@@ -3,13 +3,10 @@ windows in tiled layers, soft-capping, sinks, bidirectional or linear mixing, cu
 refused by name: from the config before a job starts, and where the model runs. Never trained
 silently wrong. Sliding windows are computed (test_sliding_windows) and accepted here."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
+from in_process import run_command
 from reference_run import prepared_dataset
-from slurm_helpers import REPO
 from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig
 
 from slurm_autosp.compile import prepare_sp_inputs
@@ -21,6 +18,9 @@ from slurm_autosp.compile.attention_pattern import (
 from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.model import refuse_unsupported_attention
+from slurm_autosp.plan.__main__ import main as plan_main
+from slurm_autosp.run import main as run_main
+from slurm_autosp.submit import main as submit_main
 from slurm_autosp.verify import main as verify_main
 
 TINY = "cfg=configs/tiny_cpu.yaml"
@@ -107,22 +107,14 @@ def test_verify_passes_the_sliding_window_command(capsys):
     assert code == 0 and "PASS" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["submit", "run", "plan"])
-def test_every_command_refuses_before_starting(command, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            f"slurm_autosp.{command}",
-            TINY,
-            "model.model_type=llama4_text",
-            "model.extra.attention_chunk_size=16",
-            f"run.output_root={tmp_path}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+@pytest.mark.parametrize("main", [submit_main, run_main, plan_main], ids=["submit", "run", "plan"])
+def test_every_command_refuses_before_starting(main, tmp_path):
+    proc = run_command(
+        main,
+        TINY,
+        "model.model_type=llama4_text",
+        "model.extra.attention_chunk_size=16",
+        f"run.output_root={tmp_path}",
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "attention_chunk_size=16 on layers 0, 1 of 2" in proc.stderr
