@@ -1,12 +1,9 @@
 """Samples are addressed by a global index: the same on every run, rank count and restart."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
-from slurm_helpers import REPO
+from in_process import run_command
 
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.data import (
@@ -19,6 +16,7 @@ from slurm_autosp.data import (
     micro_batch,
     write_token_file,
 )
+from slurm_autosp.submit import main as submit_main
 
 
 def successor_walk(src: SyntheticSource, index: int) -> torch.Tensor:
@@ -163,20 +161,12 @@ def test_submit_refuses_a_truncated_token_file_before_any_rank_starts(tmp_path):
     path = tmp_path / "cut.bin"
     write_token_file(path, np.arange(4096) % 256, vocab_size=256)
     path.write_bytes(path.read_bytes()[:-4])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.submit",
-            "cfg=configs/tiny_cpu.yaml",
-            "data.source=tokens",
-            f"data.path={path}",
-            f"run.output_root={tmp_path / 'runs'}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_command(
+        submit_main,
+        "cfg=configs/tiny_cpu.yaml",
+        "data.source=tokens",
+        f"data.path={path}",
+        f"run.output_root={tmp_path / 'runs'}",
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"data.path={path}: {path}: truncated" in proc.stderr

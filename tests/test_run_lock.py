@@ -5,10 +5,10 @@ import multiprocessing
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_command
 
 from slurm_autosp.checkpoint.lock import (
     LOCK,
@@ -22,6 +22,7 @@ from slurm_autosp.checkpoint.lock import (
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.run_dir import prepare_run_dir
 from slurm_autosp.launch.scheduler import Liveness
+from slurm_autosp.submit import main as submit_main
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = socket.gethostname()
@@ -182,19 +183,8 @@ def test_of_many_jobs_racing_for_a_run_exactly_one_takes_it(tmp_path, stale):
 def test_submit_refuses_a_run_whose_holder_cannot_be_checked_and_names_force(tmp_path):
     cfg = run_config(tmp_path, "held")
     acquire_lock(cfg.run.dir, local("7", host="elsewhere"))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.submit",
-            "cfg=configs/tiny_cpu.yaml",
-            f"run.output_root={tmp_path}",
-            "run.name=held",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_command(
+        submit_main, "cfg=configs/tiny_cpu.yaml", f"run.output_root={tmp_path}", "run.name=held"
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "run.name=held" in proc.stderr and "add --force to take the run over" in proc.stderr
