@@ -1,7 +1,7 @@
 """Run a command's `main` inside the test process, as `python -m` would run it, capturing what
 it prints: the interpreter start and the imports (5-9 s a command on 2 cores) are paid once per
-session. Tests that depend on the process itself (PATH, signals, exit of other ranks) keep a
-subprocess."""
+session (a test changes PATH or the environment through monkeypatch). Tests that depend on
+the process itself (signals, exit of other ranks) keep a subprocess."""
 
 import contextlib
 import io
