@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,17 @@ def test_only_the_holder_releases_the_lock(tmp_path):
     assert (tmp_path / LOCK).exists()
     release_lock(tmp_path, "41")
     assert not (tmp_path / LOCK).exists()
+
+
+def test_a_takeover_claim_left_by_a_taker_that_died_does_not_block_the_run(tmp_path):
+    acquire_lock(tmp_path, local(dead_pid()))
+    stale = (tmp_path / LOCK).stat()
+    claim = tmp_path / f".{LOCK}.takeover.{stale.st_ino}.{stale.st_mtime_ns}"
+    claim.write_text("")
+    os.utime(claim, (time.time() - 120, time.time() - 120))
+    acquire_lock(tmp_path, local("9"))
+    assert read_lock(tmp_path) == local("9")
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK]
 
 
 def _race(run_dir, start, job_id, wins):

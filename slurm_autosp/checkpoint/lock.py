@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from slurm_autosp.launch.scheduler import Liveness, slurm_job_liveness
 
 LOCK = "job.lock"
 SUBMITTING = "submit"  # the backend named by a lock a submission holds until its job is queued
+ABANDONED_CLAIM_S = 60  # a takeover's claim older than this was left by a taker that died
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,17 @@ class RunLock:
 
 
 def read_lock(run_dir: Path) -> RunLock | None:
+    stamped = _read_stamped(run_dir)
+    return stamped[0] if stamped else None
+
+
+def _read_stamped(run_dir: Path) -> tuple[RunLock, tuple[int, int]] | None:
+    """The lock and its file's identity (inode, modification time), read from one open file:
+    a takeover removes only the very file it found stale."""
     try:
-        return RunLock(**json.loads((run_dir / LOCK).read_text()))
+        with open(run_dir / LOCK) as f:
+            info = os.fstat(f.fileno())
+            return RunLock(**json.loads(f.read())), (info.st_ino, info.st_mtime_ns)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as err:
@@ -86,41 +97,54 @@ def acquire_lock(
             except FileExistsError:
                 pass
             try:
-                current = read_lock(run_dir)
+                stamped = _read_stamped(run_dir)
             except ConfigError:
                 if not force:
                     raise
-                current = None
-            if current is None:
+                stamped = None
+            if stamped is None:
                 if force:
                     path.unlink(missing_ok=True)
                 continue
+            current, stamp = stamped
             if current.job_id in (holder.job_id, handed_over_by):
                 os.replace(mine, path)
                 return
             liveness, why = holder_liveness(current)
             if liveness is Liveness.gone or force:
-                _take_over(run_dir, current)
+                _take_over(run_dir, (current, stamp), mine)
                 continue
             raise ConfigError(_refusal(current, liveness, why, what))
     finally:
         mine.unlink(missing_ok=True)
 
 
-def _take_over(run_dir: Path, stale: RunLock) -> None:
-    """Move the stale lock aside, and put it back if another taker replaced it meanwhile."""
-    aside = run_dir / f".{LOCK}.stale.{uuid.uuid4().hex}"
+def _take_over(run_dir: Path, stale: tuple[RunLock, tuple[int, int]], mine: Path) -> None:
+    """Remove the stale lock, unless its file has changed since it was read. Of the takers
+    racing for it, only the one whose claim (a hard link named by the stale file's identity)
+    is created removes it, and only while that file is still in place: a taker that read it
+    late can never remove the lock another has just taken. A claim left by a taker that died
+    is removed once it is a minute old."""
+    ino, mtime_ns = stale[1]
+    claim = run_dir / f".{LOCK}.takeover.{ino}.{mtime_ns}"
     try:
-        os.rename(run_dir / LOCK, aside)
-    except FileNotFoundError:
+        os.link(mine, claim)
+    except FileExistsError:
+        try:
+            if time.time() - claim.stat().st_mtime > ABANDONED_CLAIM_S:
+                claim.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)  # another taker holds the claim: look again once it is done
         return
     try:
-        if RunLock(**json.loads(aside.read_text())) != stale:
-            os.link(aside, run_dir / LOCK)
-    except (OSError, ValueError, TypeError):
-        pass
+        os.utime(claim)  # its age is the claim's, not that of the file it links
+        if _read_stamped(run_dir) == stale:
+            (run_dir / LOCK).unlink()
+    except ConfigError:
+        pass  # no longer the stale lock: whatever it is now, the loop reads it again
     finally:
-        aside.unlink(missing_ok=True)
+        claim.unlink(missing_ok=True)
 
 
 def _refusal(holder: RunLock, liveness: Liveness, why: str, what: str) -> str:
