@@ -60,23 +60,24 @@ def reference_data(folder: Path) -> tuple[str, ...]:
     )
 
 
+def reference_cmd(root: Path, name: str, overrides: tuple[str, ...] = ()) -> list[str]:
+    """submit of the reference's training on local processes into root/name."""
+    return [
+        sys.executable,
+        "-m",
+        "slurm_autosp.submit",
+        *REFERENCE_ARGS,
+        "cluster.backend=local",
+        f"run.output_root={root}",
+        f"run.name={name}",
+        *overrides,
+    ]
+
+
 def train_reference(root: Path, overrides: tuple[str, ...] = ()) -> Path:
     """Train the reference (with `overrides`) into root/ref; returns the run directory."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.submit",
-            *REFERENCE_ARGS,
-            "cluster.backend=local",
-            f"run.output_root={root}",
-            "run.name=ref",
-            *overrides,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        reference_cmd(root, "ref", overrides), cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr
     return root / "ref"

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from reference_run import (
-    REFERENCE_ARGS,
     REFERENCE_SAMPLES,
     REFERENCE_STEPS,
     SAMPLES_PER_STEP,
     assert_same_weights,
     hf_weights,
+    reference_cmd,
     tensorboard_losses,
 )
 from slurm_helpers import final_result
@@ -28,24 +28,14 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = REFERENCE_STEPS
 
 
-def submit(root, overrides, **popen):
+def submit(root, overrides):
+    """The reference's training as run "resumed", requeued at most once."""
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.submit",
-            *REFERENCE_ARGS,
-            "cluster.backend=local",
-            "cluster.max_requeues=1",
-            f"run.output_root={root}",
-            "run.name=resumed",
-            *overrides,
-        ],
+        reference_cmd(root, "resumed", ("cluster.max_requeues=1", *overrides)),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        **popen,
     )
 
 

@@ -25,7 +25,6 @@ from slurm_autosp.launch.run_dir import prepare_run_dir
 from slurm_autosp.launch.scheduler import Liveness
 from slurm_autosp.submit import main as submit_main
 
-REPO = Path(__file__).resolve().parents[1]
 HOST = socket.gethostname()
 
 

@@ -106,13 +106,13 @@ def acquire_lock(
                 if force:
                     path.unlink(missing_ok=True)
                 continue
-            current, stamp = stamped
+            current = stamped[0]
             if current.job_id in (holder.job_id, handed_over_by):
                 os.replace(mine, path)
                 return
             liveness, why = holder_liveness(current)
             if liveness is Liveness.gone or force:
-                _take_over(run_dir, (current, stamp), mine)
+                _take_over(run_dir, stamped, mine)
                 continue
             raise ConfigError(_refusal(current, liveness, why, what))
     finally:
