@@ -260,6 +260,9 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: no periodic saves
     every_minutes: float = 0.0
     keep: int = 2
+    # a checkpoint that fails verification at resume is moved aside as damaged_step_*, never
+    # deleted by a job; true: a job deletes those once it has saved a newer good checkpoint
+    remove_damaged: bool = False
     # per-rank write bandwidth to shared storage, to size the signal delay
     write_gb_per_s: float = 1.0
 

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class LockClaim:
     """How the job takes its run's lock when it starts: the job itself holds the run."""
 
-    handed_over_by: str | None = None  # the submission holding the lock until the job starts
+    handed_over_by: RunLock | None = None  # the submission holding the lock until the job starts
     force: bool = False  # take the lock even from a holder that cannot be checked
     record_config: bool = False  # a hand-submitted job (`run`) records its config itself
 
@@ -85,7 +85,7 @@ class TrainingJob:
                 )
             result = self.work(ctx, parallel, stop)
             if ctx.rank == 0:
-                release_lock(cfg.run.dir, job_env.job_id)
+                release_lock(cfg.run.dir, _holder(job_env))
             return result
         finally:
             torch.distributed.destroy_process_group()
@@ -98,7 +98,7 @@ class TrainingJob:
 
 def _claim_run(cfg: JobConfig, job_env: submitit.JobEnvironment, claim: LockClaim) -> str | None:
     """Rank 0 takes the run's lock for this job (kept across requeues); why not, if refused."""
-    holder = RunLock(job_env.job_id, job_env.cluster, socket.gethostname())
+    holder = _holder(job_env)
     try:
         if claim.record_config:
             prepare_run_dir(cfg, holder, force=claim.force)
@@ -113,6 +113,11 @@ def _claim_run(cfg: JobConfig, job_env: submitit.JobEnvironment, claim: LockClai
     except (ConfigError, OSError) as err:
         return str(err)
     return None
+
+
+def _holder(job_env: submitit.JobEnvironment) -> RunLock:
+    """This job, as the run's lock names it."""
+    return RunLock(job_env.job_id, job_env.cluster, socket.gethostname())
 
 
 def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """python -m slurm_autosp.status RUN_DIR [--follow]
 
-Where a run stands, from its directory alone: steps done, the last good checkpoint, the jobs
-that trained it, how often it was requeued, and whether a job holds it now. --follow then
+Where a run stands, from its directory alone: steps done, the last good checkpoint, the
+checkpoints jobs set aside as damaged, the jobs that trained it, how often it was requeued,
+and whether a job holds it now. --follow then
 streams rank 0's log of the SLURM job holding the run until it ends (Ctrl-C detaches).
 """
 
@@ -16,7 +17,12 @@ import submitit
 from slurm_autosp.checkpoint.lock import holder_liveness, read_lock
 from slurm_autosp.checkpoint.manifest import MANIFEST, list_files, read_manifest
 from slurm_autosp.checkpoint.schedule import checkpoint_dir
-from slurm_autosp.checkpoint.store import TRAINER_STATE, CheckpointStore
+from slurm_autosp.checkpoint.store import (
+    DAMAGE_NOTE,
+    TRAINER_STATE,
+    checkpoints_newest_first,
+    damaged_checkpoints,
+)
 from slurm_autosp.cli import config_error, take_flag
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.executor import submitit_dir
@@ -28,8 +34,7 @@ from slurm_autosp.launch.watch import follow
 def last_good_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint whose manifest lists every file at its recorded size (checksums
     are verified when a job resumes)."""
-    store = CheckpointStore(checkpoint_dir(run_dir), rank=0, world_size=1, keep=1)
-    for candidate in store.checkpoints():
+    for candidate in checkpoints_newest_first(checkpoint_dir(run_dir)):
         try:
             files = read_manifest(candidate)["files"]
             json.loads((candidate / TRAINER_STATE).read_text())["step"]
@@ -57,6 +62,7 @@ def describe(run_dir: Path) -> list[str]:
             f"last good checkpoint: {good} ({len(read_manifest(good)['files'])} files in {MANIFEST}, "
             f"engine {state.get('engine', 'deepspeed_zero1')}, {state['world_size']} ranks)"
         )
+    lines += _damaged(run_dir)
     jobs = sorted(
         {p.name.split("_")[0] for p in submitit_dir(run_dir).glob("*_submitted.pkl")},
         key=_job_order,
@@ -66,6 +72,24 @@ def describe(run_dir: Path) -> list[str]:
     lines.append(_lock_state(run_dir))
     if (run_dir / "hf").is_dir():
         lines.append(f"Hugging Face export: {run_dir / 'hf'}")
+    return lines
+
+
+def _damaged(run_dir: Path) -> list[str]:
+    """The checkpoints jobs set aside, each with what was wrong, and how to remove them."""
+    damaged = damaged_checkpoints(checkpoint_dir(run_dir))
+    if not damaged:
+        return []
+    lines = [f"damaged checkpoints set aside: {len(damaged)} (kept for you to inspect)"]
+    for path in damaged:
+        try:
+            why = (path / DAMAGE_NOTE).read_text().strip().replace("\n", "; ")
+        except OSError:
+            why = "no note of what was wrong"
+        lines.append(f"  {path}: {why}")
+    lines.append(
+        "  remove them with rm -r, or let the next job do it (checkpoint.remove_damaged=true)"
+    )
     return lines
 
 

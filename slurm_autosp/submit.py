@@ -105,14 +105,14 @@ def main(argv: list[str] | None = None, job_type: type[TrainingJob] = TrainingJo
     except ConfigError as err:
         return config_error(err)
     try:
-        job = executor.submit(job_type(cfg, LockClaim(handed_over_by=submission.job_id)))
+        job = executor.submit(job_type(cfg, LockClaim(handed_over_by=submission)))
     except BaseException:
-        release_lock(cfg.run.dir, submission.job_id)
+        release_lock(cfg.run.dir, submission)
         raise
     acquire_lock(  # the lock now names the job, which holds it from its start
         cfg.run.dir,
         RunLock(job.job_id, executor.cluster, submission.host),
-        handed_over_by=submission.job_id,
+        handed_over_by=submission,
     )
     print(
         f"submitted job {job.job_id} ({executor.cluster}, {cfg.cluster.world_size} ranks, {layout!r}); "

@@ -14,7 +14,7 @@ from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.schedule import SaveSchedule, checkpoint_dir
 from slurm_autosp.checkpoint.signals import StopRequest
-from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
+from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState, damage_report
 from slurm_autosp.compile import (
     AutoSPBackend,
     compile_model,
@@ -87,7 +87,11 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
         cfg, parallel.layout, ctx.rank, ctx.device, _vocab_size(engine.module)
     )
     store = CheckpointStore(
-        checkpoint_dir(cfg.run.dir), ctx.rank, ctx.world_size, cfg.checkpoint.keep
+        checkpoint_dir(cfg.run.dir),
+        ctx.rank,
+        ctx.world_size,
+        cfg.checkpoint.keep,
+        cfg.checkpoint.remove_damaged,
     )
     store.check_writable()
     settings = run_settings(cfg, parallel.layout, choices.zero_stage)
@@ -98,6 +102,8 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
     tracer = StepTracer(
         cfg, ctx.rank, ctx.world_size, ctx.device, engine.module, first_step, parallel.layout
     )
+    if store.set_aside:
+        tracer.note("run/damaged_checkpoints", damage_report(store.set_aside), first_step)
     losses = []
     try:
         for step in range(first_step, cfg.train.steps):

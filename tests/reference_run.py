@@ -90,6 +90,13 @@ def tensorboard_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars("train/loss")]
 
 
+def run_text(run_dir: Path, tag: str) -> str:
+    """Every start's TensorBoard text of `tag`, joined."""
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    return "\n".join(e.tensor_proto.string_val[0].decode() for e in events.Tensors(tag))
+
+
 def hf_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The run's exported Hugging Face weights."""
     return load_file(run_dir / "hf" / "model.safetensors")

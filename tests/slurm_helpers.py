@@ -24,9 +24,10 @@ def submit_cmd(*overrides):
 
 
 def final_result(run_dir: Path):
-    """Rank 0's TrainResult of the job's last attempt."""
-    results = sorted((run_dir / "submitit").glob("*_0_result.pkl"))
-    outcome, result = pickle_load(results[-1])
+    """Rank 0's TrainResult of the job's last attempt (the newest result: a local job's id is
+    a process id, which does not sort by time)."""
+    results = (run_dir / "submitit").glob("*_0_result.pkl")
+    outcome, result = pickle_load(max(results, key=lambda p: p.stat().st_mtime_ns))
     assert outcome == "success", result
     return result
 

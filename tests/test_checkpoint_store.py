@@ -1,26 +1,33 @@
 """Checkpoints are atomic: a broken or half-written one is skipped and the last good one used;
 under both engines (DeepSpeed ZeRO-1 and FSDP2 parameter sharding, one rank each)."""
 
+import dataclasses
 import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
+from reference_run import prepared_dataset
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from slurm_autosp.checkpoint.identity import run_settings  # noqa: E402
 from slurm_autosp.checkpoint.manifest import FileRecord, hash_files, read_manifest, write_manifest  # noqa: E402
-from slurm_autosp.checkpoint.store import (
+from slurm_autosp.checkpoint.store import (  # noqa: E402
+    DAMAGE_NOTE,
     TRAINER_STATE,
     CheckpointError,
     CheckpointStore,
     TrainerState,
+    damage_report,
+    damaged_checkpoints,
     refuse_another_runs_checkpoint,
-)  # noqa: E402
+)
 from slurm_autosp.config import ConfigError, load_config  # noqa: E402
+from slurm_autosp.data.prepared import SUMMARY  # noqa: E402
 from slurm_autosp.engine import build_engine  # noqa: E402
 from slurm_autosp.launch.placement import plan_layout  # noqa: E402
 from slurm_autosp.optim import lr_factor  # noqa: E402
@@ -193,19 +200,128 @@ def test_unwritable_checkpoint_directory_is_reported_before_training(tmp_path, s
         store.check_writable()
 
 
-def test_retention_counts_only_verified_checkpoints_and_discards_the_corrupt_one(tmp_path, engine):
-    """Newest corrupt, resumed from the one before: the next save keeps that good one (keep=2)."""
+def damage(checkpoint):
+    """Cut ten bytes off one of the checkpoint's files, as a failing disk or a killed copy would."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    victim = checkpoint / sorted(manifest["files"])[0]
+    victim.write_bytes(victim.read_bytes()[:-10])
+    return victim
+
+
+def test_retention_counts_only_verified_checkpoints_and_sets_the_damaged_one_aside(
+    tmp_path, engine
+):
+    """Newest damaged, resumed from the one before: the next save keeps that good one (keep=2),
+    and the damaged one is moved aside, never deleted."""
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     for step in (1, 2, 3):
         store.save(engine, state(step, engine.name))
-    newest = tmp_path / "step_00000003"
-    manifest = json.loads((newest / "manifest.json").read_text())
-    victim = newest / sorted(manifest["files"])[0]
-    victim.write_bytes(victim.read_bytes()[:-10])
+    damage(tmp_path / "step_00000003")
     resumed = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     assert resumed.load_latest(engine, settings(engine.name)) == state(2, engine.name)
     resumed.save(engine, state(4, engine.name))
     assert [p.name for p in resumed.checkpoints()] == ["step_00000004", "step_00000002"]
+    assert [p.name for p in damaged_checkpoints(tmp_path)] == ["damaged_step_00000003"]
+
+
+def test_a_damaged_newest_checkpoint_never_costs_a_good_one(tmp_path, engine, caplog):
+    """Save 5 and 10, damage 10, resume (from 5), write 10 again, resubmit: the run resumes at
+    the new 10, the damaged 10 is kept aside with what was wrong, and 5 is still there."""
+    first = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    first.save(engine, state(5, engine.name))
+    first.save(engine, state(10, engine.name))
+    victim = damage(tmp_path / "step_00000010")
+
+    second = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    with caplog.at_level("WARNING"):
+        assert second.load_latest(engine, settings(engine.name)) == state(5, engine.name)
+    aside = tmp_path / "damaged_step_00000010"
+    assert "skipping checkpoint" in caplog.text and str(aside) in caplog.text
+    assert [(s.name, s.path) for s in second.set_aside] == [("step_00000010", aside)]
+    assert victim.name in (aside / DAMAGE_NOTE).read_text()
+    assert "step_00000010" in damage_report(second.set_aside)
+    second.save(engine, state(10, engine.name))
+    assert (tmp_path / "latest").read_text() == "step_00000010"
+
+    third = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    assert third.load_latest(engine, settings(engine.name)) == state(10, engine.name)
+    assert third.set_aside == []
+    assert [p.name for p in third.checkpoints()] == ["step_00000010", "step_00000005"]
+    assert aside.is_dir()
+
+
+def test_checkpoints_set_aside_are_removed_only_when_the_run_asks(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(1, engine.name))
+    store.save(engine, state(2, engine.name))
+    damage(tmp_path / "step_00000002")
+    keeping = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    keeping.load_latest(engine, settings(engine.name))
+    keeping.save(engine, state(2, engine.name))
+    assert damaged_checkpoints(tmp_path)
+    damage(tmp_path / "step_00000002")
+    removing = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2, remove_damaged=True)
+    removing.load_latest(engine, settings(engine.name))
+    assert len(damaged_checkpoints(tmp_path)) == 2  # not before a newer good one is saved
+    removing.save(engine, state(2, engine.name))
+    assert damaged_checkpoints(tmp_path) == []
+    assert [p.name for p in removing.checkpoints()] == ["step_00000002", "step_00000001"]
+
+
+def test_retention_deletes_nothing_while_fewer_than_keep_checkpoints_are_known_good(
+    tmp_path, engine
+):
+    """keep=3, the newest damaged: the resumed job knows 2 good ones after its save, so the
+    never-verified step 1 stays."""
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=3)
+    for step in (1, 2, 3):
+        store.save(engine, state(step, engine.name))
+    damage(tmp_path / "step_00000003")
+    resumed = CheckpointStore(tmp_path, rank=0, world_size=1, keep=3)
+    resumed.load_latest(engine, settings(engine.name))
+    resumed.save(engine, state(4, engine.name))
+    resumed.save(engine, state(5, engine.name))
+    assert [p.name for p in resumed.checkpoints()] == [
+        "step_00000005",
+        "step_00000004",
+        "step_00000002",
+    ]
+
+
+def unreadable(path):
+    """Make `path` a file the kernel refuses to open (a symbolic link to itself: ELOOP), a
+    read error as real as EIO, which root's tests cannot cause by permissions."""
+    path.unlink()
+    path.symlink_to(path.name)
+
+
+def test_a_checkpoint_file_that_cannot_be_read_stops_the_job_and_nothing_is_moved(tmp_path, engine):
+    """A read error is not damage: no fallback to an older checkpoint or to step 0."""
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(1, engine.name))
+    store.save(engine, state(2, engine.name))
+    newest = tmp_path / "step_00000002"
+    victim = newest / sorted(json.loads((newest / "manifest.json").read_text())["files"])[0]
+    unreadable(victim)
+    resuming = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    with pytest.raises(CheckpointError, match=rf"cannot read .*{victim}: Too many levels"):
+        resuming.load_latest(engine, settings(engine.name))
+    assert [p.name for p in resuming.checkpoints()] == ["step_00000002", "step_00000001"]
+    assert damaged_checkpoints(tmp_path) == []
+
+
+def test_an_unreadable_manifest_stops_the_job_and_is_refused_at_submit(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    store.save(engine, state(1, engine.name))
+    store.save(engine, state(2, engine.name))
+    unreadable(tmp_path / "step_00000002" / "manifest.json")
+    with pytest.raises(CheckpointError, match="manifest.json: Too many levels.*not a damaged"):
+        CheckpointStore(tmp_path, rank=0, world_size=1, keep=2).load_latest(
+            engine, settings(engine.name)
+        )
+    with pytest.raises(ConfigError, match="manifest.json: Too many levels"):
+        refuse_another_runs_checkpoint(tmp_path, settings(engine.name))
+    assert len(CheckpointStore(tmp_path, rank=0, world_size=1, keep=2).checkpoints()) == 2
 
 
 def test_half_written_saves_of_a_killed_job_are_removed_at_start(tmp_path, single_rank_group):
@@ -376,3 +492,44 @@ def test_data_position_that_the_global_batch_does_not_continue_is_refused(tmp_pa
         CheckpointError, match=r"is at sample 6 after 3 steps, but this job's global batch of 1"
     ):
         store.load_latest(engine, settings(engine.name))
+
+
+def test_data_prepared_again_at_the_same_path_is_refused_naming_both_contents(tmp_path, engine):
+    """The checkpoint records what the prepared directory holds and its tokenizer, not only
+    its path: another corpus or tokenizer at the same path does not resume silently."""
+    data = tmp_path / "data"
+    prepared_dataset(data, [300, 400, 500])
+    on_data = ("data.source=tokens", f"data.path={data}")
+    store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
+    written = settings(engine.name, *on_data)
+    store.save(engine, dataclasses.replace(state(1, engine.name), settings=written))
+    assert store.load_latest(engine, settings(engine.name, *on_data)).step == 1  # same data
+
+    shutil.rmtree(data)
+    prepared_dataset(data, [600, 600])  # another corpus, prepared again at the same path
+    summary = json.loads((data / SUMMARY).read_text())
+    (data / SUMMARY).write_text(json.dumps({**summary, "tokenizer": {"sha256": "f00d"}}))
+    now = settings(engine.name, *on_data)
+    with pytest.raises(CheckpointError) as refused:
+        store.load_latest(engine, now)
+    message = str(refused.value)
+    assert (
+        f"data.contents: {written['data.contents']} in the checkpoint, {now['data.contents']} now"
+        in message
+    )
+    assert "data.tokenizer: null in the checkpoint, f00d now" in message
+    with pytest.raises(ConfigError, match="data.contents: "):
+        refuse_another_runs_checkpoint(tmp_path / "checkpoints", now)
+
+
+def test_a_checkpoint_from_before_the_data_contents_were_recorded_resumes(tmp_path, engine):
+    data = prepared_dataset(tmp_path / "data", [300, 400])
+    on_data = ("data.source=tokens", f"data.path={data}")
+    older = {
+        k: v
+        for k, v in settings(engine.name, *on_data).items()
+        if k not in ("data.contents", "data.tokenizer")
+    }
+    store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
+    store.save(engine, dataclasses.replace(state(1, engine.name), settings=older))
+    assert store.load_latest(engine, settings(engine.name, *on_data)).step == 1

@@ -2,8 +2,9 @@
 where it stopped, on the reference's shuffled token file: stopped in its first epoch, it reads
 after the resume what the uninterrupted run read, across the later epochs' new orders too.
 Signalled again once it has been requeued `cluster.max_requeues` times, it stops with its
-checkpoint saved, and submitting it again resumes it to the same end. test_slurm's run is
-stopped by Slurm against the same reference."""
+checkpoint saved; its newest checkpoint then damaged, submitting it again sets that one aside
+(named in the log, status and TensorBoard), resumes from the one before and trains to the same
+end. test_slurm's run is stopped by Slurm against the same reference."""
 
 import json
 import re
@@ -20,6 +21,7 @@ from reference_run import (
     assert_same_weights,
     hf_weights,
     reference_cmd,
+    run_text,
     tensorboard_losses,
 )
 from slurm_helpers import final_result
@@ -86,14 +88,18 @@ def test_signalled_run_requeues_stops_at_max_requeues_and_resumes_with_identical
     records = [json.loads(x) for x in (run_dir / "requeues.jsonl").read_text().splitlines()]
     assert [r["restart"] for r in records] == [1]
 
+    damaged = checkpoints / f"step_{limited:08d}" / "trainer_state.json"
+    damaged.write_text(damaged.read_text().replace('"step"', '"stop"'))
     again = submit(tmp_path, reference_overrides)
     out, err = again.communicate(timeout=600)
     assert again.returncode == 0, out + err
-    assert f"resumed from {checkpoints / f'step_{limited:08d}'} at step {limited}" in out
+    aside = checkpoints / f"damaged_step_{limited:08d}"
+    assert f"moved aside to {aside}" in out and "trainer_state.json: size" in out
+    assert f"resumed from {checkpoints / f'step_{requeued:08d}'} at step {requeued}" in out
     resumed = final_result(run_dir)
-    assert resumed.first_step == limited
+    assert resumed.first_step == requeued
     reference = final_result(uninterrupted_run)
-    assert resumed.losses == reference.losses[limited:]  # bitwise: same floats after the resume
+    assert resumed.losses == reference.losses[requeued:]  # bitwise: same floats after the resume
     assert reference.losses[-1] < reference.losses[0] / 2, "the masked reference run learns"
 
     status_text = subprocess.run(
@@ -109,6 +115,11 @@ def test_signalled_run_requeues_stops_at_max_requeues_and_resumes_with_identical
     )
     assert f"last good checkpoint: {checkpoints / f'step_{STEPS:08d}'}" in status_text
     assert "engine fsdp2, 2 ranks" in status_text
+    assert "damaged checkpoints set aside: 1" in status_text
+    assert f"{aside}: trainer_state.json: size" in status_text
+    assert f"step_{limited:08d} (now {aside.name})" in run_text(
+        run_dir, "run/damaged_checkpoints/text_summary"
+    )
 
     curve = tensorboard_losses(run_dir)  # all three starts
     assert [s for s, _ in curve] == list(range(1, STEPS + 1))  # no duplicated or missing steps

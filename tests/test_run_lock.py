@@ -135,7 +135,7 @@ def test_the_submission_hands_its_lock_to_the_job_and_requeues_keep_it(tmp_path)
     with pytest.raises(ConfigError, match="a submission in progress"):
         acquire_lock(tmp_path, RunLock("77", "slurm", HOST))  # another job: refused
     job = RunLock("77", "slurm", HOST)
-    acquire_lock(tmp_path, job, handed_over_by=submission.job_id)
+    acquire_lock(tmp_path, job, handed_over_by=submission)
     assert read_lock(tmp_path) == job
     acquire_lock(tmp_path, job)  # the requeued job takes what it holds
     assert read_lock(tmp_path) == job
@@ -144,10 +144,36 @@ def test_the_submission_hands_its_lock_to_the_job_and_requeues_keep_it(tmp_path)
 
 def test_only_the_holder_releases_the_lock(tmp_path):
     acquire_lock(tmp_path, RunLock("41", "slurm", HOST))
-    release_lock(tmp_path, "42")
+    release_lock(tmp_path, RunLock("42", "slurm", HOST))
+    release_lock(tmp_path, local("41"))  # a process whose id is the job's number
     assert (tmp_path / LOCK).exists()
-    release_lock(tmp_path, "41")
+    release_lock(tmp_path, RunLock("41", "slurm", "node7"))  # the job, requeued elsewhere
     assert not (tmp_path / LOCK).exists()
+
+
+def test_a_process_whose_id_equals_a_slurm_job_id_does_not_take_its_run(tmp_path, controller_down):
+    """The lock's holder is matched by backend, host and id, not by the number alone: the
+    Slurm job (which cannot be checked, so counts as alive) keeps its run."""
+    job = RunLock(str(os.getpid()), "slurm", "login1")
+    acquire_lock(tmp_path, job)
+    for same_number in (
+        local(str(os.getpid())),
+        RunLock(str(os.getpid()), SUBMITTING, HOST),
+    ):
+        with pytest.raises(ConfigError, match=rf"locked by job {os.getpid()} \(slurm on login1"):
+            acquire_lock(tmp_path, same_number)
+        with pytest.raises(ConfigError, match="cannot be checked"):
+            acquire_lock(tmp_path, RunLock("99", "slurm", HOST), handed_over_by=same_number)
+    assert read_lock(tmp_path) == job
+    requeued = RunLock(str(os.getpid()), "slurm", "node7")
+    acquire_lock(tmp_path, requeued)  # the job itself, on another node after a requeue
+    assert read_lock(tmp_path) == requeued
+
+
+def test_a_local_job_of_another_host_is_not_this_hosts_process_of_the_same_id(tmp_path):
+    acquire_lock(tmp_path, local(str(os.getpid()), host="elsewhere"))
+    with pytest.raises(ConfigError, match="cannot be checked"):
+        acquire_lock(tmp_path, local(str(os.getpid())))
 
 
 def test_a_takeover_claim_left_by_a_taker_that_died_does_not_block_the_run(tmp_path):

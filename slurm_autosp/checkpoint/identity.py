@@ -2,7 +2,8 @@
 
 Every checkpoint records the config it was written with, resolved and flat (`run_settings`:
 key -> JSON value). A job may resume it only while the keys that make the run what it is
-(`is_identity`) are unchanged: the model, the data and the position in it, the seed, the
+(`is_identity`) are unchanged: the model, the data (its paths, and what the files there hold:
+data prepared again at the same path is other data) and the position in it, the seed, the
 batch, and the world layout and engine its state is sharded for. Other keys (steps, the
 learning-rate schedule, checkpoint cadence, traces, the cluster's time limit, ...) may change
 between submissions; the resumed job names them.
@@ -18,6 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from slurm_autosp.config import JobConfig
+from slurm_autosp.data import data_identity
 from slurm_autosp.launch.layout import ParallelLayout
 
 IDENTITY_PREFIXES = ("model.", "data.blend")
@@ -28,6 +30,8 @@ IDENTITY_KEYS = frozenset(
         "data.seq_len",
         "data.shuffle",
         "data.documents",
+        "data.contents",
+        "data.tokenizer",
         "train.seed",
         "train.micro_batch",
         "train.grad_accum",
@@ -44,17 +48,20 @@ DERIVED = {
     "train.global_batch": "train.micro_batch x train.grad_accum x data-parallel ranks",
     "cluster.world_size": "cluster.nodes x ranks per node",
     "parallel.layout": "cluster.* and parallel.sp_size",
+    "data.contents": "the files at data.path or data.blend: prepared again since?",
+    "data.tokenizer": "the tokenizer data.path or data.blend was prepared with",
 }
 
 
 def run_settings(cfg: JobConfig, layout: ParallelLayout, zero_stage: int) -> dict[str, Any]:
     """The config as this job runs it, flat and JSON-serialisable, with the values it resolves
-    or derives (ZeRO stage, precision, global batch, world size, layout): what a checkpoint's
-    engine state and data position depend on."""
+    or derives (ZeRO stage, precision, global batch, world size, layout, the data's contents and
+    tokenizer): what a checkpoint's engine state and data position depend on."""
     tree = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     assert isinstance(tree, dict)
     return {
         **dict(_flatten(tree)),
+        **data_identity(cfg),
         "parallel.zero_stage": zero_stage,
         "train.precision": cfg.precision.value,
         "train.global_batch": cfg.global_batch,
@@ -92,6 +99,24 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Differen
     return [
         Difference(k, saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)
     ]
+
+
+def refused(
+    saved: dict[str, Any], current: dict[str, Any], layout: bool = True
+) -> tuple[list[Difference], list[Difference]]:
+    """(the identity keys that differ, every key that differs) between a checkpoint's settings
+    and a job's. A derived key the checkpoint does not record is not compared: the checkpoint
+    predates its recording. `layout`: compare parallel.layout (submit leaves it to the job,
+    whose nodes decide it)."""
+    changed = differences(saved, current)
+    identity = [
+        d
+        for d in changed
+        if is_identity(d.key)
+        and (d.key in saved or d.key not in DERIVED)
+        and (layout or d.key != "parallel.layout")
+    ]
+    return identity, changed
 
 
 def refusal(checkpoint: Path, refused: list[Difference], run_name: str) -> str:

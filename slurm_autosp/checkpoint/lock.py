@@ -33,6 +33,14 @@ class RunLock:
     backend: str  # "slurm" | "local" | SUBMITTING
     host: str
 
+    def same_holder(self, other: RunLock | None) -> bool:
+        """Whether `other` names the same job: a Slurm job by its id, which is unique on its
+        cluster whichever node it runs on; a local job or a submission by its process id on
+        its host. A process id never matches a Slurm job id, however equal the numbers."""
+        if other is None or (self.backend, self.job_id) != (other.backend, other.job_id):
+            return False
+        return self.backend == "slurm" or self.host == other.host
+
     def describe(self) -> str:
         if self.backend == SUBMITTING:
             return f"a submission in progress (process {self.job_id} on {self.host})"
@@ -79,7 +87,7 @@ def acquire_lock(
     run_dir: Path,
     holder: RunLock,
     *,
-    handed_over_by: str | None = None,
+    handed_over_by: RunLock | None = None,
     force: bool = False,
     what: str = "run",
 ) -> None:
@@ -107,7 +115,7 @@ def acquire_lock(
                     path.unlink(missing_ok=True)
                 continue
             current = stamped[0]
-            if current.job_id in (holder.job_id, handed_over_by):
+            if current.same_holder(holder) or current.same_holder(handed_over_by):
                 os.replace(mine, path)
                 return
             liveness, why = holder_liveness(current)
@@ -160,10 +168,11 @@ def _refusal(holder: RunLock, liveness: Liveness, why: str, what: str) -> str:
     )
 
 
-def release_lock(run_dir: Path, job_id: str) -> None:
+def release_lock(run_dir: Path, holder: RunLock) -> None:
+    """Remove the lock if `holder` holds it."""
     try:
         lock = read_lock(run_dir)
     except ConfigError:
         return
-    if lock is not None and lock.job_id == str(job_id):
+    if lock is not None and lock.same_holder(holder):
         (run_dir / LOCK).unlink(missing_ok=True)

@@ -1,16 +1,19 @@
 """What a complete checkpoint holds: every file's size and checksum, written last.
 
 A checkpoint directory without a manifest, or whose files disagree with it, is incomplete or
-corrupt and is never resumed from. Hashing is split across ranks so that verifying a large
-checkpoint takes the time of its largest share, not of the whole.
+damaged and is never resumed from. A file that cannot be read (an I/O or permission error)
+is neither: it says nothing about the checkpoint, so it is reported apart. Hashing is split
+across ranks so that verifying a large checkpoint takes the time of its largest share, not of
+the whole.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -71,31 +74,61 @@ def write_manifest(
 
 
 def read_manifest(directory: Path) -> Manifest:
-    """The manifest's contents; raises ValueError when it is missing or unreadable."""
+    """The manifest's contents. Raises ValueError when it is missing or not a manifest (the
+    checkpoint is damaged), OSError when it cannot be read (the storage failed)."""
     path = directory / MANIFEST
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise ValueError(f"{directory}: no {MANIFEST} (the save did not finish)") from err
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: unreadable ({err})") from err
+        text = path.read_bytes()
+    except OSError as err:
+        if is_missing(err):
+            raise ValueError(f"{directory}: no {MANIFEST} (the save did not finish)") from err
+        raise
+    try:
+        manifest: Manifest = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a manifest ({err})") from err
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)):
+        raise ValueError(f"{path}: not a manifest (no files listed)")
+    return manifest
 
 
-def verify_share(directory: Path, manifest: Manifest, rank: int, world_size: int) -> list[str]:
-    """Problems found in this rank's share of the manifest's files (empty: all good)."""
+def is_missing(err: OSError) -> bool:
+    """A file that is not there (damage), as opposed to one that is there but unreadable."""
+    return err.errno in (errno.ENOENT, errno.ENOTDIR)
+
+
+@dataclass
+class ShareCheck:
+    """What verifying one rank's share of a checkpoint found."""
+
+    damage: list[str] = field(default_factory=list)  # missing or changed files
+    unreadable: list[str] = field(default_factory=list)  # files the storage would not give
+
+
+def verify_share(directory: Path, manifest: Manifest, rank: int, world_size: int) -> ShareCheck:
+    """Check this rank's share of the manifest's files: each present, of its recorded size and
+    checksum. A file name that leaves the directory is damage, never read."""
+    check = ShareCheck()
     files = manifest["files"]
-    problems = []
-    present = set(list_files(directory))
-    missing = sorted(set(files) - present)
-    if rank == 0 and missing:
-        problems.append(f"missing files: {', '.join(missing)}")
-    share = [f for f in my_share(sorted(files), rank, world_size) if f in present]
-    actual = hash_files(directory, share, fsync=False)
-    for name in share:
-        expected = FileRecord(**files[name])
-        if actual[name] != expected:
-            problems.append(
-                f"{name}: size {actual[name].size} sha256 {actual[name].sha256[:12]}… but the manifest "
+    for name in my_share(sorted(files), rank, world_size):
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            check.damage.append(f"{name}: not a path inside the checkpoint")
+            continue
+        try:
+            expected = FileRecord(**files[name])
+            actual = hash_files(directory, [name], fsync=False)[name]
+        except TypeError:
+            check.damage.append(f"{name}: the manifest's record of it is malformed")
+            continue
+        except OSError as err:
+            if is_missing(err):
+                check.damage.append(f"{name}: missing")
+            else:
+                check.unreadable.append(f"{directory / name}: {err.strerror or err}")
+            continue
+        if actual != expected:
+            check.damage.append(
+                f"{name}: size {actual.size} sha256 {actual.sha256[:12]}… but the manifest "
                 f"says size {expected.size} sha256 {expected.sha256[:12]}…"
             )
-    return problems
+    return check

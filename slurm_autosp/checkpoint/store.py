@@ -5,8 +5,14 @@ DeepSpeed's model and ZeRO-1 shards, or FSDP2's per-rank shards; each rank's RNG
 trainer state), checksums it in parallel across ranks, writes the
 manifest, and only then renames the directory into place and moves the `latest` pointer. A
 save that dies half-way leaves a `.partial` directory that is never resumed from; the last
-good checkpoint is untouched until a newer one is complete, and retention deletes only
-older ones.
+good checkpoint is untouched until a newer one is complete.
+
+Nothing good is ever deleted. A checkpoint that fails verification at resume is moved aside
+as `damaged_step_*` (kept for the user to inspect; `checkpoint.remove_damaged` or the user
+removes it), and retention deletes a checkpoint only once `keep` newer ones are known good
+(verified at resume or written by this job). A checkpoint that cannot be read (an I/O or
+permission error) is not damaged: the job stops naming the file, rather than resume from an
+older checkpoint or from step 0.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.checkpoint.identity import differences, is_identity, refusal
+from slurm_autosp.checkpoint.identity import refusal, refused
 from slurm_autosp.checkpoint.manifest import (
     FileRecord,
+    ShareCheck,
     hash_files,
+    is_missing,
     list_files,
     my_share,
     read_manifest,
@@ -42,6 +50,8 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 ENGINE_TAG = "engine"
 TRAINER_STATE = "trainer_state.json"
+DAMAGED = "damaged_"  # the prefix of a checkpoint set aside because it failed verification
+DAMAGE_NOTE = "damaged.txt"  # inside it: what was wrong, for the user who inspects it
 
 
 class CheckpointError(RuntimeError):
@@ -111,7 +121,9 @@ def checkpoint_dir_problem(root: Path) -> str:
 class CheckpointStore:
     """All ranks call `save` and `load_latest` together; rank 0 does the bookkeeping."""
 
-    def __init__(self, root: Path, rank: int, world_size: int, keep: int):
+    def __init__(
+        self, root: Path, rank: int, world_size: int, keep: int, remove_damaged: bool = False
+    ):
         if keep < 1:
             raise CheckpointError(
                 f"checkpoint.keep={keep}: at least the checkpoint just written must be kept"
@@ -120,8 +132,11 @@ class CheckpointStore:
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
-        # checkpoints that failed verification: never kept in place of good ones
-        self._failed: set[Path] = set()
+        self.remove_damaged = remove_damaged
+        # checkpoints known good: verified at resume, or written by this job
+        self._verified: set[Path] = set()
+        # the checkpoints this job set aside as damaged, with what was wrong with each
+        self.set_aside: list[SetAside] = []
 
     def check_writable(self) -> None:
         """Fail before training, not at the first save an hour later (submit checked it too,
@@ -166,8 +181,8 @@ class CheckpointStore:
         return final
 
     def _commit(self, partial: Path, final: Path) -> None:
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # only if `latest` pointed below it: a checkpoint never verified
+            _move_aside(final, ["a newer save of the same step replaced it"])
         os.rename(partial, final)
         _fsync_dir(self.root)
         pointer = self.root / f".{LATEST}.tmp"
@@ -178,28 +193,36 @@ class CheckpointStore:
         _fsync_dir(self.root)
         size = sum((final / n).stat().st_size for n in list_files(final))
         log.info("checkpoint %s saved (%.1f MiB)", final, size / 2**20)
-        good = [c for c in self.checkpoints() if c not in self._failed]
-        for old in [*good[self.keep :], *self._failed]:
-            log.info(
-                "removing checkpoint %s (%s)",
-                old,
-                "failed verification" if old in self._failed else "retention",
-            )
-            shutil.rmtree(old, ignore_errors=True)
-        self._failed.clear()
+        self._verified.add(final)
+        self._retain()
+        if self.remove_damaged:
+            for damaged in sorted(self.root.glob(f"{DAMAGED}step_*")):
+                log.info("removing %s (checkpoint.remove_damaged=true)", damaged)
+                shutil.rmtree(damaged, ignore_errors=True)
+
+    def _retain(self) -> None:
+        """Delete the checkpoints older than the `keep` newest known good ones; while fewer
+        are known good, delete nothing (an older checkpoint never verified may be all there is)."""
+        found = sorted(self.checkpoints(), reverse=True)
+        good = [c for c in found if c in self._verified][: self.keep]
+        if len(good) < self.keep:
+            return
+        for old in found:
+            if old.name < good[-1].name:
+                log.info("removing checkpoint %s (retention: checkpoint.keep=%d)", old, self.keep)
+                shutil.rmtree(old, ignore_errors=True)
 
     def checkpoints(self) -> list[Path]:
         return checkpoints_newest_first(self.root)
 
     def load_latest(self, engine: EngineState, settings: dict[str, Any]) -> TrainerState | None:
-        """Resume from the newest checkpoint that verifies (skip and name the others), if it
-        belongs to the run this job's `settings` (identity.run_settings) describe."""
-        for candidate in self.checkpoints():
-            problems = self._verify(candidate)
-            if problems:
-                if self.rank == 0:
-                    log.warning("skipping checkpoint %s: %s", candidate, "; ".join(problems))
-                self._failed.add(candidate)
+        """Resume from the newest checkpoint that verifies, if it belongs to the run this job's
+        `settings` (identity.run_settings) describe. Newer ones that fail verification are moved
+        aside, named in the log; one that cannot be read stops the job (CheckpointError)."""
+        for candidate in self._agreed_candidates():
+            damage = self._verify(candidate)
+            if damage:
+                self._set_aside(candidate, damage)
                 continue
             state = TrainerState.read(candidate)
             self._check_same_run(candidate, state, settings)
@@ -219,10 +242,48 @@ class CheckpointStore:
             _set_rng_state(
                 torch.load(candidate / "rng" / f"rank_{self.rank:05d}.pt", weights_only=True)
             )
+            self._verified.add(candidate)
             if self.rank == 0:
                 log.info("resumed from %s at step %d", candidate, state.step)
             return state
         return None
+
+    def _agreed_candidates(self) -> list[Path]:
+        """Rank 0's listing, for every rank: they verify the same checkpoints in step."""
+        listing: list[Path] | str = []
+        if self.rank == 0:
+            try:
+                listing = self.checkpoints()
+            except OSError as err:
+                listing = f"{err.filename or self.root}: {err.strerror or err}"
+        listing = _broadcast(listing)
+        if isinstance(listing, str):
+            raise CheckpointError(_unreadable([listing]))
+        return listing
+
+    def _set_aside(self, candidate: Path, damage: list[str]) -> None:
+        """Rank 0 moves a damaged checkpoint aside; every rank learns where it went."""
+        outcome = ""
+        if self.rank == 0:
+            try:
+                outcome = str(_move_aside(candidate, damage))
+            except OSError as err:
+                outcome = f"error: {err}"
+        outcome = _broadcast(outcome)
+        if outcome.startswith("error: "):
+            raise CheckpointError(
+                f"checkpoint {candidate} is damaged ({'; '.join(damage)}) and cannot be moved "
+                f"aside ({outcome.removeprefix('error: ')}): move it out of {self.root} yourself "
+                "and submit again"
+            )
+        self.set_aside.append(SetAside(candidate.name, Path(outcome), damage))
+        if self.rank == 0:
+            log.warning(
+                "skipping checkpoint %s, damaged: %s; moved aside to %s, kept for you to inspect",
+                candidate,
+                "; ".join(damage),
+                outcome,
+            )
 
     def _check_same_run(
         self, candidate: Path, state: TrainerState, settings: dict[str, Any]
@@ -238,10 +299,9 @@ class CheckpointStore:
                     candidate,
                 )
         else:
-            changed = differences(state.settings, settings)
-            refused = [d for d in changed if is_identity(d.key)]
-            if refused:
-                raise CheckpointError(refusal(candidate, refused, settings["run.name"]))
+            identity, changed = refused(state.settings, settings)
+            if identity:
+                raise CheckpointError(refusal(candidate, identity, settings["run.name"]))
             if changed and self.rank == 0:
                 log.info("resuming with changed settings: %s", "; ".join(map(str, changed)))
         global_batch = settings["train.global_batch"]
@@ -254,23 +314,90 @@ class CheckpointStore:
             )
 
     def _verify(self, candidate: Path) -> list[str]:
+        """What is wrong with `candidate` on any rank (empty: it verifies); a file any rank
+        cannot read raises CheckpointError on every rank."""
+        check = ShareCheck()
         try:
             manifest = read_manifest(candidate)
-            problems = verify_share(candidate, manifest, self.rank, self.world_size)
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            problems = [str(err)]
-        return sorted({p for share in _all_gather(problems) for p in share})
+            check = verify_share(candidate, manifest, self.rank, self.world_size)
+        except ValueError as err:
+            check.damage.append(str(err))
+        except OSError as err:
+            check.unreadable.append(f"{err.filename or candidate}: {err.strerror or err}")
+        shares: list[ShareCheck] = _all_gather(check)
+        unreadable = sorted({p for share in shares for p in share.unreadable})
+        if unreadable:
+            raise CheckpointError(_unreadable(unreadable))
+        return sorted({p for share in shares for p in share.damage})
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """A checkpoint a job moved aside because it failed verification."""
+
+    name: str  # its name before, e.g. step_00000010
+    path: Path  # where it is now
+    damage: list[str]  # what was wrong
+
+    def __str__(self) -> str:
+        return f"{self.name} (now {self.path.name}): {'; '.join(self.damage)}"
+
+
+def damage_report(set_aside: list[SetAside]) -> str:
+    """What a resumed job skipped, for the run's TensorBoard text."""
+    return (
+        "Checkpoints that failed verification, moved aside (kept for inspection):\n\n"
+        + "\n".join(f"- {s}" for s in set_aside)
+    )
+
+
+def _unreadable(what: list[str]) -> str:
+    return (
+        f"cannot read the run's checkpoints: {'; '.join(what)}. This is a storage or permission "
+        "error, not a damaged checkpoint: the job stops rather than resume from an older "
+        "checkpoint or from step 0. Fix the storage or the file's permissions and submit again"
+    )
+
+
+def _move_aside(checkpoint: Path, why: list[str]) -> Path:
+    """Rename `checkpoint` to a `damaged_` name no resume or retention looks at, and note why
+    inside it. Returns where it went."""
+    aside = checkpoint.with_name(f"{DAMAGED}{checkpoint.name}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = checkpoint.with_name(f"{DAMAGED}{checkpoint.name}.{n}")
+    os.rename(checkpoint, aside)
+    _fsync_dir(checkpoint.parent)
+    (aside / DAMAGE_NOTE).write_text("\n".join(why) + "\n")
+    return aside
+
+
+def damaged_checkpoints(root: Path) -> list[Path]:
+    """The checkpoints jobs set aside as damaged, oldest step first."""
+    return sorted(p for p in root.glob(f"{DAMAGED}step_*") if p.is_dir()) if root.is_dir() else []
 
 
 def checkpoints_newest_first(root: Path) -> list[Path]:
     """The checkpoint directories under `root`, newest first (the `latest` pointer's target
-    leading)."""
-    if not root.is_dir():
-        return []
-    found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
-    pointer = root / LATEST
-    if pointer.exists():
-        target = root / pointer.read_text().strip()
+    leading). A directory that cannot be listed raises OSError: no checkpoints is a fact
+    about the run, never a guess."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError as err:
+        if is_missing(err):
+            return []
+        raise
+    found = sorted(
+        (Path(e.path) for e in entries if e.name.startswith("step_") and e.is_dir()),
+        reverse=True,
+    )
+    try:
+        target = root / (root / LATEST).read_text().strip()
+    except OSError as err:
+        if not is_missing(err):
+            raise
+    else:
         if target in found:
             found.remove(target)
             found.insert(0, target)
@@ -281,20 +408,27 @@ def refuse_another_runs_checkpoint(root: Path, settings: dict[str, Any]) -> None
     """Before a job is queued: the checkpoint it would resume from, the newest whose save
     finished (its manifest written; the job verifies the files), must be of the run `settings`
     describe. Otherwise the job would be refused only at its start, after its wait in the
-    queue. The layout is left to the job, whose nodes decide it."""
-    for candidate in checkpoints_newest_first(root):
-        try:
-            read_manifest(candidate)
-            state = TrainerState.read(candidate)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # the job skips it too
-        if state.settings is None:
-            return  # written before settings were recorded: the job warns
-        changed = differences(state.settings, settings)
-        refused = [d for d in changed if is_identity(d.key) and d.key != "parallel.layout"]
-        if refused:
-            raise ConfigError(refusal(candidate, refused, settings["run.name"]))
-        return
+    queue. A checkpoint that cannot be read is refused here as the job would refuse it. The
+    layout is left to the job, whose nodes decide it."""
+    try:
+        for candidate in checkpoints_newest_first(root):
+            try:
+                read_manifest(candidate)
+                state = TrainerState.read(candidate)
+            except (ValueError, KeyError, TypeError):
+                continue  # damaged: the job sets it aside
+            except OSError as err:
+                if is_missing(err):
+                    continue
+                raise
+            if state.settings is None:
+                return  # written before settings were recorded: the job warns
+            identity, _ = refused(state.settings, settings, layout=False)
+            if identity:
+                raise ConfigError(refusal(candidate, identity, settings["run.name"]))
+            return
+    except OSError as err:
+        raise ConfigError(_unreadable([f"{err.filename or root}: {err.strerror or err}"])) from err
 
 
 def _all_gather(obj: Any) -> list[Any]:

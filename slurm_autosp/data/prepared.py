@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 SUMMARY = "summary.json"
+_EDGE_BYTES = 2**20  # a token file's identity hashes its first and last MiB, and its size
 TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "eval")
 # the files a Hugging Face tokenizer is saved as (any of them; none is a model weight)
@@ -79,3 +80,34 @@ def tokenizer_hash(directory: Path) -> str:
     for path in tokenizer_file_paths(directory):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def contents_identity(path: Path) -> str:
+    """A cheap fingerprint of what a token file, or a prepared directory's training split and
+    summary, hold: each file's name, size, and first and last MiB. Preparing again at the same
+    path (another corpus, another tokenizer, another seed) changes it; reading does not."""
+    files = [path]
+    if is_prepared(path):
+        train = SplitFiles.of(path, "train")
+        files = [
+            path / SUMMARY,
+            *(f for f in (train.tokens, train.documents, train.loss_mask) if f.exists()),
+        ]
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(_EDGE_BYTES))
+            if size > 2 * _EDGE_BYTES:
+                f.seek(size - _EDGE_BYTES)
+            digest.update(f.read(_EDGE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def recorded_tokenizer(path: Path) -> str | None:
+    """The hash of the tokenizer a prepared directory was made with (None: a bare token file)."""
+    if not is_prepared(path):
+        return None
+    tokenizer = read_summary(path).get("tokenizer")
+    return tokenizer.get("sha256") if isinstance(tokenizer, dict) else None

@@ -19,8 +19,10 @@ from slurm_autosp.config import ConfigError, DataSource, DocumentBoundaries, Job
 from slurm_autosp.data.prepared import (
     TOKENIZER_DIR,
     SplitFiles,
+    contents_identity,
     is_prepared,
     read_summary,
+    recorded_tokenizer,
     tokenizer_file_paths,
     tokenizer_hash,
 )
@@ -291,6 +293,21 @@ def token_paths(cfg: JobConfig) -> list[str]:
     if cfg.data.source is not DataSource.tokens:
         return []
     return list(cfg.data.blend) or ([] if cfg.data.path is None else [cfg.data.path])
+
+
+def data_identity(cfg: JobConfig) -> dict[str, str | None]:
+    """What the training data is, beyond its paths: the contents of every file read
+    (`data.contents`) and the tokenizer they were prepared with (`data.tokenizer`); None for
+    synthetic data. A checkpoint records them, so that data prepared again at the same path
+    does not resume silently on other tokens."""
+    paths = [Path(p) for p in token_paths(cfg)]
+    if not paths:
+        return {"data.contents": None, "data.tokenizer": None}
+    tokenizers = {t for t in map(recorded_tokenizer, paths) if t is not None}
+    return {
+        "data.contents": ",".join(contents_identity(p) for p in paths),
+        "data.tokenizer": ",".join(sorted(tokenizers)) or None,
+    }
 
 
 def prepared_tokenizer(cfg: JobConfig) -> Path | None:

@@ -168,6 +168,12 @@ class StepTracer:
             self.writer = SummaryWriter(str(tensorboard_dir(cfg.run.dir)), purge_step=purge)
             self._write_run_text(self.writer, first_step, layout)
 
+    def note(self, tag: str, markdown: str, step: int) -> None:
+        """A text of the run (rank 0, when TensorBoard is on): what a reader of the curves
+        must know about this start, e.g. the checkpoints it skipped."""
+        if self.writer is not None:
+            self.writer.add_text(tag, markdown, step)
+
     # ------------------------------------------------------------------ the step
 
     def traced(self, step: int) -> bool:
