@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -404,7 +406,7 @@ def _explain(err: OmegaConfBaseException, where: str) -> str:
 
 def validate(cfg: JobConfig) -> None:
     """Checks that types cannot express; each message names the key and what would work."""
-    problems = []
+    problems = list(_non_finite(cfg, ""))
     c, t, p, m = cfg.cluster, cfg.train, cfg.parallel, cfg.model
 
     def positive(key: str, value: float) -> None:
@@ -557,6 +559,22 @@ def validate(cfg: JobConfig) -> None:
                 problems.append(f"model.{key} is required to build a model from its config")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _non_finite(value: object, key: str) -> Iterator[str]:
+    """Every float under `value` that is NaN or infinite, by its full key: no range check
+    catches NaN (every comparison with it is false), and YAML reads nan, .inf and 1e999."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _non_finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _non_finite(item, f"{key}.{name}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _non_finite(item, f"{key}[{index}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        yield f"{key}={value} is not a finite number; give a finite value"
 
 
 def _script_value_problems(cfg: JobConfig) -> list[str]:

@@ -1,5 +1,8 @@
 """Bad configuration fails at once, naming the key, the problem and what would work."""
 
+import dataclasses
+import typing
+
 import pytest
 
 from slurm_autosp.config import ConfigError, DataSource, JobConfig, load_config
@@ -174,6 +177,52 @@ def test_vendor_none_is_for_cpu_ranks_only():
     )
     with pytest.raises(ConfigError, match=r"cluster\.vendor=none with cluster\.gpus_per_node=8"):
         load_config(["cfg=configs/tiny_cpu.yaml", "cluster.vendor=none", "cluster.gpus_per_node=8"])
+
+
+def float_keys(section: type = JobConfig, prefix: str = "") -> list[str]:
+    """The full key of every float field of the config, however deep."""
+    keys = []
+    for name, hint in typing.get_type_hints(section).items():
+        if dataclasses.is_dataclass(hint):
+            keys += float_keys(hint, f"{prefix}{name}.")
+        elif hint in (float, float | None):
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+@pytest.mark.parametrize("key", float_keys())
+@pytest.mark.parametrize("value", ["nan", ".inf", "-.inf", "1e999"])
+def test_every_float_field_refuses_nan_and_infinity_by_its_full_key(key, value):
+    """No range check catches NaN (every comparison with it is false): train.lr=nan would train
+    on NaN, and a NaN would only fail once the job has waited in the queue."""
+    with pytest.raises(ConfigError, match=rf"\b{key}=-?(nan|inf) is not a finite number"):
+        load_config(["cfg=configs/tiny_cpu.yaml", f"{key}={value}"])
+
+
+def test_nan_inside_lists_and_mappings_is_refused_by_its_full_key(tmp_path):
+    data = tmp_path / "tokens.bin"
+    data.write_bytes(b"")
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            [
+                "cfg=configs/tiny_cpu.yaml",
+                "data.source=tokens",
+                f"data.blend={{{data}: .nan}}",
+                "train.betas=[0.9, .nan]",
+                "model.extra={attention_dropout: .inf}",
+            ]
+        )
+    for key in (
+        f"data.blend.{data}=nan",
+        "train.betas[1]=nan",
+        "model.extra.attention_dropout=inf",
+    ):
+        assert f"{key} is not a finite number" in str(err.value), err.value
+
+
+def test_the_float_fields_found_include_the_ones_a_nan_would_break():
+    assert {"train.lr", "train.grad_clip", "checkpoint.write_gb_per_s"} <= set(float_keys())
+    assert "cluster.collective_timeout_min" in float_keys()
 
 
 @pytest.mark.parametrize("name", ["../escape", "a/b", "log%j", ".", "..", "", "-rf"])
