@@ -579,8 +579,10 @@ def _non_finite(value: object, key: str) -> Iterator[str]:
 
 def _script_value_problems(cfg: JobConfig) -> list[str]:
     """Values rendered into the sbatch script or used as a path: a newline would end the
-    #SBATCH block (the directives after it silently dropped, the rest run as shell), and a run
-    name with a path separator, `..` or `%` escapes run.output_root or is expanded by Slurm."""
+    #SBATCH block (the directives after it silently dropped, the rest run as shell), a run
+    name with a path separator or `..` escapes run.output_root, and a `%` in the run directory
+    is expanded by Slurm in the log paths. Spaces, `#` and quotes are safe: submitit quotes
+    every #SBATCH value and srun argument, and sbatch reads quotes in #SBATCH lines."""
     c = cfg.cluster
     rendered: list[tuple[str, object]] = [
         ("run.name", cfg.run.name),
@@ -616,6 +618,13 @@ def _script_value_problems(cfg: JobConfig) -> list[str]:
         problems.append(
             f"run.name={name!r} must be a plain directory name (no '/', '\\', '%', not '.', '..', empty or "
             "starting with '-'): it names <run.output_root>/<run.name> and the job's log files"
+        )
+    root = str(Path(cfg.run.output_root).expanduser().resolve())
+    if "%" in root:
+        problems.append(
+            f"run.output_root={cfg.run.output_root!r} puts '%' in the run directory ({root}): Slurm "
+            "expands % patterns (%j, %u, ...) in the job's log paths (#SBATCH --output) while "
+            "submitit reads them literally, so the logs would be lost; choose a directory without '%'"
         )
     return problems
 

@@ -231,6 +231,17 @@ def test_run_name_must_be_a_plain_directory_name(name):
         load_config(["cfg=configs/tiny_cpu.yaml", f"run.name='{name}'"])
 
 
+def test_a_percent_sign_anywhere_in_the_run_directory_is_refused(tmp_path, monkeypatch):
+    """Slurm expands %j, %u, ... in #SBATCH --output while submitit reads the literal path."""
+    with pytest.raises(ConfigError, match=r"run\.output_root='.*50%done' puts '%' in the run dir"):
+        load_config(["cfg=configs/tiny_cpu.yaml", f"run.output_root={tmp_path}/50%done"])
+    inside = tmp_path / "proj%u"
+    inside.mkdir()
+    monkeypatch.chdir(inside)  # a relative run.output_root resolves under the current directory
+    with pytest.raises(ConfigError, match=r"run\.output_root='runs' puts '%' in .*proj%u/runs"):
+        load_config(["run.output_root=runs"])
+
+
 def test_a_newline_in_any_value_rendered_into_the_job_script_is_refused(tmp_path):
     """A newline would end the #SBATCH block: the directives after it dropped, the line run as shell."""
     path = tmp_path / "evil.yaml"
