@@ -254,7 +254,8 @@ class TrainConfig:
     log_every: int = 1
     # held-out loss and perplexity every this many steps and after the last; 0: after the last only
     eval_every: int = 0
-    eval_samples: int = 64  # held-out samples per evaluation (fewer if the eval data holds fewer)
+    # held-out samples per evaluation (fewer if the eval data holds fewer); 0: no evaluation
+    eval_samples: int = 64
 
 
 @dataclass
@@ -426,13 +427,14 @@ def validate(cfg: JobConfig) -> None:
         ("train.grad_accum", t.grad_accum),
         ("train.lr", t.lr),
         ("train.log_every", t.log_every),
-        ("train.eval_samples", t.eval_samples),
     ]:
         positive(key, value)
     if t.eval_every < 0:
         problems.append(
             f"train.eval_every={t.eval_every} must be >= 0 (0: after the last step only)"
         )
+    if t.eval_samples < 0:
+        problems.append(f"train.eval_samples={t.eval_samples} must be >= 0 (0: no evaluation)")
     for key, count in [("probe.steps", cfg.probe.steps), ("probe.layers", cfg.probe.layers)]:
         if count is not None and count < 1:
             problems.append(f"{key}={count} must be >= 1")
