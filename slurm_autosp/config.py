@@ -370,18 +370,25 @@ def _read_yaml(path: str) -> DictConfig:
 
 
 def _parse_overrides(overrides: list[str]) -> DictConfig:
-    """The overrides as one config; each value is read as YAML, so one YAML cannot read is named."""
+    """The overrides as one config; each value is read as YAML, so one YAML cannot read is named,
+    and so is one YAML would cut at ' #' (a comment: run.name=exp #1 would read as exp)."""
     for override in overrides:
+        key, _, value = override.partition("=")
         try:
-            OmegaConf.from_dotlist([override])
+            read = OmegaConf.from_dotlist([override])
         except Exception as err:  # OmegaConf's own errors and yaml's scanner/parser errors alike
-            key, _, value = override.partition("=")
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             hint = "; quote it" if isinstance(err, yaml.YAMLError) else ""
             raise ConfigError(
                 f"{key} on the command line: cannot read the value {value!r} ({reason}){hint}, "
                 f"e.g. {key}='\"{value}\"' in the shell"
             ) from err
+        if "#" in value and "#" not in str(OmegaConf.to_container(read)):
+            raise ConfigError(
+                f"{key} on the command line: the value {value!r} would read as "
+                f"{OmegaConf.select(read, key)!r} (YAML takes ' #' and what follows for a "
+                f"comment); quote it, e.g. {key}='\"{value}\"' in the shell"
+            )
     return OmegaConf.from_dotlist(overrides)
 
 

@@ -262,3 +262,15 @@ def test_a_value_yaml_cannot_read_is_named_with_how_to_quote_it():
         match=r"cluster\.constraint on the command line: cannot read the value '`id`'.*quote it",
     ):
         load_config(["cfg=configs/tiny_cpu.yaml", "cluster.constraint=`id`"])
+
+
+def test_a_value_yaml_would_cut_at_a_comment_is_refused_with_how_to_quote_it():
+    """`run.name=exp #1` (the shell passes it whole) would silently train run `exp`."""
+    with pytest.raises(
+        ConfigError,
+        match=r"run\.name on the command line: the value 'exp #1' would read as 'exp' .*"
+        r"""comment\); quote it, e.g. run\.name='"exp #1"'""",
+    ):
+        load_config(["cfg=configs/tiny_cpu.yaml", "run.name=exp #1"])
+    assert load_config(["run.name='exp #1'"]).run.name == "exp #1"
+    assert load_config(["run.name=exp#1"]).run.name == "exp#1"  # no space: not a comment
