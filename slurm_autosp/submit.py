@@ -109,7 +109,7 @@ def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJo
             return 0
         executor = build_executor(cfg, backend)
         if not plan.fits:
-            raise ConfigError(f"the job does not fit its GPUs: {plan.reason}\n{plan.text}")
+            raise ConfigError(f"{plan.reason}\n{plan.text}")
         prepare_run_dir(cfg, submission, force=force)
     except ConfigError as err:
         return config_error(err)
