@@ -133,10 +133,10 @@ def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str
 
 def _apply_collective_env(cfg: JobConfig) -> dict[str, str]:
     """Export the settings before the process group starts (NCCL reads them at init), the
-    compile caches checked to be this user's alone."""
-    use_private_compile_cache(cfg.compile.cache_dir, {**os.environ, **cfg.cluster.env})
+    compile caches as exported checked to be this user's alone."""
     env = collective_env_for(cfg, os.environ)
     os.environ.update(env)
+    env.update(use_private_compile_cache(cfg.compile.cache_dir))
     if "TORCH_FR_DUMP_TEMP_FILE" in env:
         os.makedirs(os.path.dirname(env["TORCH_FR_DUMP_TEMP_FILE"]), exist_ok=True)
     return env
