@@ -237,12 +237,13 @@ def launch(
     impl: str, layers: int, steps: int, cache_dir: Path, device: str, timeout_s: float
 ) -> dict:
     """Run one measurement on SP fresh processes; returns rank 0's result or {"error": ...}."""
+    from slurm_autosp.launch.compile_cache import use_private_compile_cache
+
     result_path = cache_dir / f"result_{impl}_{layers}_{time.monotonic_ns()}.json"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor"),
-        "TRITON_CACHE_DIR": str(cache_dir / "triton"),
+        **use_private_compile_cache(str(cache_dir), inherited={}),
         "OMP_NUM_THREADS": "1",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -344,6 +345,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     parser.add_argument("--json", type=Path, help="also write every result here")
     args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run launch's cleanup on SIGTERM too
     layer_counts = args.layers or ([2, 8] if args.quick else [2, 8, 32])
     steps = args.steps or (3 if args.quick else 5)

@@ -261,9 +261,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="context_bench_inductor_")
-    )
+    sys.path.insert(0, str(REPO))
+    from slurm_autosp.launch.compile_cache import use_private_compile_cache
+
+    # the user's own TORCHINDUCTOR_CACHE_DIR, else a fresh private one
+    use_private_compile_cache(tempfile.mkdtemp(prefix="context_bench_cache_"))
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:

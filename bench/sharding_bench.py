@@ -303,13 +303,13 @@ def main() -> int:
     import torch
     import torch.multiprocessing as mp
 
+    from slurm_autosp.launch.compile_cache import use_private_compile_cache
+
     args.device = "cuda" if torch.cuda.device_count() >= WORLD else "cpu"
     results: dict[int, list[dict[str, Any]]] = {}
     for stage in STAGES:
         with tempfile.TemporaryDirectory(prefix="sharding_bench_") as tmp:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-                tmp, "inductor"
-            )  # cold compile for both
+            use_private_compile_cache(os.path.join(tmp, "cache"), inherited={})  # both cold
             out = os.path.join(tmp, "result.json")
             mp.spawn(run_stage, args=(stage, args, os.path.join(tmp, "store"), out), nprocs=WORLD)
             results[stage] = json.loads(Path(out).read_text())

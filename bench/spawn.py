@@ -15,9 +15,12 @@ import torch.multiprocessing as mp
 def spawn_ranks(rank_main: Callable[..., None], args: tuple, nprocs: int) -> list[Any]:
     """Call `rank_main(rank, init_file, *args, out)` on `nprocs` spawned ranks, each of which
     writes its JSON result to f"{out}.{rank}"; return those results in rank order. The ranks
-    compile into a fresh inductor cache, so no run times another's cached graphs."""
+    compile into fresh private caches (inductor's and Triton's), so no run times another's
+    cached graphs."""
+    from slurm_autosp.launch.compile_cache import use_private_compile_cache
+
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        use_private_compile_cache(os.path.join(tmp, "cache"), inherited={})
         out = os.path.join(tmp, "rows")
         mp.spawn(rank_main, args=(os.path.join(tmp, "store"), *args, out), nprocs=nprocs)
         return [json.loads(open(f"{out}.{rank}").read()) for rank in range(nprocs)]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,7 +254,8 @@ class TrainConfig:
     log_every: int = 1
     # held-out loss and perplexity every this many steps and after the last; 0: after the last only
     eval_every: int = 0
-    eval_samples: int = 64  # held-out samples per evaluation (fewer if the eval data holds fewer)
+    # held-out samples per evaluation (fewer if the eval data holds fewer); 0: no evaluation
+    eval_samples: int = 64
 
 
 @dataclass
@@ -370,18 +373,25 @@ def _read_yaml(path: str) -> DictConfig:
 
 
 def _parse_overrides(overrides: list[str]) -> DictConfig:
-    """The overrides as one config; each value is read as YAML, so one YAML cannot read is named."""
+    """The overrides as one config; each value is read as YAML, so one YAML cannot read is named,
+    and so is one YAML would cut at ' #' (a comment: run.name=exp #1 would read as exp)."""
     for override in overrides:
+        key, _, value = override.partition("=")
         try:
-            OmegaConf.from_dotlist([override])
+            read = OmegaConf.from_dotlist([override])
         except Exception as err:  # OmegaConf's own errors and yaml's scanner/parser errors alike
-            key, _, value = override.partition("=")
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             hint = "; quote it" if isinstance(err, yaml.YAMLError) else ""
             raise ConfigError(
                 f"{key} on the command line: cannot read the value {value!r} ({reason}){hint}, "
                 f"e.g. {key}='\"{value}\"' in the shell"
             ) from err
+        if "#" in value and "#" not in str(OmegaConf.to_container(read)):
+            raise ConfigError(
+                f"{key} on the command line: the value {value!r} would read as "
+                f"{OmegaConf.select(read, key)!r} (YAML takes ' #' and what follows for a "
+                f"comment); quote it, e.g. {key}='\"{value}\"' in the shell"
+            )
     return OmegaConf.from_dotlist(overrides)
 
 
@@ -407,7 +417,7 @@ def _explain(err: OmegaConfBaseException, where: str) -> str:
 
 def validate(cfg: JobConfig) -> None:
     """Checks that types cannot express; each message names the key and what would work."""
-    problems = []
+    problems = list(_non_finite(cfg, ""))
     c, t, p, m = cfg.cluster, cfg.train, cfg.parallel, cfg.model
 
     def positive(key: str, value: float) -> None:
@@ -427,13 +437,14 @@ def validate(cfg: JobConfig) -> None:
         ("train.grad_accum", t.grad_accum),
         ("train.lr", t.lr),
         ("train.log_every", t.log_every),
-        ("train.eval_samples", t.eval_samples),
     ]:
         positive(key, value)
     if t.eval_every < 0:
         problems.append(
             f"train.eval_every={t.eval_every} must be >= 0 (0: after the last step only)"
         )
+    if t.eval_samples < 0:
+        problems.append(f"train.eval_samples={t.eval_samples} must be >= 0 (0: no evaluation)")
     for key, count in [("probe.steps", cfg.probe.steps), ("probe.layers", cfg.probe.layers)]:
         if count is not None and count < 1:
             problems.append(f"{key}={count} must be >= 1")
@@ -562,10 +573,28 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
+def _non_finite(value: object, key: str) -> Iterator[str]:
+    """Every float under `value` that is NaN or infinite, by its full key: no range check
+    catches NaN (every comparison with it is false), and YAML reads nan, .inf and 1e999."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _non_finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _non_finite(item, f"{key}.{name}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _non_finite(item, f"{key}[{index}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        yield f"{key}={value} is not a finite number; give a finite value"
+
+
 def _script_value_problems(cfg: JobConfig) -> list[str]:
     """Values rendered into the sbatch script or used as a path: a newline would end the
-    #SBATCH block (the directives after it silently dropped, the rest run as shell), and a run
-    name with a path separator, `..` or `%` escapes run.output_root or is expanded by Slurm."""
+    #SBATCH block (the directives after it silently dropped, the rest run as shell), a run
+    name with a path separator or `..` escapes run.output_root, and a `%` in the run directory
+    is expanded by Slurm in the log paths. Spaces, `#` and quotes are safe: submitit quotes
+    every #SBATCH value and srun argument, and sbatch reads quotes in #SBATCH lines."""
     c = cfg.cluster
     rendered: list[tuple[str, object]] = [
         ("run.name", cfg.run.name),
@@ -601,6 +630,13 @@ def _script_value_problems(cfg: JobConfig) -> list[str]:
         problems.append(
             f"run.name={name!r} must be a plain directory name (no '/', '\\', '%', not '.', '..', empty or "
             "starting with '-'): it names <run.output_root>/<run.name> and the job's log files"
+        )
+    root = str(Path(cfg.run.output_root).expanduser().resolve())
+    if "%" in root:
+        problems.append(
+            f"run.output_root={cfg.run.output_root!r} puts '%' in the run directory ({root}): Slurm "
+            "expands % patterns (%j, %u, ...) in the job's log paths (#SBATCH --output) while "
+            "submitit reads them literally, so the logs would be lost; choose a directory without '%'"
         )
     return problems
 

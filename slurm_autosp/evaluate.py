@@ -125,8 +125,8 @@ def build_evaluator(
     device: torch.device,
     vocab_size: int | None,
 ) -> Evaluator | None:
-    """None when the run has no held-out data. At most `train.eval_samples` samples: a smaller
-    held-out set is evaluated whole."""
+    """None when the run has no held-out data or train.eval_samples=0. At most
+    `train.eval_samples` samples: a smaller held-out set is evaluated whole."""
     source = open_eval_source(cfg, vocab_size)
     if source is None:
         return None

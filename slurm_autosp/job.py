@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,9 +23,9 @@ import torch.distributed as dist
 
 from slurm_autosp.checkpoint.lock import RunLock, acquire_lock, release_lock
 from slurm_autosp.checkpoint.signals import StopRequest
-from slurm_autosp.compat import torch_api
 from slurm_autosp.config import ConfigError, JobConfig, Vendor
 from slurm_autosp.launch.comm_env import collective_env
+from slurm_autosp.launch.compile_cache import use_private_compile_cache, users_environment
 from slurm_autosp.launch.distributed import DistContext, init_distributed
 from slurm_autosp.launch.placement import Parallel, build_parallel, verify_topology
 from slurm_autosp.launch.run_dir import prepare_run_dir
@@ -121,18 +120,14 @@ def _holder(job_env: submitit.JobEnvironment) -> RunLock:
 
 
 def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str, str]:
-    """The NCCL/RCCL settings for this job's vendor and fabric; `cluster.env` and anything in
-    `inherited` (the job's own environment) win over ours. A TORCHINDUCTOR_CACHE_DIR equal to
-    torch's default is not the user's: importing torch._dynamo exports it (in the submitting
-    process too, whose environment the job inherits)."""
+    """The NCCL/RCCL settings for this job's vendor and fabric, and its compile caches;
+    `cluster.env` and anything in `inherited` (the job's own environment, less torch's default
+    cache: see users_environment) win over ours."""
     c = cfg.cluster
-    inherited = dict(inherited)
-    if inherited.get("TORCHINDUCTOR_CACHE_DIR") == torch_api.inductor_default_cache_dir():
-        del inherited["TORCHINDUCTOR_CACHE_DIR"]
     env = collective_env(
         c.vendor if c.uses_gpus else Vendor.none,
         c.fabric,
-        user_env={**inherited, **c.env},
+        user_env={**users_environment(inherited), **c.env},
         run_dir=str(cfg.run.dir),
         debug=c.debug_collectives,
         node_local_cache_dir=cfg.compile.cache_dir,
@@ -142,31 +137,14 @@ def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str
 
 
 def _apply_collective_env(cfg: JobConfig) -> dict[str, str]:
-    """Export the settings before the process group starts (NCCL reads them at init)."""
+    """Export the settings before the process group starts (NCCL reads them at init), the
+    compile caches as exported checked to be this user's alone."""
     env = collective_env_for(cfg, os.environ)
-    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-        private_cache_dir(env[key])
     os.environ.update(env)
+    env.update(use_private_compile_cache(cfg.compile.cache_dir))
     if "TORCH_FR_DUMP_TEMP_FILE" in env:
         os.makedirs(os.path.dirname(env["TORCH_FR_DUMP_TEMP_FILE"]), exist_ok=True)
     return env
-
-
-def private_cache_dir(path: str) -> None:
-    """Make `path` (and its parent) this user's alone, or refuse it: compile caches are
-    unpickled, so a directory another user owns or can write could run their code in this job.
-    A sticky parent (/tmp, where torch's default cache lives) is safe: others cannot replace `path`."""
-    parent = os.path.dirname(path)
-    for directory in (parent, path):
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        info = os.stat(directory)
-        sticky_parent = directory == parent and info.st_mode & stat.S_ISVTX
-        if not sticky_parent and (info.st_uid != os.getuid() or info.st_mode & 0o022):
-            raise RuntimeError(
-                f"compile cache directory {directory} is owned by uid {info.st_uid} or writable by others "
-                f"(mode {info.st_mode & 0o777:o}); compiled code is loaded from it: remove it, or set "
-                "compile.cache_dir to a directory of your own"
-            )
 
 
 def _configure_process(cfg: JobConfig, rank: int) -> None:

@@ -32,7 +32,7 @@ def plan_or_adopt(cfg: JobConfig, restarted: bool) -> None:
         return
     plan = plan_verdict(cfg)
     if not plan.fits:
-        raise ConfigError(f"the job does not fit its GPUs: {plan.reason}\n{plan.text}")
+        raise ConfigError(f"{plan.reason}\n{plan.text}")
     freeze_choices(cfg, plan.choices)
 
 

@@ -77,14 +77,23 @@ def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -
     )
 
 
-def main(argv: list[str] | None = None, job_type: type[TrainingJob] = TrainingJob) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
         return 0
     argv, force = take_flag(argv, "--force")
-    submission = RunLock(str(os.getpid()), SUBMITTING, socket.gethostname())
     try:
         cfg = load_config(argv)
+    except ConfigError as err:
+        return config_error(err)
+    return submit(cfg, force)
+
+
+def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJob) -> int:
+    """Check, plan and submit a loaded config: what `main` does after loading it, and what the
+    probe does with its own config (an object, so no value is re-read as text)."""
+    submission = RunLock(str(os.getpid()), SUBMITTING, socket.gethostname())
+    try:
         refuse_unsupported_attention(cfg)
         check_token_file(cfg, model_vocab_size(cfg.model))
         layout = plan_layout(cfg)
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None, job_type: type[TrainingJob] = TrainingJo
             return 0
         executor = build_executor(cfg, backend)
         if not plan.fits:
-            raise ConfigError(f"the job does not fit its GPUs: {plan.reason}\n{plan.text}")
+            raise ConfigError(f"{plan.reason}\n{plan.text}")
         prepare_run_dir(cfg, submission, force=force)
     except ConfigError as err:
         return config_error(err)

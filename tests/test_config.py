@@ -1,5 +1,8 @@
 """Bad configuration fails at once, naming the key, the problem and what would work."""
 
+import dataclasses
+import typing
+
 import pytest
 
 from slurm_autosp.config import ConfigError, DataSource, JobConfig, load_config
@@ -176,10 +179,67 @@ def test_vendor_none_is_for_cpu_ranks_only():
         load_config(["cfg=configs/tiny_cpu.yaml", "cluster.vendor=none", "cluster.gpus_per_node=8"])
 
 
+def float_keys(section: type = JobConfig, prefix: str = "") -> list[str]:
+    """The full key of every float field of the config, however deep."""
+    keys = []
+    for name, hint in typing.get_type_hints(section).items():
+        if dataclasses.is_dataclass(hint):
+            keys += float_keys(hint, f"{prefix}{name}.")
+        elif hint in (float, float | None):
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+@pytest.mark.parametrize("key", float_keys())
+@pytest.mark.parametrize("value", ["nan", ".inf", "-.inf", "1e999"])
+def test_every_float_field_refuses_nan_and_infinity_by_its_full_key(key, value):
+    """No range check catches NaN (every comparison with it is false): train.lr=nan would train
+    on NaN, and a NaN would only fail once the job has waited in the queue."""
+    with pytest.raises(ConfigError, match=rf"\b{key}=-?(nan|inf) is not a finite number"):
+        load_config(["cfg=configs/tiny_cpu.yaml", f"{key}={value}"])
+
+
+def test_nan_inside_lists_and_mappings_is_refused_by_its_full_key(tmp_path):
+    data = tmp_path / "tokens.bin"
+    data.write_bytes(b"")
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            [
+                "cfg=configs/tiny_cpu.yaml",
+                "data.source=tokens",
+                f"data.blend={{{data}: .nan}}",
+                "train.betas=[0.9, .nan]",
+                "model.extra={attention_dropout: .inf}",
+            ]
+        )
+    for key in (
+        f"data.blend.{data}=nan",
+        "train.betas[1]=nan",
+        "model.extra.attention_dropout=inf",
+    ):
+        assert f"{key} is not a finite number" in str(err.value), err.value
+
+
+def test_the_float_fields_found_include_the_ones_a_nan_would_break():
+    assert {"train.lr", "train.grad_clip", "checkpoint.write_gb_per_s"} <= set(float_keys())
+    assert "cluster.collective_timeout_min" in float_keys()
+
+
 @pytest.mark.parametrize("name", ["../escape", "a/b", "log%j", ".", "..", "", "-rf"])
 def test_run_name_must_be_a_plain_directory_name(name):
     with pytest.raises(ConfigError, match=r"run\.name=.* must be a plain directory name"):
         load_config(["cfg=configs/tiny_cpu.yaml", f"run.name='{name}'"])
+
+
+def test_a_percent_sign_anywhere_in_the_run_directory_is_refused(tmp_path, monkeypatch):
+    """Slurm expands %j, %u, ... in #SBATCH --output while submitit reads the literal path."""
+    with pytest.raises(ConfigError, match=r"run\.output_root='.*50%done' puts '%' in the run dir"):
+        load_config(["cfg=configs/tiny_cpu.yaml", f"run.output_root={tmp_path}/50%done"])
+    inside = tmp_path / "proj%u"
+    inside.mkdir()
+    monkeypatch.chdir(inside)  # a relative run.output_root resolves under the current directory
+    with pytest.raises(ConfigError, match=r"run\.output_root='runs' puts '%' in .*proj%u/runs"):
+        load_config(["run.output_root=runs"])
 
 
 def test_a_newline_in_any_value_rendered_into_the_job_script_is_refused(tmp_path):
@@ -202,3 +262,15 @@ def test_a_value_yaml_cannot_read_is_named_with_how_to_quote_it():
         match=r"cluster\.constraint on the command line: cannot read the value '`id`'.*quote it",
     ):
         load_config(["cfg=configs/tiny_cpu.yaml", "cluster.constraint=`id`"])
+
+
+def test_a_value_yaml_would_cut_at_a_comment_is_refused_with_how_to_quote_it():
+    """`run.name=exp #1` (the shell passes it whole) would silently train run `exp`."""
+    with pytest.raises(
+        ConfigError,
+        match=r"run\.name on the command line: the value 'exp #1' would read as 'exp' .*"
+        r"""comment\); quote it, e.g. run\.name='"exp #1"'""",
+    ):
+        load_config(["cfg=configs/tiny_cpu.yaml", "run.name=exp #1"])
+    assert load_config(["run.name='exp #1'"]).run.name == "exp #1"
+    assert load_config(["run.name=exp#1"]).run.name == "exp#1"  # no space: not a comment

@@ -14,6 +14,7 @@ from slurm_autosp.data import (
     build_source,
     check_token_file,
     micro_batch,
+    open_eval_source,
     write_token_file,
 )
 from slurm_autosp.submit import main as submit_main
@@ -171,6 +172,34 @@ def test_submit_refuses_a_truncated_token_file_before_any_rank_starts(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"data.path={path}: {path}: truncated" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_held_out_data_shorter_than_one_sample_is_refused_naming_how_to_turn_evaluation_off(
+    tmp_path,
+):
+    train, held_out = tmp_path / "train.bin", tmp_path / "eval.bin"
+    write_token_file(train, np.arange(64) % 256, vocab_size=256)
+    write_token_file(held_out, np.arange(10), vocab_size=256)
+    data = ["data.source=tokens", f"data.path={train}", "data.seq_len=16"]
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml", *data, f"data.eval_path={held_out}"])
+    with pytest.raises(
+        ConfigError,
+        match=rf"data.eval_path={held_out} \(held-out data\): .*10 tokens is less than one "
+        r"sample of data.seq_len=16; or turn evaluation off with train.eval_samples=0",
+    ):
+        check_token_file(cfg, 256)
+    off = load_config(
+        ["cfg=configs/tiny_cpu.yaml", *data, f"data.eval_path={held_out}", "train.eval_samples=0"]
+    )
+    check_token_file(off, 256)
+    assert open_eval_source(off, 256) is None  # no evaluator is built
+
+
+def test_eval_samples_may_be_zero_but_not_negative():
+    with pytest.raises(
+        ConfigError, match=r"train.eval_samples=-1 must be >= 0 \(0: no evaluation\)"
+    ):
+        load_config(["train.eval_samples=-1"])
 
 
 def test_a_blend_reads_each_dataset_by_its_weight_in_its_own_order(tmp_path):

@@ -62,6 +62,26 @@ def test_llama70b_under_zero1_does_not_fit_because_of_full_weights_and_gradients
     assert llama70b_zero1_plan.configured.trace.quadratic_saved == []
 
 
+def test_a_job_whose_offload_overflows_host_memory_is_refused_naming_host_memory():
+    """At 1M tokens the chosen rung fits the GPU (41 GB of 80) by offloading: what does not
+    fit is the nodes' host memory, and the verdict says so with its figures and keys."""
+    plan = build_plan(load_config(["cfg=configs/llama70b_128k.yaml", "data.seq_len=1048576"]))
+    text, fits, reason = verdict(plan)
+    assert not fits and plan.configured.total <= plan.gpu_bytes
+    assert reason.startswith(
+        "the job does not fit its nodes' host memory: needs 1,567 GB of host memory per node"
+    ), reason
+    verdict_text = text[text.index("verdict:") :]
+    for part in (
+        "the node has 410 GB for offload (80% of cluster.host_memory_gb=512)",
+        "the biggest term is offloaded activations (1,426 GB)",
+        "set cluster.host_memory_gb to the nodes' memory if they have more",
+        "compile.offload_activations=false or parallel.offload_optimizer=false",
+    ):
+        assert part in verdict_text and part in reason, verdict_text
+    assert "per GPU" not in verdict_text, verdict_text
+
+
 def test_llama70b_128k_fits_under_zero3_chosen_by_the_plan(llama70b_plan):
     assert llama70b_plan.zero_stage == 3 and llama70b_plan.fits
     assert llama70b_plan.configured.spec in AUTO_CANDIDATES

@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_command
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.probe.__main__ import main as probe_main
+from slurm_autosp.probe.__main__ import probe_config
 
 REPO = Path(__file__).resolve().parents[1]
 # What the forward keeps for backward against the plan's activations and loss inputs: the plan
@@ -88,6 +91,41 @@ def test_table_and_verdict_reach_the_terminal_and_tensorboard(probe_run):
     assert {"probe/step_s", "probe/busbw_gb_per_s/all_to_all_q_attention_out"} <= set(
         events.Tags()["scalars"]
     )
+
+
+NAME = 'exp #1 "a"=b'  # a YAML comment, quotes and '=': each cut a name read again as key=value
+
+
+def test_the_probe_runs_under_the_whole_run_name_and_its_own_depth(tmp_path):
+    cfg = load_config(
+        ["cfg=configs/tiny_cpu.yaml", f"run.name='{NAME}'", f"run.output_root={tmp_path}"]
+    )
+    probe = probe_config(cfg)
+    assert probe.run.name == f"{NAME}_probe" and probe.run.dir == tmp_path / f"{NAME}_probe"
+    assert probe.model.num_hidden_layers == cfg.model.num_hidden_layers
+    deep = load_config(["cfg=configs/llama8b_32k.yaml", "probe.layers=3"])
+    assert probe_config(deep).model.num_hidden_layers == 3
+
+
+def test_the_probe_job_script_keeps_a_run_name_with_spaces_hashes_and_quotes(tmp_path):
+    """The sbatch script and the resolved config of the probe's dry run name the probe's own
+    directory whole; nothing is written."""
+    proc = run_command(
+        probe_main,
+        "cfg=configs/tiny_cpu.yaml",
+        "cluster.backend=slurm",
+        "dry_run=true",
+        f"run.name='{NAME}'",
+        f"run.output_root={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    quoted = "'exp #1 \"a\"=b_probe'"  # submitit's shlex quoting, which sbatch reads back
+    assert f"#SBATCH --job-name={quoted}" in proc.stdout
+    assert (
+        f"#SBATCH --output='{tmp_path}/exp #1 \"a\"=b_probe/submitit/%j_0_log.out'" in proc.stdout
+    )
+    assert f"name: '{NAME}_probe'" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_probe_steps_and_layers_must_be_positive():

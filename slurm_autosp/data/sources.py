@@ -268,7 +268,10 @@ def open_tokens(
 def eval_data_path(cfg: JobConfig) -> tuple[str, str] | None:
     """(path, split) of the held-out data: data.eval_path (a prepared directory's eval split,
     its train split when it has none, or a token file), else data.path's eval split when it is
-    a prepared directory that has one; None: the run has no held-out data."""
+    a prepared directory that has one; None: the run has no held-out data, or evaluates none
+    (train.eval_samples=0)."""
+    if cfg.train.eval_samples == 0:
+        return None
     path = cfg.data.eval_path
     if path is None and cfg.data.source is DataSource.tokens and cfg.data.path:
         path = cfg.data.path if SplitFiles.of(Path(cfg.data.path), "eval").tokens.exists() else None
@@ -335,7 +338,9 @@ def check_token_file(cfg: JobConfig, model_vocab_size: int | None) -> None:
     try:
         open_eval_source(cfg, model_vocab_size)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{eval_key} (held-out data): {err}") from err
+        raise ConfigError(
+            f"{eval_key} (held-out data): {err}; or turn evaluation off with train.eval_samples=0"
+        ) from err
     tokenizers = {
         p: tokenizer_hash(Path(p) / TOKENIZER_DIR)
         for p in token_paths(cfg)

@@ -168,28 +168,22 @@ def _member(kind: type[_E], value: str, key: str) -> _E:
         raise ValueError(f"{key}={value!r} is not one of {choices}") from None
 
 
-def collective_env_settings(
-    vendor: Vendor | str,
-    fabric: Fabric | str,
-    *,
-    user_env: Mapping[str, str],
-    run_dir: str,
-    debug: bool = False,
-    node_local_cache_dir: str | None = None,
-) -> tuple[EnvSetting, ...]:
-    """Every variable we would set, with its reason, before user values are applied.
+def compile_cache_settings(
+    user_env: Mapping[str, str], node_local_cache_dir: str | None = None
+) -> tuple[EnvSetting, EnvSetting]:
+    """Inductor's and Triton's cache directories, before user values are applied.
 
     node_local_cache_dir defaults to $SLURM_TMPDIR or $TMPDIR (from user_env) or /tmp, plus
     "slurm_autosp_cache_<uid>": compile caches on shared storage hit inode quotas and stale file
     handles, and a cold cache costs minutes per start. One per user: inductor unpickles what
-    it finds there, so another user's directory must never be read (the job makes it 0700).
+    it finds there, so another user's directory must never be read (launch.compile_cache
+    makes it 0700 and refuses one others can write).
     """
-    vendor, fabric = _member(Vendor, vendor, "vendor"), _member(Fabric, fabric, "fabric")
     cache_dir = node_local_cache_dir or os.path.join(
         user_env.get("SLURM_TMPDIR") or user_env.get("TMPDIR") or "/tmp",
         f"slurm_autosp_cache_{os.getuid()}",
     )
-    settings = [
+    return (
         EnvSetting(
             "TORCHINDUCTOR_CACHE_DIR",
             os.path.join(cache_dir, "inductor"),
@@ -201,7 +195,21 @@ def collective_env_settings(
             os.path.join(cache_dir, "triton"),
             "Triton's kernel cache on node-local disk, for the same reason",
         ),
-    ]
+    )
+
+
+def collective_env_settings(
+    vendor: Vendor | str,
+    fabric: Fabric | str,
+    *,
+    user_env: Mapping[str, str],
+    run_dir: str,
+    debug: bool = False,
+    node_local_cache_dir: str | None = None,
+) -> tuple[EnvSetting, ...]:
+    """Every variable we would set, with its reason, before user values are applied."""
+    vendor, fabric = _member(Vendor, vendor, "vendor"), _member(Fabric, fabric, "fabric")
+    settings = list(compile_cache_settings(user_env, node_local_cache_dir))
     if vendor is Vendor.none:
         return tuple(settings)
     settings += _GPU_COLLECTIVES

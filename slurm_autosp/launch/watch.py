@@ -8,6 +8,7 @@ without results (killed, out of memory), which is then noticed within that inter
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -121,17 +122,23 @@ def _echo_lines(text: str, echo: Callable[[str], None]) -> None:
 
 
 def next_steps(job: submitit.Job, run_dir: Path) -> str:
-    """How to follow, check and cancel a job that runs on without this terminal."""
+    """How to follow, check and cancel a job that runs on without this terminal: commands to
+    paste, the paths quoted (a run name may hold spaces, '#' or quotes)."""
     cancel = f"scancel {job.job_id}" if isinstance(job, submitit.SlurmJob) else f"kill {job.job_id}"
+    run = shlex.quote(str(run_dir))
     return "\n".join(
         [
-            f"  follow:      python -m slurm_autosp.status {run_dir} --follow",
-            f"  rank 0 log:  {job.task(0).paths.stdout}",
-            f"  status:      python -m slurm_autosp.status {run_dir}",
+            f"  follow:      python -m slurm_autosp.status {run} --follow",
+            f"  rank 0 log:  {shlex.quote(str(job.task(0).paths.stdout))}",
+            f"  status:      python -m slurm_autosp.status {run}",
             f"  cancel:      {cancel}",
-            f"  TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}",
+            f"  TensorBoard: {tensorboard_command(run_dir)}",
         ]
     )
+
+
+def tensorboard_command(run_dir: Path) -> str:
+    return f"tensorboard --logdir {shlex.quote(str(run_dir / 'tensorboard'))}"
 
 
 def follow(job: submitit.Job, run_dir: Path) -> int:
@@ -150,5 +157,5 @@ def follow(job: submitit.Job, run_dir: Path) -> int:
         job.cancel(check=False)
         print(f"\ninterrupted: cancelled job {job.job_id}", file=sys.stderr)
         return 130
-    print(f"job {job.job_id} finished; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    print(f"job {job.job_id} finished; TensorBoard: {tensorboard_command(run_dir)}")
     return 0

@@ -20,7 +20,9 @@ from slurm_autosp.plan.verdict import verdict
 class PlanVerdict(NamedTuple):
     text: str  # the plan as printed
     fits: bool
-    reason: str  # why not; empty when it fits
+    reason: (
+        str  # why not, naming what overflows (the GPUs, the nodes' host memory); empty when it fits
+    )
     choices: TrainingChoices  # what the job will train with
 
 

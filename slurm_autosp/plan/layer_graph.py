@@ -39,6 +39,7 @@ from slurm_autosp.compile.checkpointing import (
 )
 from slurm_autosp.compile.hf_attention import SP_ATTENTION
 from slurm_autosp.config import ModelConfig
+from slurm_autosp.launch.compile_cache import private_compile_cache
 from slurm_autosp.model import hf_config, hf_decoder_layer_class
 
 
@@ -251,9 +252,13 @@ def _partitioned_graphs(
             )
             position_ids = torch.arange(local_seq).expand(micro_batch, local_seq)
             cos, sin = rotary(hidden, position_ids)
-            torch.compile(layer, backend=backend)(
-                hidden, position_embeddings=(cos, sin), position_ids=position_ids, use_cache=False
-            )
+            with private_compile_cache():  # Dynamo reads inductor's cache directory
+                torch.compile(layer, backend=backend)(
+                    hidden,
+                    position_embeddings=(cos, sin),
+                    position_ids=position_ids,
+                    use_cache=False,
+                )
     finally:
         torch.set_default_dtype(previous_dtype)
         torch.compiler.reset()

@@ -7,7 +7,7 @@ from slurm_autosp.config import ActivationCheckpointing, JobConfig
 from slurm_autosp.heads import valid_sp_sizes
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan.choose import whole_model_graph
-from slurm_autosp.plan.memory import GB, MemoryPlan, PolicyMemory
+from slurm_autosp.plan.memory import GB, HOST_USABLE, MemoryPlan, PolicyMemory
 
 
 def biggest_term(memory: PolicyMemory) -> tuple[str, float]:
@@ -88,6 +88,32 @@ def verdict(plan: MemoryPlan) -> tuple[str, bool, str]:
             True,
             "",
         )
+    over = {
+        "its GPUs": _gpu_overflow(plan) if memory.total > plan.gpu_bytes else "",
+        "its nodes' host memory": (
+            _host_overflow(plan) if memory.host_bytes > memory.host_bytes_per_rank else ""
+        ),
+    }
+    resources = " and ".join(name for name, why in over.items() if why)
+    reason = "; and ".join(why for why in over.values() if why)
+    options = _alternatives(plan)
+    fix = (
+        ("would fit: " + "; ".join(options))
+        if options
+        else (
+            "nothing tried here fits (more GPUs in SP, other checkpointing policies, parameter sharding)"
+        )
+    )
+    return (
+        f"verdict: does not fit: {reason}\n  {fix}",
+        False,
+        f"the job does not fit {resources}: {reason}. {fix}",
+    )
+
+
+def _gpu_overflow(plan: MemoryPlan) -> str:
+    """The GPU memory the configured rung needs beyond the GPU's, and its biggest term."""
+    memory = plan.configured
     name, value = biggest_term(memory)
     reason = (
         f"needs {memory.total / GB:.1f} GB per GPU under ZeRO-{plan.zero_stage}, the GPU has "
@@ -98,12 +124,32 @@ def verdict(plan: MemoryPlan) -> tuple[str, bool, str]:
             ": under ZeRO-1 every GPU holds the full weights and gradients "
             f"({(memory.terms['parameters'] + memory.terms['gradients']) / GB:.0f} GB)"
         )
-    options = _alternatives(plan)
-    fix = (
-        ("would fit: " + "; ".join(options))
-        if options
-        else (
-            "nothing tried here fits (more GPUs in SP, other checkpointing policies, parameter sharding)"
+    return reason
+
+
+def _host_overflow(plan: MemoryPlan) -> str:
+    """The host memory per node the configured rung's offload needs beyond what the node has,
+    its biggest term, and the keys that change either side."""
+    memory, c = plan.configured, plan.cfg.cluster
+    ranks = c.ranks_per_node
+    terms = {
+        "offloaded activations": (memory.host_bytes - memory.host_fixed) * ranks,
+        "offloaded optimizer state": memory.host_fixed * ranks,
+    }
+    name, value = max(terms.items(), key=lambda item: item[1])
+    offloads = [
+        key
+        for key, used in (
+            ("compile.offload_activations=false", memory.rung.offload),
+            ("parallel.offload_optimizer=false", memory.rung.offload_optimizer),
         )
+        if used
+    ]
+    return (
+        f"needs {memory.host_bytes * ranks / GB:,.0f} GB of host memory per node under "
+        f"ZeRO-{plan.zero_stage} with {memory.label} ({ranks} ranks per node), the node has "
+        f"{memory.host_bytes_per_rank * ranks / GB:,.0f} GB for offload ({HOST_USABLE:.0%} of "
+        f"cluster.host_memory_gb={c.host_memory_gb:g}); the biggest term is {name} "
+        f"({value / GB:,.0f} GB): set cluster.host_memory_gb to the nodes' memory if they have "
+        f"more, or offload less ({' or '.join(offloads)})"
     )
-    return f"verdict: does not fit: {reason}\n  {fix}", False, f"{reason}. {fix}"

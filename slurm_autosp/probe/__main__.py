@@ -22,31 +22,38 @@ slowest rank), and writes probe.json and TensorBoard events in the probe's run d
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
-from slurm_autosp import submit
 from slurm_autosp.cli import arguments, config_error, take_flag
-from slurm_autosp.config import ConfigError, JobConfig, load_config
+from slurm_autosp.config import ConfigError, JobConfig, load_config, validate
 from slurm_autosp.probe.job import ProbeJob
+from slurm_autosp.submit import submit
 
 
-def probe_overrides(cfg: JobConfig) -> list[str]:
-    """The probe's own run directory, and the depth it scales the model (and the plan) to."""
-    overrides = [f"run.name={cfg.run.name}_probe"]
-    if cfg.probe.layers is not None:
-        overrides.append(f"model.num_hidden_layers={cfg.probe.layers}")
-    return overrides
+def probe_config(cfg: JobConfig) -> JobConfig:
+    """The probe's own run directory, and the depth it scales the model (and the plan) to.
+    Values, not `key=value` text read again as YAML, which would cut `exp #1` to `exp` (a
+    comment) and probe into another run's directory."""
+    layers = cfg.model.num_hidden_layers if cfg.probe.layers is None else cfg.probe.layers
+    probe = replace(
+        cfg,
+        run=replace(cfg.run, name=f"{cfg.run.name}_probe"),
+        model=replace(cfg.model, num_hidden_layers=layers),
+    )
+    validate(probe)
+    return probe
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
         return 0
-    settings, _ = take_flag(argv, "--force")
+    settings, force = take_flag(argv, "--force")
     try:
-        cfg = load_config(settings)
+        cfg = probe_config(load_config(settings))
     except ConfigError as err:
         return config_error(err)
-    return submit.main([*argv, *probe_overrides(cfg)], job_type=ProbeJob)
+    return submit(cfg, force, job_type=ProbeJob)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, JobConfig, load_config
+from slurm_autosp.launch.compile_cache import use_private_compile_cache
 from slurm_autosp.model import refuse_unsupported_attention
 from slurm_autosp.verify.documents import verify_layout
 from slurm_autosp.verify.options import (
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         refuse_unsupported_attention(cfg)  # as submit would
         refuse_unsupported_attention(cfg, verify_seq_len(cfg.parallel.sp_size, options))
         verify_layout(cfg.parallel.sp_size, options)  # refuses a layout that cannot be had
+        use_private_compile_cache(cfg.compile.cache_dir)  # the ranks inherit it
     except ConfigError as err:
         return config_error(err)
     if cfg.parallel.sp_size == 1:

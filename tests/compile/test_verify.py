@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from in_process import run_command
 
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.verify import (
@@ -36,6 +37,29 @@ def run_verify(compile_cache_dir):
         )
 
     return run
+
+
+def test_verify_refuses_a_compile_cache_others_can_write_before_any_rank_starts(
+    tmp_path, monkeypatch
+):
+    """Its ranks compile with inductor, which unpickles its cache: they use compile.cache_dir
+    (or the node-local default), checked, never torch's default under /tmp."""
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # not sticky: anyone can replace what is inside
+    done = run_command(
+        main,
+        "cfg=configs/tiny_cpu.yaml",
+        "parallel.sp_size=2",
+        "compile.enabled=true",
+        f"compile.cache_dir={shared}",
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"compile cache directory {shared} is owned by uid" in done.stderr
+    assert "writable by others (mode 777)" in done.stderr and "ranks," not in done.stdout
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 
 
 @pytest.mark.slow

@@ -5,9 +5,10 @@ import os
 import pytest
 
 from slurm_autosp.compat import torch_api
-from slurm_autosp.config import Fabric, Vendor, load_config
-from slurm_autosp.job import collective_env_for, private_cache_dir
+from slurm_autosp.config import ConfigError, Fabric, Vendor, load_config
+from slurm_autosp.job import collective_env_for
 from slurm_autosp.launch.comm_env import collective_env, collective_env_settings
+from slurm_autosp.launch.compile_cache import private_cache_dir
 
 RUN_DIR = "/shared/runs/llama70b_128k"
 
@@ -127,7 +128,7 @@ def test_a_compile_cache_directory_others_can_write_is_refused(tmp_path):
     private_cache_dir(str(mine))
     assert oct(mine.stat().st_mode & 0o777) == oct(0o700)
     mine.chmod(0o777)
-    with pytest.raises(RuntimeError, match="writable by others.*compile.cache_dir"):
+    with pytest.raises(ConfigError, match="writable by others.*compile.cache_dir"):
         private_cache_dir(str(mine))
 
 
@@ -139,6 +140,6 @@ def test_a_compile_cache_directory_in_a_sticky_shared_directory_is_accepted(tmp_
     private_cache_dir(str(shared / "torchinductor_me"))
     shared.chmod(0o777)
     with pytest.raises(
-        RuntimeError, match=r"directory .*tmp is owned by uid \d+ or writable by others"
+        ConfigError, match=r"directory .*tmp is owned by uid \d+ or writable by others"
     ):
         private_cache_dir(str(shared / "torchinductor_me"))
