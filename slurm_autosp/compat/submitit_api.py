@@ -26,6 +26,12 @@ def sbatch_text(executor: submitit.SlurmExecutor, uid: str) -> str:
     return executor._make_submission_file_text(executor._submitit_command_str, uid=uid)
 
 
+def show_local_gpus(executor: submitit.AutoExecutor, gpus: tuple[int, ...]) -> None:
+    """The GPUs (by index) a local job's ranks see: LocalExecutor's `visible_gpus`, which
+    AutoExecutor does not pass through."""
+    executor._executor.update_parameters(visible_gpus=gpus)
+
+
 def pickle_load(path: str | Path) -> Any:
     """A submitit result pickle: (outcome, payload)."""
     return _pickle_load(path)

@@ -37,7 +37,8 @@ def init_distributed(use_gpus: bool, timeout_min: float) -> DistContext:
     os.environ["MASTER_PORT"] = str(rendezvous_port(JobEnvironment().job_id))
     env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     if use_gpus:
-        device = torch.device("cuda", env.local_rank)
+        index = rank_device_index(env.local_rank, env.local_world_size, torch.cuda.device_count())
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
@@ -62,6 +63,23 @@ def init_distributed(use_gpus: bool, timeout_min: float) -> DistContext:
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
     return DistContext(
         rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device=device
+    )
+
+
+def rank_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
+    """The index, among the GPUs this rank sees, of its own. Slurm may show each task all of
+    its node's GPUs (--gpus-per-node: the rank takes the one of its local rank) or only its own
+    (--gpus-per-task=1, --gpu-bind=single:1, or a site's cgroup: device 0 is the rank's)."""
+    if visible == 1:
+        return 0
+    if visible >= local_world_size:
+        return local_rank
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    raise RuntimeError(
+        f"local rank {local_rank} of {local_world_size} on this node sees {visible} GPUs "
+        f"(CUDA_VISIBLE_DEVICES={shown}): each rank needs its own GPU, either all of the node's "
+        "visible to every rank or exactly one per rank; set cluster.gpus_per_node to the GPUs "
+        "the node gives the job and cluster.tasks_per_node to match"
     )
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,32 @@ def build_executor(cfg: JobConfig, backend: Backend) -> submitit.AutoExecutor:
     executor = submitit.AutoExecutor(folder=submitit_dir(cfg.run.dir), cluster=backend.value)
     slurm = {f"slurm_{k}": v for k, v in _slurm_parameters(cfg.cluster).items()}
     executor.update_parameters(**_shared_parameters(cfg), **slurm)
+    if backend is Backend.local and cfg.cluster.uses_gpus:
+        submitit_api.show_local_gpus(executor, local_gpus(cfg.cluster, os.environ))
     return executor
+
+
+def local_gpus(c: ClusterConfig, inherited: Mapping[str, str]) -> tuple[int, ...]:
+    """The GPUs a local job's ranks may use: those the submitting shell's CUDA_VISIBLE_DEVICES
+    shows, in its order (submitit would otherwise show the job GPUs 0..n-1, whoever uses
+    them), or the first `cluster.gpus_per_node` when it is unset."""
+    shown = inherited.get("CUDA_VISIBLE_DEVICES")
+    if shown is None:
+        return tuple(range(c.gpus_per_node))
+    try:
+        gpus = tuple(int(gpu) for gpu in shown.split(",")) if shown.strip() else ()
+    except ValueError as err:
+        raise ConfigError(
+            f"CUDA_VISIBLE_DEVICES={shown}: a local job takes its GPUs by index; name them by "
+            "index (e.g. CUDA_VISIBLE_DEVICES=0,1), or unset it to use the first "
+            f"cluster.gpus_per_node={c.gpus_per_node}"
+        ) from err
+    if len(gpus) < c.gpus_per_node:
+        raise ConfigError(
+            f"cluster.gpus_per_node={c.gpus_per_node} but CUDA_VISIBLE_DEVICES={shown} shows "
+            f"{len(gpus)} GPU(s) to this job; show it more, or lower cluster.gpus_per_node"
+        )
+    return gpus[: c.gpus_per_node]
 
 
 def _let_local_jobs_be_cancelled() -> None:

@@ -1,11 +1,17 @@
-"""The rendezvous port: clear of the host's outgoing connections, and a clear error when busy."""
+"""The rendezvous port: clear of the host's outgoing connections, and a clear error when busy.
+Each rank's GPU: the one of its local rank, or the only one it sees."""
 
 import socket
 
 import pytest
 import torch.distributed as dist
 
-from slurm_autosp.launch.distributed import RENDEZVOUS_PORTS, init_distributed, rendezvous_port
+from slurm_autosp.launch.distributed import (
+    RENDEZVOUS_PORTS,
+    init_distributed,
+    rank_device_index,
+    rendezvous_port,
+)
 
 
 def _ephemeral_ports() -> range:
@@ -50,3 +56,24 @@ def test_a_busy_rendezvous_port_names_the_port_and_the_setting_to_change(monkeyp
         ):
             init_distributed(use_gpus=False, timeout_min=0.5)
     assert not dist.is_initialized()
+
+
+def test_a_rank_that_sees_only_its_own_gpu_takes_device_0():
+    """Slurm's --gpus-per-task=1 (or a site's cgroups) shows each task one GPU: cuda:3 would not
+    exist for local rank 3."""
+    assert [rank_device_index(r, 4, visible=1) for r in range(4)] == [0, 0, 0, 0]
+
+
+def test_ranks_that_see_the_whole_node_take_the_gpu_of_their_local_rank():
+    assert [rank_device_index(r, 4, visible=4) for r in range(4)] == [0, 1, 2, 3]
+    assert [rank_device_index(r, 2, visible=8) for r in range(2)] == [0, 1]
+
+
+def test_a_rank_without_a_gpu_of_its_own_is_refused_naming_what_it_sees(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(
+        RuntimeError, match=r"local rank 3 of 4 .* sees 2 GPUs \(CUDA_VISIBLE_DEVICES=0,1\)"
+    ):
+        rank_device_index(3, 4, visible=2)
+    with pytest.raises(RuntimeError, match="sees 0 GPUs"):
+        rank_device_index(0, 1, visible=0)
