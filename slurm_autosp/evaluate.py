@@ -76,7 +76,8 @@ class Evaluator:
                     labels += batch.valid_labels
         finally:
             module.train(was_training)
-        totals = torch.stack([loss_sum, torch.tensor(labels, dtype=torch.float64)]).to(self.device)
+        labels_seen = torch.tensor(labels, dtype=torch.float64, device=self.device)
+        totals = torch.stack([loss_sum, labels_seen])
         # every SP rank holds a part of each sequence's labels: sum over the whole world
         dist.all_reduce(totals)
         count = int(totals[1])

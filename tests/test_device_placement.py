@@ -1,0 +1,64 @@
+"""Every tensor our code makes on the way train -> evaluate -> save -> export names its device:
+on a GPU run a tensor made without one is a CPU tensor beside CUDA ones, and the first
+evaluation crashed that way (torch.stack of the device's loss sum and a CPU label count).
+tests/device_check.py is the stand-in for the GPU's device check; this runs the real path,
+one rank on CPU, under both engines."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from device_check import names_devices
+
+from slurm_autosp.checkpoint.signals import StopRequest
+from slurm_autosp.config import load_config
+from slurm_autosp.data import write_token_file
+from slurm_autosp.launch.distributed import DistContext
+from slurm_autosp.launch.placement import build_parallel
+from slurm_autosp.train import train
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="module")
+def single_rank_group(tmp_path_factory):
+    init_file = tmp_path_factory.mktemp("rendezvous") / "file"
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"  # DeepSpeed insists on it
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    if saved is None:
+        del os.environ["LOCAL_RANK"]
+    else:
+        os.environ["LOCAL_RANK"] = saved
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
+def test_train_evaluate_save_and_export_name_the_device_of_every_tensor(
+    tmp_path, single_rank_group, zero_stage
+):
+    held_out = tmp_path / "eval.tokens"
+    ids = torch.randint(1, 256, (4 * 64,), generator=torch.Generator().manual_seed(0))
+    write_token_file(held_out, ids.numpy(), vocab_size=256)
+    cfg = load_config(
+        [
+            "cluster.tasks_per_node=1",
+            f"parallel.zero_stage={zero_stage}",
+            "model.vocab_size=256",
+            "data.seq_len=64",
+            f"data.eval_path={held_out}",
+            "train.steps=2",
+            "train.eval_every=1",
+            "train.eval_samples=2",
+            f"run.output_root={tmp_path}",
+        ]
+    )
+    cfg.run.dir.mkdir(parents=True)
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with names_devices() as unnamed:
+        result = train(cfg, ctx, build_parallel(cfg), StopRequest())
+    assert len(result.losses) == 2
+    assert (cfg.run.dir / "hf" / "model.safetensors").exists()
+    assert unnamed == [], f"tensors made without naming their device: {sorted(set(unnamed))}"
