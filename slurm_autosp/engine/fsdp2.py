@@ -139,7 +139,7 @@ class FSDP2Engine:
                     weights[name] = weights[first_name[id(tensor)]]
                 continue
             first_name[id(tensor)] = name
-            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            whole = _gathered(tensor, self._device) if isinstance(tensor, DTensor) else tensor
             if rank0:
                 weights[name] = whole.detach().to(self._compute_dtype).cpu()
         return weights if rank0 else None
@@ -152,6 +152,16 @@ class FSDP2Engine:
 
     def close(self) -> None:
         """Nothing to release: the process group belongs to the job."""
+
+
+def _gathered(shard: DTensor, device: torch.device) -> torch.Tensor:
+    """The whole tensor, all-gathered where the mesh communicates: an offloaded shard lives in
+    host memory, and NCCL gathers device tensors only (as torch's own state-dict gatherer does)."""
+    if shard.device.type == shard.device_mesh.device_type:
+        return shard.full_tensor()
+    moved = shard.to(device)
+    assert isinstance(moved, DTensor)
+    return moved.full_tensor()
 
 
 def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
