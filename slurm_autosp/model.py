@@ -18,25 +18,41 @@ from slurm_autosp.config import (
     DocumentBoundaries,
     JobConfig,
     ModelConfig,
+    Precision,
 )
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """An fp32 causal LM; precision is the engine's business, not the model's."""
+def compute_dtype(precision: Precision) -> torch.dtype:
+    """The dtype the model's weights and activations are in for `train.precision`."""
+    return torch.bfloat16 if precision is Precision.bf16 else torch.float32
+
+
+def build_model(
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> nn.Module:
+    """The causal LM in `dtype`, built (or read) straight onto `device` (default: the host).
+    An engine that holds the whole model on its GPU asks for it there in its training dtype:
+    an fp32 copy on every rank's host first (Llama-8B: 32 GB a rank) would be spent for nothing.
+    A `model.builder` model is the builder's, as it returns it."""
     if cfg.builder:
         return _call_builder(cfg)
     from transformers import AutoModelForCausalLM
 
+    device = device or torch.device("cpu")
     if cfg.pretrained_path:
         return AutoModelForCausalLM.from_pretrained(
-            cfg.pretrained_path, attn_implementation=cfg.attn_implementation, dtype=torch.float32
+            cfg.pretrained_path,
+            attn_implementation=cfg.attn_implementation,
+            dtype=dtype,
+            device_map=None if device.type == "cpu" else device,
         )
-    return AutoModelForCausalLM.from_config(
-        hf_config(cfg), attn_implementation=cfg.attn_implementation, dtype=torch.float32
-    )
+    with device:
+        return AutoModelForCausalLM.from_config(
+            hf_config(cfg), attn_implementation=cfg.attn_implementation, dtype=dtype
+        )
 
 
 def build_skeleton(cfg: ModelConfig) -> nn.Module:

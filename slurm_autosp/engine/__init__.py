@@ -11,7 +11,7 @@ from slurm_autosp.config import JobConfig
 from slurm_autosp.engine.base import TrainEngine
 from slurm_autosp.engine.deepspeed_zero1 import ZeRO1Engine
 from slurm_autosp.engine.fsdp2 import FSDP2Engine
-from slurm_autosp.model import build_model, build_skeleton
+from slurm_autosp.model import build_model, build_skeleton, compute_dtype
 
 __all__ = ["FSDP2Engine", "TrainEngine", "ZeRO1Engine", "build_engine"]
 
@@ -27,7 +27,8 @@ def build_engine(
     shards. A `model.builder` model is built whole on every rank's CPU, then sharded.
     """
     if zero_stage != 3:
-        return ZeRO1Engine(build_model(cfg.model), cfg, offload_optimizer)
+        model = build_model(cfg.model, compute_dtype(cfg.precision), device)
+        return ZeRO1Engine(model, cfg, offload_optimizer)
     if cfg.model.builder:
         return FSDP2Engine(build_model(cfg.model), cfg, device, offload_optimizer)
     engine = FSDP2Engine(build_skeleton(cfg.model), cfg, device, offload_optimizer)

@@ -34,6 +34,7 @@ def deepspeed_config(cfg: JobConfig, offload_optimizer: bool) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": 1}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    bf16 = cfg.precision is Precision.bf16
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
@@ -42,7 +43,18 @@ def deepspeed_config(cfg: JobConfig, offload_optimizer: bool) -> dict[str, Any]:
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
-        "bf16": {"enabled": cfg.precision is Precision.bf16},
+        # bf16 gradients accumulate over micro-batches and are averaged over ranks in fp32,
+        # as FSDP2 reduces: in bf16 (DeepSpeed's default) a micro-batch's gradient below 2^-8
+        # of the sum so far is lost. DeepSpeed then keeps an fp32 gradient of the whole model
+        # on every rank (its BF16_Optimizer, which adds each bf16 gradient in as backward
+        # produces it and frees it: `immediate_grad_update`; under offload, an fp32
+        # accumulator per parameter).
+        "bf16": {"enabled": bf16, **({"immediate_grad_update": True} if bf16 else {})},
+        **(
+            {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+            if bf16
+            else {}
+        ),
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
     }

@@ -39,7 +39,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from slurm_autosp.compile import AutoSPCompileError, decoder_layers
-from slurm_autosp.config import ConfigError, JobConfig, Precision
+from slurm_autosp.config import ConfigError, JobConfig
+from slurm_autosp.model import compute_dtype
 from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 
 SCHEDULE_FILE = "schedule.pt"
@@ -58,7 +59,7 @@ class FSDP2Engine:
         world = dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
         self._device = device
-        self._compute_dtype = torch.bfloat16 if cfg.precision is Precision.bf16 else torch.float32
+        self._compute_dtype = compute_dtype(cfg.precision)
         policy = MixedPrecisionPolicy(param_dtype=self._compute_dtype, reduce_dtype=torch.float32)
         # pinned host memory needs an accelerator; on CPU ranks the copies are no-ops anyway
         offload = (

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
-from slurm_autosp.config import ActivationCheckpointing, JobConfig, Precision
+from slurm_autosp.config import ActivationCheckpointing, JobConfig
+from slurm_autosp.model import compute_dtype
 from slurm_autosp.plan.layer_graph import tiled_layer_trace, trace_decoder_layer
 from slurm_autosp.plan.memory import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
 from slurm_autosp.plan.policies import (
@@ -68,7 +67,7 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
     config leaves open."""
     sp = cfg.parallel.sp_size
     local_seq = -(-cfg.data.seq_len // sp)
-    dtype = torch.bfloat16 if cfg.precision is Precision.bf16 else torch.float32
+    dtype = compute_dtype(cfg.precision)
     rungs = [*(Rung(spec) for spec in traced_specs(cfg)), *ladder(cfg)]
     traces = {}
     for tiled in sorted({r.tiled for r in rungs}):

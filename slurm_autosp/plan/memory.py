@@ -5,9 +5,11 @@ Activations come from `trace_decoder_layer` (the partitioned joint graph of one 
 at the configured width and local sequence, under FakeTensorMode); everything else is
 arithmetic on the config, with P parameters, b bytes per element of the training dtype (2 in
 bf16, 4 in fp32) and `world` ranks:
-- ZeRO-1 (DeepSpeed): parameters and gradients b*P each, the whole model on every GPU; the
-  optimizer shard is fp32 master weights, Adam's two moments and the fp32 gradient partition,
-  16*P/world (sharded over every rank, SP ones included);
+- ZeRO-1 (DeepSpeed): parameters b*P, the whole model on every GPU, and its gradient in fp32,
+  4*P (micro-batches accumulate and ranks reduce in fp32, in bf16 runs too); the optimizer
+  shard is fp32 master weights and Adam's two moments, 12*P/world (sharded over every rank, SP
+  ones included), plus an fp32 gradient partition of its own (16*P/world) in fp32 runs and
+  under offload, where bf16's partition is not a view of the whole gradient;
 - ZeRO-3 (FSDP2: `fully_shard` per decoder layer and at the root over the whole world; the
   model's own fp32 parameters are the optimizer's, reduce-scatter after every micro-batch):
   parameters 4*P/world (fp32 shards), gradients 4*P/world (fp32 shards), optimizer shard
@@ -25,7 +27,8 @@ bf16, 4 in fp32) and `world` ranks:
 - document boundaries (`data.documents=masked` only): every prepared micro-batch's cu_seqlens,
   int32, at most one entry per token of the whole sequence (a document per token) plus one;
 - communication: the all-to-all send/receive/concatenate buffers of the largest all-to-all,
-  and under ZeRO-1 DeepSpeed's reduce and all-gather buckets (5e8 elements each);
+  and under ZeRO-1 DeepSpeed's reduce bucket (5e8 fp32 elements) and all-gather bucket (5e8
+  elements of the training dtype);
 - recompute working buffers: what one layer's backward recomputes, plus a gradient in and
   out of its largest tensor;
 - a fragmentation and runtime margin: 10% of the above plus 1 GiB (CUDA context, NCCL).
@@ -51,13 +54,14 @@ from slurm_autosp.plan.policies import Rung, rung_label, tile_tokens_for
 
 GB = 1e9
 ZERO_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size and allgather_bucket_size
-ZERO1_OPTIMIZER_BYTES = 16  # fp32 master + Adam m + Adam v + fp32 gradient partition
+ZERO1_OPTIMIZER_BYTES = 12  # fp32 master + Adam m + Adam v
+ZERO1_GRADIENT_PARTITION_BYTES = 4  # a separate fp32 gradient partition (fp32 runs, offload)
 FSDP2_STATE_BYTES = {
     "parameters": 4,
     "gradients": 4,
     "optimizer_shard": 8,
 }  # fp32 shard, fp32 grad, Adam m + v
-REDUCE_BYTES = 4  # FSDP2 reduce_dtype: fp32
+REDUCE_BYTES = 4  # gradients reduce in fp32: FSDP2's reduce_dtype, DeepSpeed's grad_accum_dtype
 CU_SEQLENS_BYTES = 4  # int32, one per document of a micro-batch, and its total
 MARGIN_FRACTION = 0.10
 RUNTIME_RESERVE = 2**30
@@ -204,10 +208,11 @@ def _state_terms(cfg: JobConfig, size: ModelSize, zero_stage: int) -> dict[str, 
     b, world, params = bytes_per_element(cfg), cfg.cluster.world_size, size.total
     if zero_stage == 3:
         return {name: nbytes * params / world for name, nbytes in FSDP2_STATE_BYTES.items()}
+    partition = ZERO1_GRADIENT_PARTITION_BYTES if b == 4 else 0
     return {
         "parameters": b * params,
-        "gradients": b * params,
-        "optimizer_shard": ZERO1_OPTIMIZER_BYTES * params / world,
+        "gradients": REDUCE_BYTES * params,
+        "optimizer_shard": (ZERO1_OPTIMIZER_BYTES + partition) * params / world,
     }
 
 
@@ -215,12 +220,14 @@ def _offloaded_state(
     cfg: JobConfig, size: ModelSize, zero_stage: int, state: dict[str, float]
 ) -> tuple[dict[str, float], float]:
     """The state terms left on the GPU under optimizer offload, and the host bytes per rank:
-    ZeRO-1 moves the optimizer shard and stages a b-byte copy of the parameter partition in
-    pinned host memory; ZeRO-3 moves the fp32 shards, their gradients and Adam's moments."""
-    moved = ("optimizer_shard",) if zero_stage == 1 else tuple(state)
-    staging = bytes_per_element(cfg) * size.total / cfg.cluster.world_size
-    host = sum(state[name] for name in moved) + (staging if zero_stage == 1 else 0.0)
-    return {name: 0.0 if name in moved else value for name, value in state.items()}, host
+    ZeRO-1 moves the optimizer shard with an fp32 gradient partition of its own, and stages a
+    b-byte copy of the parameter partition in pinned host memory (the fp32 gradient stays on
+    the GPU, accumulating); ZeRO-3 moves the fp32 shards, their gradients and Adam's moments."""
+    if zero_stage == 3:
+        return {name: 0.0 for name in state}, sum(state.values())
+    shard = size.total / cfg.cluster.world_size
+    host = (ZERO1_OPTIMIZER_BYTES + ZERO1_GRADIENT_PARTITION_BYTES + bytes_per_element(cfg)) * shard
+    return {**state, "optimizer_shard": 0.0}, host
 
 
 def _gathered_weights(cfg: JobConfig, size: ModelSize) -> float:
@@ -265,7 +272,7 @@ def policy_memory(
         else (0.0, 0.0)
     )
     logits_chunk = chunk * vocab * (b + 4 + 4)  # logits in the model dtype, fp32, fp32 gradient
-    buckets = 2 * ZERO_BUCKET_ELEMENTS * b if zero_stage == 1 else 0.0
+    buckets = ZERO_BUCKET_ELEMENTS * (REDUCE_BYTES + b) if zero_stage == 1 else 0.0
     if cfg.data.documents is DocumentBoundaries.masked:  # bytes per document: bound by tokens
         per_token["document_boundaries"] = (
             CU_SEQLENS_BYTES * cfg.parallel.sp_size * cfg.train.grad_accum
