@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from slurm_autosp.compile.host_arena import SLAB_BYTES
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.engine.deepspeed_zero1 import deepspeed_config
 from slurm_autosp.plan import build_plan, render
@@ -63,7 +64,7 @@ def test_a_configured_value_fixes_optimizer_offload_on_every_rung():
 def test_auto_does_not_offload_the_optimizer_when_the_job_fits_without(plan_4m):
     memory = plan_4m.configured
     assert plan_4m.fits and not memory.rung.offload_optimizer, memory.label
-    assert memory.host_fixed == 0
+    assert memory.host_fixed == SLAB_BYTES  # the activation offload's arena: no optimizer state
     assert "optimizer offload:" not in render(plan_4m)
 
 
@@ -87,10 +88,10 @@ def test_zero3_offload_moves_the_fp32_shards_gradients_and_moments_to_the_host(l
     for name in ("parameters", "gradients", "optimizer_shard"):
         assert memory.terms[name] == 0 and resident.terms[name] > 0
     assert resident.total - memory.total == pytest.approx(state * 1.1)  # with the margin
-    assert memory.host_fixed == pytest.approx(state)
+    assert memory.host_fixed == pytest.approx(state + SLAB_BYTES)
     assert memory.host_bytes == pytest.approx(state + resident.host_bytes)
     assert memory.host_bytes_per_rank == 2048 * GB * HOST_USABLE / 8
-    host_bound = int((memory.host_bytes_per_rank - state) // memory.host_per_token)
+    host_bound = int((memory.host_bytes_per_rank - state - SLAB_BYTES) // memory.host_per_token)
     assert memory.longest_local_seq(long_plan.gpu_bytes) <= host_bound
 
 
@@ -101,7 +102,7 @@ def test_zero1_offload_moves_the_optimizer_shard_and_stages_the_parameters_on_th
     zero1 = long_plan.memories[1][rung]
     params = long_plan.parameters
     assert zero1.terms["optimizer_shard"] == 0 and zero1.terms["parameters"] == 2 * params
-    assert zero1.host_fixed == pytest.approx((16 + 2) * params / 8)
+    assert zero1.host_fixed == pytest.approx((16 + 2) * params / 8 + SLAB_BYTES)
 
 
 def test_the_plan_prints_the_rung_its_host_memory_and_step_cost(long_plan):

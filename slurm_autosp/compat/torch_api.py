@@ -14,6 +14,8 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.runtime import cache_dir_utils as _inductor_cache_dir_utils
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.cuda._pin_memory_utils import pin_memory as register_pinned
+from torch.cuda._pin_memory_utils import unpin_memory as unregister_pinned
 
 __all__ = [
     "CustomGraphPass",
@@ -25,9 +27,11 @@ __all__ = [
     "inductor_default_cache_dir",
     "maybe_mark_dynamic",
     "partition_fn",
+    "register_pinned",
     "run_and_save_rng_state",
     "run_with_rng_state",
     "select_decomp_table",
+    "unregister_pinned",
 ]
 
 

@@ -13,7 +13,9 @@ so it walks them down from the last one packed, keeping one layer's worth of byt
 bytes over the number of layers) fetched ahead of the backward.
 
 On CUDA both copies run on a side stream, to and from pinned host memory; on CPU they are plain
-copies, which gain nothing but run the same bookkeeping and are exact alike.
+copies, which gain nothing but run the same bookkeeping and are exact alike. The host memory
+comes from a `HostArena`: exactly the bytes offloaded (plus at most one slab's tail per
+micro-batch), reused by every micro-batch, as the memory plan counts it.
 """
 
 import weakref
@@ -22,6 +24,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from slurm_autosp.compile.host_arena import ArenaSession, HostArena
 
 
 @dataclass
@@ -75,12 +79,8 @@ def _on(stream: torch.cuda.Stream | None) -> AbstractContextManager:
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
-def _strided_like(
-    tensor: torch.Tensor, device: torch.device, pin_memory: bool = False
-) -> torch.Tensor:
-    return torch.empty_strided(
-        tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device, pin_memory=pin_memory
-    )
+def _strided_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device)
 
 
 class ActivationOffload:
@@ -108,6 +108,7 @@ class ActivationOffload:
         self.min_bytes = min_bytes
         self.stats = OffloadStats()
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.arena = HostArena(pin=self._side is not None)
 
     @contextmanager
     def saving(self) -> Iterator[None]:
@@ -125,10 +126,10 @@ class ActivationOffload:
             and _dense(tensor)
         )
 
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of `tensor`; on CUDA issued on the side stream once the compute stream has
-        produced `tensor`, whose memory the allocator then keeps until the copy is done."""
-        host = _strided_like(tensor, torch.device("cpu"), pin_memory=self._side is not None)
+    def to_host(self, tensor: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """`tensor` copied into `host`; on CUDA issued on the side stream once the compute stream
+        has produced `tensor`, whose memory the allocator then keeps until the copy is done. The
+        side stream also orders a later copy into the same host memory after every earlier one."""
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             tensor.record_stream(self._side)
@@ -169,7 +170,9 @@ class _Session:
 
     def __init__(self, offload: ActivationOffload) -> None:
         self._offload = offload
+        self._host: ArenaSession = offload.arena.session()
         self._records: list[_Offloaded] = []
+        self._on_host = 0  # records whose host copy is not fetched yet
         self._packed_bytes = 0
         self._ahead_bytes = 0  # fetched, not yet handed to the backward
         # the next record the prefetch looks at; None before the backward
@@ -181,8 +184,10 @@ class _Session:
         if not self._offload.movable(tensor):
             self._offload.stats.kept_bytes += tensor.nbytes
             return tensor
-        record = _Offloaded(tensor.nbytes, self._offload.to_host(tensor))
+        host = self._offload.to_host(tensor, self._host.empty_like(tensor))
+        record = _Offloaded(tensor.nbytes, host)
         self._records.append(record)
+        self._on_host += 1
         self._packed_bytes += record.nbytes
         return record
 
@@ -208,6 +213,9 @@ class _Session:
         record.device_copy, record.ready = self._offload.to_device(record.host)
         record.host = None
         self._ahead_bytes += record.nbytes
+        self._on_host -= 1
+        if self._on_host == 0:  # every copy back is issued, on the stream the next forward's use
+            self._host.release()
 
     def _prefetch(self) -> None:
         """Fetch down from the last tensor packed, never skipping one, until one layer's worth of

@@ -36,7 +36,9 @@ Optimizer offload moves state from the GPU to host memory: under ZeRO-1 (DeepSpe
 ZeRO-Offload) the optimizer shard, plus a pinned b-byte staging copy of the rank's parameter
 partition on the host; under ZeRO-3 (FSDP2's CPUOffloadPolicy) the fp32 parameter and gradient
 shards and Adam's moments, the gathered weights staying on the GPU. Host memory per node (80%
-of `cluster.host_memory_gb` usable) holds offloaded activations and optimizer state together.
+of `cluster.host_memory_gb` usable) holds offloaded activations and optimizer state together;
+offloaded activations take their exact bytes plus one slab of the offload's host arena
+(compile/host_arena.py: 64 MiB) per rank.
 Per-token terms (activations, logits, communication buffers, working buffers) are linear in
 the local sequence length, so the longest sequence that fits is solved from one trace.
 """
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 
 from slurm_autosp.compat.torch_api import FakeTensorMode
 from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.compile.host_arena import SLAB_BYTES
 from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan.layer_graph import LayerTrace, hf_layer_classes
@@ -309,6 +312,6 @@ def policy_memory(
         host_per_token,
         host_per_rank,
         tile,
-        host_state,
+        host_state + (SLAB_BYTES if rung.offload else 0.0),
         tile_excess,
     )
