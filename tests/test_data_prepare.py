@@ -382,6 +382,36 @@ def test_a_prepared_dataset_is_checked_against_the_model_before_any_rank_starts(
         check_token_file(load_config(keys), vocab)
 
 
+ENDS = "where each document ends, which data.documents=masked reads"
+
+
+@pytest.mark.parametrize(
+    ("missing", "flags", "why"),
+    [
+        ("train.tokens", [], "the train split's tokens"),
+        ("train.documents.npy", ["data.documents=masked"], ENDS),
+        ("eval.documents.npy", ["data.documents=masked"], ENDS),
+        ("train.loss_mask.npy", [], "which tokens of the chat data are trained on"),
+    ],
+)
+def test_a_prepared_directory_missing_a_file_is_named_before_any_rank_starts(
+    tmp_path, tokenizer_dir, missing, flags, why
+):
+    corpus = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(i)} for i in range(8)])
+    data = tmp_path / "data"
+    assert (
+        prepare(tokenizer_dir, [corpus], data, "--format", "chat", "--eval-fraction", "0.25") == 0
+    )
+    (data / missing).unlink()
+    keys = ["cfg=configs/tiny_cpu.yaml", "data.source=tokens", f"data.path={data}", *flags]
+    cfg = load_config([*keys, "data.seq_len=32"])
+    key = "data.path (held-out data)" if missing.startswith("eval") else f"data.path={data}"
+    with pytest.raises(ConfigError) as refused:
+        check_token_file(cfg, 300)
+    assert str(refused.value).startswith(f"{key}: {data}: {missing} ({why}) is missing; ")
+    assert str(refused.value).endswith("prepare the dataset again with `python -m slurm_autosp.data prepare`")  # fmt: skip
+
+
 @pytest.mark.slow
 def test_jsonl_to_a_trained_model_that_loads_and_generates(tmp_path, tokenizer_dir):
     """The README's path: prepare, train (tiny_cpu, SP=2) evaluating on the eval split, reload the export with its tokenizer."""
