@@ -217,7 +217,8 @@ def test_a_template_that_cannot_be_masked_is_refused_by_name(
     corpus = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(i)} for i in range(2)])
     assert prepare(tok_dir, [corpus], tmp_path / "out", "--format", "chat") == 2
     err = capsys.readouterr().err
-    assert "cannot show which tokens are the assistant's in input row 0" in err
+    assert f"--tokenizer {tok_dir}: its chat template cannot show which tokens are the " in err
+    assert "assistant's in input row 0, " in err
     assert why in err
     assert "{% generation %}" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "tok"]

@@ -255,6 +255,7 @@ class Tokenize:
     key: str
     format: DocumentFormat
     unparseable: dict[int, str] = field(default_factory=dict)  # row index: "file:line: why"
+    tokenizer_dir: Path | None = None  # named in errors
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         rows = batch[self.key]
@@ -333,8 +334,8 @@ class Tokenize:
                 continue
             except Unmaskable as err:
                 raise PrepareError(
-                    "--tokenizer: its chat template cannot show which tokens are the assistant's "
-                    f"in input row {index}, {err}; {MARKERS_FIX}"
+                    f"--tokenizer {self.tokenizer_dir}: its chat template cannot show which tokens "
+                    f"are the assistant's in input row {index}, {err}; {MARKERS_FIX}"
                 ) from err
             texts.append(text)
             results.append(None)
@@ -495,7 +496,7 @@ def _prepare_into(
         ).encode()
     ).hexdigest()[:32]
     start = time.perf_counter()
-    tokenize = Tokenize(tokenizer, options.key, options.format, rows.unparseable)
+    tokenize = Tokenize(tokenizer, options.key, options.format, rows.unparseable, options.tokenizer)
     tokenized = tokenize_rows(rows.table, tokenize, options.workers, cache, fingerprint)
     vocab_size = len(tokenizer)
     splits = write_splits(tokenized, root, options, vocab_size)
