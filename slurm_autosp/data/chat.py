@@ -132,7 +132,7 @@ def encode_with_markers(
         raise TemplateRejected(str(err)) from err
     assert isinstance(out, BatchEncoding)
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    if any(m["role"] == "assistant" for m in messages) and not any(mask):
+    if any(m["role"] == "assistant" and m["content"].strip() for m in messages) and not any(mask):
         raise Unmaskable(
             "the template's {% generation %} markers cover none of its assistant messages; "
             "put them around each reply"

@@ -20,26 +20,46 @@ class MarkedLines:
 
 
 def mark_unparseable(files: list[str], directory: Path, errors: str) -> MarkedLines:
-    """`errors`: the codec error handler the loader decodes with."""
+    """`errors`: the codec error handler the loader decodes with. Only a file with a bad line
+    is copied."""
     directory.mkdir(parents=True, exist_ok=True)
     marked, bad, rows = [], {}, 0
     for number, file in enumerate(files):
-        copy, found = directory / f"{number}{Path(file).suffix}", False
-        with open(file, "rb") as source, open(copy, "wb") as target:
-            for line_number, line in enumerate(source, 1):
-                if not line.strip():
-                    target.write(line)
-                    continue
-                why = _not_an_object(line, errors, first=line_number == 1)
-                if why is not None:
-                    bad[rows], found = f"{file}:{line_number}: {why}", True
-                    line = b"{}\n"
-                target.write(line)
-                rows += 1
-        if not found:
-            copy.unlink()
-        marked.append(str(copy) if found else file)
+        file_rows, bad_lines = _scan(file, errors)
+        if bad_lines:
+            marked.append(
+                _copy_without(file, bad_lines, directory / f"{number}{Path(file).suffix}")
+            )
+            bad.update(
+                {rows + row: f"{file}:{line}: {why}" for line, (row, why) in bad_lines.items()}
+            )
+        else:
+            marked.append(file)
+        rows += file_rows
     return MarkedLines(marked, rows, bad)
+
+
+def _scan(file: str, errors: str) -> tuple[int, dict[int, tuple[int, str]]]:
+    """The rows (lines that are not blank) of `file`, and its bad lines: line number: (its
+    row in the file, why)."""
+    rows, bad = 0, {}
+    with open(file, "rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            why = _not_an_object(line, errors, first=number == 1)
+            if why is not None:
+                bad[number] = (rows, why)
+            rows += 1
+    return rows, bad
+
+
+def _copy_without(file: str, bad_lines: dict[int, tuple[int, str]], copy: Path) -> str:
+    """`file` with each bad line an empty object, a row with no fields."""
+    with open(file, "rb") as source, open(copy, "wb") as target:
+        for number, line in enumerate(source, 1):
+            target.write(b"{}\n" if number in bad_lines else line)
+    return str(copy)
 
 
 def _not_an_object(line: bytes, errors: str, first: bool) -> str | None:

@@ -449,9 +449,12 @@ def prepare(options: PrepareOptions) -> dict[str, Any]:
         raise PrepareError(f"--eval-fraction {options.eval_fraction} must be in [0, 1)")
     if options.workers < 1:
         raise PrepareError(f"--workers {options.workers} must be >= 1")
+    _refuse_existing(options.output)
+    tokenizer = load_tokenizer(options.tokenizer, options.format)
+    builder, files = resolve_inputs(options.inputs)
     try:
         with output_lock(options.output):
-            return _prepare_owned(options)
+            return _prepare_owned(options, tokenizer, builder, files)
     except OutputBusy as holder:
         raise PrepareError(
             f"--output {options.output}: another prepare ({holder}) is writing it; wait for it "
@@ -459,14 +462,18 @@ def prepare(options: PrepareOptions) -> dict[str, Any]:
         ) from None
 
 
-def _prepare_owned(options: PrepareOptions) -> dict[str, Any]:
-    """Under the output's lock: no other prepare writes the partial directory."""
-    if options.output.exists():
+def _refuse_existing(output: Path) -> None:
+    if output.exists():
         raise PrepareError(
-            f"--output {options.output}: already exists; remove it or choose another directory"
+            f"--output {output}: already exists; remove it or choose another directory"
         )
-    tokenizer = load_tokenizer(options.tokenizer, options.format)
-    builder, files = resolve_inputs(options.inputs)
+
+
+def _prepare_owned(
+    options: PrepareOptions, tokenizer: PreTrainedTokenizerBase, builder: str, files: list[str]
+) -> dict[str, Any]:
+    """Under the output's lock: no other prepare writes the partial directory."""
+    _refuse_existing(options.output)  # written by a prepare that held the lock before
     partial = options.output.with_name(f".{options.output.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by a prepare that was killed
     cache = partial / ".cache"
