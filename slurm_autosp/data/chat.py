@@ -9,8 +9,8 @@ the reply). A template for which this does not hold exactly (it rewrites earlier
 message is added, or writes a header that depends on the reply) is refused, never guessed.
 
 A token is trained when it holds at least one trained character, the rule of transformers'
-assistant mask: a token that straddles the header and the reply (" Hello" after a header
-ending in "]") is trained, so the reply's first token is never lost.
+assistant mask: a token that straddles the header and the reply (" Hello" after "[/INST]",
+its space the template's) is trained, so the reply's first token is never lost.
 """
 
 from __future__ import annotations
