@@ -2,8 +2,11 @@
 training reads, with a tokenizer trained here (a small byte-level BPE)."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +97,7 @@ def test_text_rows_become_documents_ending_in_eos_with_their_ends_indexed(tmp_pa
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["splits"] == {"train": {"documents": 40, "tokens": len(tokens)}}
     assert summary["vocab_size"] == len(tokenizer) and summary["skipped_rows"] == {}
+    assert summary["end_of_turn_token_id"] == summary["eos_token_id"] == tokenizer.eos_token_id
     assert summary["tokenizer"]["name"] == tokenizer_dir.name
     assert len(summary["tokenizer"]["sha256"]) == 64
     assert not (tmp_path / ".out.partial").exists()
@@ -206,6 +210,7 @@ def test_all_rows_bad_is_an_error_that_leaves_no_output(tmp_path, tokenizer_dir,
         ("no_chat_template", "has no chat template, which --format chat renders rows with"),
         ("mixed_kinds", "inputs must all be of one kind"),
         ("exists", "already exists; remove it or choose another directory"),
+        ("empty", "--input {tmp}/empty.jsonl: empty, no rows to prepare"),
     ],
 )
 def test_bad_input_is_a_named_error(tmp_path, tokenizer_dir, capsys, case, message):
@@ -228,8 +233,121 @@ def test_bad_input_is_a_named_error(tmp_path, tokenizer_dir, capsys, case, messa
         (tmp_path / "b.txt").write_text("the fox\n")
     elif case == "exists":
         (tmp_path / "out").mkdir()
+    elif case == "empty":
+        inputs = [str(tmp_path / "empty.jsonl")]
+        (tmp_path / "empty.jsonl").write_text("")
     assert prepare(tokenizer, inputs, tmp_path / "out", *flags) == 2
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_a_line_that_is_not_a_json_object_is_a_counted_skip_named_by_file_and_line(
+    tmp_path, tokenizer_dir, capsys
+):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "the fox"}, {"text": "a lazy dog"}])
+    b = tmp_path / "b.jsonl"
+    b.write_text('{"text": "seven wizards"}\n{"text": "cut short\n\n{"text": "hex"}\n[1, 2]\n')
+    assert prepare(tokenizer_dir, [tmp_path / "*.jsonl"], tmp_path / "out") == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rows"] == 6 and summary["splits"]["train"]["documents"] == 4
+    assert summary["skipped_rows"] == {"not_json": 2}
+    first = summary["first_skipped"]["not_json"]
+    assert first["row"] == 3 and first["note"].startswith(f"{b}:2: not JSON (")
+    out = capsys.readouterr().out
+    assert "skipped 2 of 6 rows: 2 not_json" in out and f"first not_json: {b}:2: not JSON" in out
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer")
+    _, tokens = read_token_file(SplitFiles.of(tmp_path / "out", "train").tokens)
+    texts = tokenizer.decode(tokens).split(tokenizer.eos_token)
+    assert texts == ["the fox", "a lazy dog", "seven wizards", "hex", ""]
+
+
+def test_help_names_the_formats_as_they_are_typed(capsys):
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    assert "--format {text,chat}" in capsys.readouterr().out
+
+
+def start_prepare(
+    tokenizer_dir: Path, corpus: Path, output: Path, log: Path, *flags: str
+) -> subprocess.Popen:
+    """A prepare in a process of its own, writing to `log` (not a pipe, which a process that
+    outlives it would hold open)."""
+    args = ["--tokenizer", str(tokenizer_dir), "--input", str(corpus), "--output", str(output)]
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "slurm_autosp.data", "prepare", *args, *flags],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def wait_for(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.01)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_second_prepare_to_an_output_being_written_is_refused_by_name(
+    tmp_path, tokenizer_dir, capsys
+):
+    """Before, the second removed the first's partial directory, and the first died."""
+    corpus = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in sentences(30000)])
+    first = start_prepare(tokenizer_dir, corpus, tmp_path / "out", tmp_path / "first.log")
+    wait_for(lambda: (tmp_path / ".out.partial").exists() or first.poll() is not None, "partial")
+    assert prepare(tokenizer_dir, [corpus], tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert f"--output {tmp_path / 'out'}: another prepare (process {first.pid} on " in err
+    assert "is writing it; wait for it to finish or choose another directory" in err
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["splits"]["train"]["documents"] == 30000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "first.log", "out"]
+
+
+def test_workers_die_with_a_killed_prepare_whose_output_the_next_prepare_takes_over(
+    tmp_path, tokenizer_dir
+):
+    rows = [{"messages": conversation(i)} for i in range(4000)]
+    corpus = write_jsonl(tmp_path / "chat.jsonl", rows)
+    flags = ("--format", "chat", "--workers", "2")
+    killed = start_prepare(tokenizer_dir, corpus, tmp_path / "out", tmp_path / "killed.log", *flags)
+    shards = tmp_path / ".out.partial" / ".cache"  # each worker writes its own while tokenizing
+    wait_for(lambda: len(list(shards.glob("tmp*"))) >= 2 or killed.poll() is not None, "shards")
+    workers = children(killed.pid)  # the pool's, and the manager it reports through
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert len(workers) >= 2
+    deadline = time.monotonic() + 5
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = [w for w in workers if running(w)]
+    for worker in survivors:  # not to leave them to the rest of the suite
+        os.kill(worker, signal.SIGKILL)
+    assert not survivors, "workers outlived their prepare"
+    assert (tmp_path / ".out.partial").exists()  # what the killed prepare left
+    assert prepare(tokenizer_dir, [corpus], tmp_path / "out", "--format", "chat") == 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"] == 4000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "killed.log", "out"]
 
 
 def test_a_prepare_that_fails_midway_leaves_nothing_a_run_could_read(tmp_path, capsys):
@@ -262,6 +380,36 @@ def test_a_prepared_dataset_is_checked_against_the_model_before_any_rank_starts(
     (tmp_path / "data" / "summary.json").unlink()  # as an interrupted prepare would leave it
     with pytest.raises(ConfigError, match=r"without summary\.json is not a prepared dataset"):
         check_token_file(load_config(keys), vocab)
+
+
+ENDS = "where each document ends, which data.documents=masked reads"
+
+
+@pytest.mark.parametrize(
+    ("missing", "flags", "why"),
+    [
+        ("train.tokens", [], "the train split's tokens"),
+        ("train.documents.npy", ["data.documents=masked"], ENDS),
+        ("eval.documents.npy", ["data.documents=masked"], ENDS),
+        ("train.loss_mask.npy", [], "which tokens of the chat data are trained on"),
+    ],
+)
+def test_a_prepared_directory_missing_a_file_is_named_before_any_rank_starts(
+    tmp_path, tokenizer_dir, missing, flags, why
+):
+    corpus = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(i)} for i in range(8)])
+    data = tmp_path / "data"
+    assert (
+        prepare(tokenizer_dir, [corpus], data, "--format", "chat", "--eval-fraction", "0.25") == 0
+    )
+    (data / missing).unlink()
+    keys = ["cfg=configs/tiny_cpu.yaml", "data.source=tokens", f"data.path={data}", *flags]
+    cfg = load_config([*keys, "data.seq_len=32"])
+    key = "data.path (held-out data)" if missing.startswith("eval") else f"data.path={data}"
+    with pytest.raises(ConfigError) as refused:
+        check_token_file(cfg, 300)
+    assert str(refused.value).startswith(f"{key}: {data}: {missing} ({why}) is missing; ")
+    assert str(refused.value).endswith("prepare the dataset again with `python -m slurm_autosp.data prepare`")  # fmt: skip
 
 
 @pytest.mark.slow

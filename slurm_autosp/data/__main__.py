@@ -28,7 +28,11 @@ def parse(argv: list[str] | None) -> PrepareOptions:
     )
     p.add_argument("--output", type=Path, required=True, help="the directory to create")
     p.add_argument(
-        "--format", type=DocumentFormat, default=DocumentFormat.text, choices=list(DocumentFormat)
+        "--format",
+        type=DocumentFormat,
+        default=DocumentFormat.text,
+        choices=[f.value for f in DocumentFormat],
+        help="text: every token is trained on; chat: rows of messages, the replies are",
     )
     p.add_argument("--text-key", help='the field read: default "text" ("messages" for chat)')
     p.add_argument("--eval-fraction", type=float, default=0.0, help="documents held out")
@@ -64,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         reasons = ", ".join(f"{n} {why}" for why, n in summary["skipped_rows"].items())
         skipped = sum(summary["skipped_rows"].values())
         print(f"skipped {skipped} of {summary['rows']} rows: {reasons}")
+        for why, first in summary["first_skipped"].items():
+            where = first.get("note") or f"input row {first['row']}"
+            print(f"  first {why}: {where}")
     return 0
 
 

@@ -3,7 +3,8 @@ over workers) with a local tokenizer, written as token files with a document ind
 mask for chat data, the tokenizer's files and a summary (see `prepared.py`).
 
 The output is a function of the input alone (same input, same bytes) and appears whole or
-not at all: it is written to a hidden sibling directory that is renamed into place last.
+not at all: it is written to a hidden sibling directory that is renamed into place last, by
+one prepare at a time (`output_lock.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from glob import glob
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from slurm_autosp.data.chat import (
+    MARKERS_FIX,
+    Messages,
+    TemplateRejected,
+    Unmaskable,
+    encode_with_markers,
+    end_of_turn_token,
+    render,
+    reply_spans,
+    trained_tokens,
+    uses_generation_markers,
+)
+from slurm_autosp.data.json_lines import MarkedLines, mark_unparseable
+from slurm_autosp.data.output_lock import OutputBusy, output_lock
 from slurm_autosp.data.prepared import (
     SUMMARY,
     TOKENIZER_DIR,
@@ -35,6 +50,7 @@ from slurm_autosp.data.prepared import (
     tokenizer_hash,
 )
 from slurm_autosp.data.token_file import TokenFileWriter
+from slurm_autosp.data.workers import children_die_with_this_process
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +88,8 @@ class Skip(str, enum.Enum):
     empty = "empty"  # no text, only whitespace, or no messages
     not_utf8 = "non_utf8"  # undecodable bytes in the file
     malformed = "malformed"  # not a string (text) or not a list of {role, content} (chat)
+    not_json = "not_json"  # a line of a JSON Lines file that is not a JSON object
+    template_error = "template_error"  # the chat template raised on it (e.g. an unknown role)
 
 
 @dataclass(frozen=True)
@@ -147,8 +165,54 @@ def resolve_inputs(patterns: list[str]) -> tuple[str, list[str]]:
     return builder, files
 
 
-def load_rows(builder: str, files: list[str], key: str, cache_dir: Path) -> datasets.Dataset:
-    """The input's rows, in file order, with column `key` present."""
+@dataclass(frozen=True)
+class Rows:
+    table: datasets.Dataset
+    unparseable: dict[int, str]  # row index: "file:line: why" (lines that are not JSON objects)
+
+
+def load_rows(builder: str, files: list[str], key: str, cache_dir: Path) -> Rows:
+    """The input's rows, in file order, with column `key` present. A JSON Lines file with a
+    line that is not a JSON object is read with that line as a row of its own, to skip."""
+    if builder != "disk" and not any(os.path.getsize(f) for f in files):
+        raise PrepareError(f"--input {' '.join(files)}: empty, no rows to prepare")
+    unparseable: dict[int, str] = {}
+    try:
+        table = _read(builder, files, cache_dir)
+    except PrepareError:
+        marked = _unparseable_lines(builder, files, cache_dir)
+        if marked is None:
+            raise
+        table, unparseable = _read(builder, marked.files, cache_dir), marked.bad
+        if len(table) != marked.rows:
+            raise PrepareError(
+                f"--input {' '.join(files)}: {len(table)} rows read but {marked.rows} lines with "
+                f"text, so lines that are not JSON objects ({next(iter(marked.bad.values()))}) "
+                "cannot be told apart; fix or remove them"
+            ) from None
+    if len(table) == 0:
+        raise PrepareError(f"--input {' '.join(files)}: no rows in it to prepare")
+    if key not in table.column_names:
+        raise PrepareError(
+            f"--input {' '.join(files)}: rows have no {key!r} field (they have "
+            f"{', '.join(table.column_names)}); name the field with --text-key"
+        )
+    return Rows(table, unparseable)
+
+
+def _unparseable_lines(builder: str, files: list[str], cache_dir: Path) -> MarkedLines | None:
+    """The JSON Lines files with their bad lines marked; None when none is bad (the loader
+    failed for another reason, which its error names)."""
+    if builder != "json":
+        return None
+    try:
+        marked = mark_unparseable(files, cache_dir / "marked", _MARK_UNDECODABLE)
+    except OSError:
+        return None
+    return marked if marked.bad else None
+
+
+def _read(builder: str, files: list[str], cache_dir: Path) -> datasets.Dataset:
     try:
         if builder == "disk":
             rows = datasets.load_from_disk(files[0])
@@ -159,21 +223,27 @@ def load_rows(builder: str, files: list[str], key: str, cache_dir: Path) -> data
                         f"(splits: {', '.join(rows)}); save the split to prepare"
                     )
                 rows = rows["train"]
-        else:
-            encoding = _LOADER_ENCODING if builder in ("json", "text") else {}
-            rows = datasets.load_dataset(
-                builder, data_files=files, split="train", cache_dir=str(cache_dir), **encoding
-            )
+            return rows
+        encoding = _LOADER_ENCODING if builder in ("json", "text") else {}
+        return datasets.load_dataset(
+            builder, data_files=files, split="train", cache_dir=str(cache_dir), **encoding
+        )
     except (OSError, ValueError, pa.ArrowException, datasets.exceptions.DatasetGenerationError) as err:  # fmt: skip
         raise PrepareError(
             f"--input {' '.join(files)}: cannot be read as {builder}: {err}"
         ) from err
-    if key not in rows.column_names:
-        raise PrepareError(
-            f"--input {' '.join(files)}: rows have no {key!r} field (they have "
-            f"{', '.join(rows.column_names)}); name the field with --text-key"
-        )
-    return rows
+
+
+@dataclass(frozen=True)
+class Document:
+    ids: list[int]
+    mask: list[int]  # chat: 1 where trained on; text: empty (every token is)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    reason: Skip
+    note: str = ""  # what a reader needs to find and fix the row (template errors, bad lines)
 
 
 @dataclass(frozen=True)
@@ -184,84 +254,101 @@ class Tokenize:
     tokenizer: PreTrainedTokenizerBase
     key: str
     format: DocumentFormat
+    unparseable: dict[int, str] = field(default_factory=dict)  # row index: "file:line: why"
+    tokenizer_dir: Path | None = None  # named in errors
 
-    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         rows = batch[self.key]
-        skipped = [self._skip(row) for row in rows]
-        kept = [row for row, skip in zip(rows, skipped, strict=True) if skip is None]
+        results: list[Document | Skipped | None] = [
+            self._check(row, index) for row, index in zip(rows, indices, strict=True)
+        ]
+        kept = [i for i, result in enumerate(results) if result is None]
         if self.format is DocumentFormat.chat:
-            documents, masks = self._chats(kept)
+            made = self._chats([rows[i] for i in kept], [indices[i] for i in kept])
         else:
-            documents = self.tokenizer(kept, add_special_tokens=False)["input_ids"] if kept else []
-            masks = [[] for _ in documents]
-        eos = self.tokenizer.eos_token_id
-        out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "skipped": []}
-        documents_left = iter(zip(documents, masks, strict=True))
-        for skip in skipped:
-            ids, mask = ([], []) if skip is not None else next(documents_left)
-            out["input_ids"].append(ids + [eos] if skip is None else [])
-            out["loss_mask"].append(mask + [0] if mask else [])
-            out["skipped"].append("" if skip is None else skip.value)
+            made = self._texts([rows[i] for i in kept])
+        for i, result in zip(kept, made, strict=True):
+            results[i] = result
+        return self._columns(results)
+
+    def _columns(self, results: list[Document | Skipped | None]) -> dict[str, list[Any]]:
+        eos, masked = self.tokenizer.eos_token_id, self.format is DocumentFormat.chat
+        out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "skipped": [], "note": []}
+        for result in results:
+            if isinstance(result, Document):
+                out["input_ids"].append(result.ids + [eos])
+                out["loss_mask"].append(result.mask + [0] if masked else [])
+                out["skipped"].append("")
+                out["note"].append("")
+            else:
+                assert result is not None
+                out["input_ids"].append([])
+                out["loss_mask"].append([])
+                out["skipped"].append(result.reason.value)
+                out["note"].append(result.note)
         return out
 
-    def _skip(self, row: Any) -> Skip | None:
+    def _check(self, row: Any, index: int) -> Skipped | None:
+        if index in self.unparseable:
+            return Skipped(Skip.not_json, self.unparseable[index])
         if self.format is DocumentFormat.chat:
             if row is None or row == []:
-                return Skip.empty
+                return Skipped(Skip.empty)
             if not isinstance(row, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
                 for m in row
             ):
-                return Skip.malformed
+                return Skipped(Skip.malformed)
             texts = [m["content"] for m in row]
         else:
             if row is None:
-                return Skip.empty
+                return Skipped(Skip.empty)
             if not isinstance(row, str):
-                return Skip.malformed
+                return Skipped(Skip.malformed)
             texts = [row]
         if any(_NOT_UTF8 in text for text in texts):
-            return Skip.not_utf8
-        return None if any(text.strip() for text in texts) else Skip.empty
+            return Skipped(Skip.not_utf8)
+        return None if any(text.strip() for text in texts) else Skipped(Skip.empty)
 
-    def _chats(self, conversations: list[list[dict[str, str]]]) -> tuple[list[Any], list[Any]]:
-        """Each conversation rendered by the chat template; the characters each assistant
-        message adds (its rendering after the prompt for it) are trained on."""
+    def _texts(self, texts: list[str]) -> list[Document | Skipped]:
+        if not texts:
+            return []
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [Document(document, []) for document in ids]
+
+    def _chats(self, conversations: list[Messages], indices: list[int]) -> list[Document | Skipped]:
+        """Each conversation rendered by the chat template and masked (see `chat.py`); one the
+        template raises on is skipped, one it cannot mask fails the preparation."""
+        markers = uses_generation_markers(self.tokenizer)
+        results: list[Document | Skipped | None] = []
         texts, spans = [], []
-        for messages in conversations:
-            full = self._render(messages)
-            ranges = []
-            for i, message in enumerate(messages):
-                if message["role"] != "assistant":
+        for messages, index in zip(conversations, indices, strict=True):
+            try:
+                if markers:
+                    results.append(Document(*encode_with_markers(self.tokenizer, messages)))
                     continue
-                before = self._render(messages[:i], add_generation_prompt=True)
-                through = self._render(messages[: i + 1])
-                if not (full.startswith(through) and through.startswith(before)):
-                    raise PrepareError(
-                        "the tokenizer's chat template renders a conversation differently from "
-                        "its beginning (message "
-                        f"{i} changes what came before), so the assistant's tokens cannot be "
-                        "located; use a template whose rendering of a prefix is a prefix"
-                    )
-                ranges.append((len(before), len(through)))
-            texts.append(full)
-            spans.append(ranges)
-        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        masks = []
-        for offsets, ranges in zip(encoded["offset_mapping"], spans, strict=True):
-            starts = np.array([start for start, _ in offsets], dtype=np.int64)
-            trained = np.zeros(len(starts), dtype=bool)
-            for begin, end in ranges:
-                trained |= (starts >= begin) & (starts < end)
-            masks.append(trained.astype(np.uint8).tolist())
-        return encoded["input_ids"], masks
-
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        assert isinstance(text, str)
-        return text
+                text = render(self.tokenizer, messages)
+                spans.append(reply_spans(self.tokenizer, messages, text))
+            except TemplateRejected as err:
+                results.append(Skipped(Skip.template_error, f"input row {index}: {err}"))
+                continue
+            except Unmaskable as err:
+                raise PrepareError(
+                    f"--tokenizer {self.tokenizer_dir}: its chat template cannot show which tokens "
+                    f"are the assistant's in input row {index}, {err}; {MARKERS_FIX}"
+                ) from err
+            texts.append(text)
+            results.append(None)
+        if texts:
+            encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+            masked = iter(
+                Document(ids, trained_tokens(offsets, trained))
+                for ids, offsets, trained in zip(
+                    encoded["input_ids"], encoded["offset_mapping"], spans, strict=True
+                )
+            )
+            results = [next(masked) if result is None else result for result in results]
+        return [result for result in results if result is not None]
 
 
 def tokenize_rows(
@@ -272,18 +359,21 @@ def tokenize_rows(
             "input_ids": datasets.List(datasets.Value("uint32")),
             "loss_mask": datasets.List(datasets.Value("uint8")),
             "skipped": datasets.Value("string"),
+            "note": datasets.Value("string"),
         }
     )
-    return rows.map(
-        tokenize,
-        batched=True,
-        num_proc=workers if workers > 1 else None,
-        remove_columns=rows.column_names,
-        features=features,
-        cache_file_name=str(cache_dir / "tokenized.arrow"),
-        new_fingerprint=fingerprint,
-        desc="tokenizing",
-    )
+    with children_die_with_this_process():  # a killed prepare leaves no worker running
+        return rows.map(
+            tokenize,
+            batched=True,
+            with_indices=True,
+            num_proc=workers if workers > 1 else None,
+            remove_columns=rows.column_names,
+            features=features,
+            cache_file_name=str(cache_dir / "tokenized.arrow"),
+            new_fingerprint=fingerprint,
+            desc="tokenizing",
+        )
 
 
 def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
@@ -359,14 +449,33 @@ def prepare(options: PrepareOptions) -> dict[str, Any]:
         raise PrepareError(f"--eval-fraction {options.eval_fraction} must be in [0, 1)")
     if options.workers < 1:
         raise PrepareError(f"--workers {options.workers} must be >= 1")
-    if options.output.exists():
-        raise PrepareError(
-            f"--output {options.output}: already exists; remove it or choose another directory"
-        )
+    _refuse_existing(options.output)
     tokenizer = load_tokenizer(options.tokenizer, options.format)
     builder, files = resolve_inputs(options.inputs)
+    try:
+        with output_lock(options.output):
+            return _prepare_owned(options, tokenizer, builder, files)
+    except OutputBusy as holder:
+        raise PrepareError(
+            f"--output {options.output}: another prepare ({holder}) is writing it; wait for it "
+            "to finish or choose another directory"
+        ) from None
+
+
+def _refuse_existing(output: Path) -> None:
+    if output.exists():
+        raise PrepareError(
+            f"--output {output}: already exists; remove it or choose another directory"
+        )
+
+
+def _prepare_owned(
+    options: PrepareOptions, tokenizer: PreTrainedTokenizerBase, builder: str, files: list[str]
+) -> dict[str, Any]:
+    """Under the output's lock: no other prepare writes the partial directory."""
+    _refuse_existing(options.output)  # written by a prepare that held the lock before
     partial = options.output.with_name(f".{options.output.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted prepare
+    shutil.rmtree(partial, ignore_errors=True)  # left by a prepare that was killed
     cache = partial / ".cache"
     cache.mkdir(parents=True)
     try:
@@ -389,20 +498,23 @@ def _prepare_into(
     rows = load_rows(builder, files, options.key, cache)
     tokenizer_sha = tokenizer_hash(options.tokenizer)
     fingerprint = hashlib.sha256(
-        json.dumps([tokenizer_sha, rows._fingerprint, options.key, options.format.value]).encode()
+        json.dumps(
+            [tokenizer_sha, rows.table._fingerprint, options.key, options.format.value]
+        ).encode()
     ).hexdigest()[:32]
     start = time.perf_counter()
-    tokenized = tokenize_rows(rows, Tokenize(tokenizer, options.key, options.format), options.workers, cache, fingerprint)  # fmt: skip
+    tokenize = Tokenize(tokenizer, options.key, options.format, rows.unparseable, options.tokenizer)
+    tokenized = tokenize_rows(rows.table, tokenize, options.workers, cache, fingerprint)
     vocab_size = len(tokenizer)
     splits = write_splits(tokenized, root, options, vocab_size)
     seconds = time.perf_counter() - start
-    reasons = pc.value_counts(tokenized.data.column("skipped")).to_pylist()
-    skipped = {r["values"]: r["counts"] for r in reasons if r["values"]}
+    skipped, first = skipped_rows(tokenized)
     documents = sum(split["documents"] for split in splits.values())
     if documents == 0:
+        notes = "".join(f"; first {why}: {first[why]['note']}" for why in first if "note" in first[why])  # fmt: skip
         raise PrepareError(
-            f"--input {' '.join(files)}: every one of {len(rows)} rows was skipped "
-            f"({', '.join(f'{n} {why}' for why, n in sorted(skipped.items()))}); "
+            f"--input {' '.join(files)}: every one of {len(rows.table)} rows was skipped "
+            f"({', '.join(f'{n} {why}' for why, n in skipped.items())}){notes}; "
             f"check --text-key {options.key} and --format {options.format.value}"
         )
     tokens = sum(split["tokens"] for split in splits.values())
@@ -412,8 +524,10 @@ def _prepare_into(
         tokens,
         seconds,
         tokens / seconds,
-        f"; skipped {dict(sorted(skipped.items()))}" if skipped else "",
+        f"; skipped {skipped}" if skipped else "",
     )
+    for why, row in first.items():
+        log.info("first %s row: %s", why, row.get("note", f"input row {row['row']}"))
     (root / TOKENIZER_DIR).mkdir()
     for path in tokenizer_file_paths(options.tokenizer):
         shutil.copyfile(path, root / TOKENIZER_DIR / path.name)
@@ -421,12 +535,14 @@ def _prepare_into(
         "format": options.format.value,
         "inputs": files,
         "key": options.key,
-        "rows": len(rows),
-        "skipped_rows": dict(sorted(skipped.items())),
+        "rows": len(rows.table),
+        "skipped_rows": skipped,
+        "first_skipped": first,
         "splits": splits,
         "eval_fraction": options.eval_fraction,
         "vocab_size": vocab_size,
         "eos_token_id": tokenizer.eos_token_id,
+        "end_of_turn_token_id": end_of_turn(tokenizer, options.format),
         "tokenizer": {
             "name": options.tokenizer.resolve().name,
             "class": type(tokenizer).__name__,
@@ -435,3 +551,29 @@ def _prepare_into(
     }
     (root / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def skipped_rows(tokenized: datasets.Dataset) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
+    """How many rows were skipped for each reason, and the first of them: its input row and,
+    where there is one, the note that locates and explains it."""
+    column = tokenized.data.column("skipped")
+    counts = {r["values"]: r["counts"] for r in pc.value_counts(column).to_pylist() if r["values"]}
+    first: dict[str, dict[str, Any]] = {}
+    for why in sorted(counts):
+        row = pc.index(column, why).as_py()
+        note = tokenized.data.column("note")[row].as_py()
+        first[why] = {"row": row, **({"note": note} if note else {})}
+    return dict(sorted(counts.items())), first
+
+
+def end_of_turn(tokenizer: PreTrainedTokenizerBase, document_format: DocumentFormat) -> int:
+    """The token that ends what the model writes, for generation to stop at: chat, the first
+    of the template's end-of-turn text; text, the EOS that ends each document."""
+    eos = int(tokenizer.eos_token_id)
+    if document_format is DocumentFormat.text:
+        return eos
+    token = end_of_turn_token(tokenizer)
+    if token is None:
+        log.warning("the chat template writes no end-of-turn text after a reply; using EOS")
+        return eos
+    return token

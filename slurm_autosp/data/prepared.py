@@ -1,6 +1,7 @@
 """A prepared dataset: what `python -m slurm_autosp.data prepare` writes, one directory.
 
     summary.json          documents, tokens, vocabulary, tokenizer (name, hash), skipped rows
+                          (and the first of each kind), EOS and the end-of-turn token
     train.tokens          token file (documents joined, each ending in EOS)
     train.documents.npy   uint64 end offset of each document in train.tokens
     train.loss_mask.npy   uint8 per token, 1 where trained on (chat data only)
@@ -67,6 +68,16 @@ def read_summary(root: Path) -> dict[str, Any]:
             "prepare?); write one with `python -m slurm_autosp.data prepare`"
         ) from err
     return summary
+
+
+def stop_token_ids(tokenizer_dir: Path) -> list[int]:
+    """The tokens generation stops at, for a model trained on the prepared dataset whose
+    tokenizer is `tokenizer_dir`: its end of turn (chat: the first token of the template's
+    end-of-turn text, e.g. <|im_end|>; text: EOS), then EOS. A summary written before the end
+    of turn was recorded gives EOS."""
+    summary = read_summary(tokenizer_dir.parent)
+    eos = summary["eos_token_id"]
+    return list(dict.fromkeys([summary.get("end_of_turn_token_id", eos), eos]))
 
 
 def tokenizer_file_paths(directory: Path) -> list[Path]:

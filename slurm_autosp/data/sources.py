@@ -255,14 +255,28 @@ def open_tokens(
                 "needs; train on a directory written by `python -m slurm_autosp.data prepare`"
             )
         return TokenFileSource(path, seq_len, vocab_size)
-    read_summary(path)
+    chat = read_summary(path).get("format") == "chat"
     files = SplitFiles.of(path, split)
-    if not files.tokens.exists():
+    if split != "train" and not files.tokens.exists():
         raise ValueError(f"{path}: no {split} split (prepare with --eval-fraction > 0)")
+    _require(files.tokens, f"the {split} split's tokens")
+    if chat:
+        _require(files.loss_mask, "which tokens of the chat data are trained on")
+    if masked:
+        _require(files.documents, "where each document ends, which data.documents=masked reads")
     mask = files.loss_mask if files.loss_mask.exists() else None
     return TokenFileSource(
         files.tokens, seq_len, vocab_size, mask, files.documents if masked else None
     )
+
+
+def _require(path: Path, holding: str) -> None:
+    """A file a prepared dataset wrote, gone since (copied in part, or removed by hand)."""
+    if not path.exists():
+        raise ValueError(
+            f"{path.parent}: {path.name} ({holding}) is missing; prepare the dataset again with "
+            "`python -m slurm_autosp.data prepare`"
+        )
 
 
 def eval_data_path(cfg: JobConfig) -> tuple[str, str] | None:
@@ -327,7 +341,7 @@ def check_token_file(cfg: JobConfig, model_vocab_size: int | None) -> None:
     key = "data.blend: " if cfg.data.blend else "data.path="
     for path in token_paths(cfg):
         try:
-            open_tokens(path, cfg.data.seq_len, model_vocab_size)
+            open_tokens(path, cfg.data.seq_len, model_vocab_size, documents=cfg.data.documents)
         except (OSError, ValueError) as err:
             raise ConfigError(f"{key}{path}: {err}") from err
     try:
