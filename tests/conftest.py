@@ -1,9 +1,11 @@
 """Fixtures shared across the suite."""
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from packaging.version import Version
 from reference_run import reference_data, train_reference
 from resubmitted_run import ResubmittedRun, resubmit
@@ -101,3 +103,23 @@ def slurm_cluster():
         )
     yield
     subprocess.run(["bash", str(SLURM_SCRIPTS / "stop.sh")], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def single_rank_group(tmp_path_factory):
+    """A one-rank gloo process group in this process, for a module of engine-level tests.
+    DeepSpeed caches the world group it first sees: forgotten at teardown, so the next
+    module's group is the one it uses."""
+    from deepspeed.utils import groups
+
+    init_file = tmp_path_factory.mktemp("rendezvous") / "file"  # no port to race for
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"  # DeepSpeed insists on it
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    groups._WORLD_GROUP = None
+    if saved is None:
+        del os.environ["LOCAL_RANK"]
+    else:
+        os.environ["LOCAL_RANK"] = saved

@@ -5,9 +5,7 @@ it), its optimizer state resident and offloaded."""
 
 import os
 
-import pytest
 import torch
-import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 
 from slurm_autosp.config import Precision, load_config
@@ -21,20 +19,6 @@ MICRO_GRADIENTS = [
     2**-9,
     2**-9,
 ]  # each parameter's gradient, micro-batch by micro-batch
-
-
-@pytest.fixture(scope="module")
-def single_rank_group(tmp_path_factory):
-    init_file = tmp_path_factory.mktemp("rendezvous") / "file"
-    saved = os.environ.get("LOCAL_RANK")
-    os.environ["LOCAL_RANK"] = "0"  # DeepSpeed insists on it
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    if saved is None:
-        del os.environ["LOCAL_RANK"]
-    else:
-        os.environ["LOCAL_RANK"] = saved
 
 
 def bf16_engine(offload: bool):

@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from reference_run import prepared_dataset
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -33,21 +32,6 @@ from slurm_autosp.launch.placement import plan_layout  # noqa: E402
 from slurm_autosp.optim import lr_factor  # noqa: E402
 
 STAGES = {"deepspeed_zero1": 1, "fsdp2": 3}
-
-
-@pytest.fixture(scope="module")
-def single_rank_group(tmp_path_factory):
-    init_file = tmp_path_factory.mktemp("rendezvous") / "file"  # no port to race for
-    saved = os.environ.get("LOCAL_RANK")
-    # DeepSpeed insists on it; restored so later subprocesses don't inherit it
-    os.environ["LOCAL_RANK"] = "0"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    if saved is None:
-        del os.environ["LOCAL_RANK"]
-    else:
-        os.environ["LOCAL_RANK"] = saved
 
 
 def job_config(zero_stage, *overrides):

@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from device_check import names_devices
 
 from slurm_autosp.checkpoint.signals import StopRequest
@@ -19,20 +18,6 @@ from slurm_autosp.launch.placement import build_parallel
 from slurm_autosp.train import train
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-@pytest.fixture(scope="module")
-def single_rank_group(tmp_path_factory):
-    init_file = tmp_path_factory.mktemp("rendezvous") / "file"
-    saved = os.environ.get("LOCAL_RANK")
-    os.environ["LOCAL_RANK"] = "0"  # DeepSpeed insists on it
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    if saved is None:
-        del os.environ["LOCAL_RANK"]
-    else:
-        os.environ["LOCAL_RANK"] = saved
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
