@@ -310,6 +310,14 @@ def _check_flash(query: torch.Tensor) -> None:
             f"per-document and sliding-window attention on CUDA run the flash varlen kernel, "
             f"which computes in bf16 or fp16, not {query.dtype}: train with train.precision=bf16"
         )
+    head_dim = query.shape[-1]
+    if head_dim % 8 or head_dim > 256:
+        raise DocumentAttentionError(
+            f"per-document and sliding-window attention on CUDA run the flash varlen kernel, "
+            f"which takes head dimensions that are multiples of 8 up to 256, not {head_dim}: "
+            "train packed documents with data.documents=concat, sliding windows no shorter "
+            "than the sequence, and right padding"
+        )
 
 
 def _varlen_sequences(

@@ -155,6 +155,9 @@ def test_cuda_kernel_refuses_what_flash_does_not_compute_by_name(monkeypatch):
         (query, key, value), boundaries, longest = _fake_inputs(Case())
         with pytest.raises(DocumentAttentionError, match="train.precision=bf16"):
             varlen_forward(query.float(), key.float(), value.float(), boundaries, SCALE, 0, 13)
+        with pytest.raises(DocumentAttentionError, match="multiples of 8 up to 256, not 60"):
+            odd = torch.empty(2, HEADS, SEQ, 60, dtype=torch.bfloat16, device="cuda")
+            varlen_forward(odd, key, value, boundaries, SCALE, 0, longest)
         with pytest.raises(DocumentAttentionError, match="cu_seqlens without max_length"):
             varlen_forward(query, key, value, boundaries, SCALE, 0, 0)
         monkeypatch.setattr(torch.version, "hip", "6.2")
