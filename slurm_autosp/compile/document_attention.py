@@ -27,7 +27,7 @@ per micro-batch (and the CPU kernel checks it against the boundaries). The CUDA 
 run on a GPU: its shapes, strides and dtypes are checked against the fakes on a fake CUDA device
 (tests/compile/test_document_kernel.py), its numbers by `kernel_check` on a GPU. Every [B, H,
 S, D] tensor the op returns is laid out token by token ([B, S, H, D] transposed), as the varlen
-kernel writes it, so the CUDA outputs are views, not copies; other devices are refused by name.
+kernel writes it, so on CUDA they are views, not copies; other devices are refused by name.
 """
 
 from collections.abc import Iterator
@@ -114,11 +114,15 @@ def _check_max_length(documents: list[tuple[int, int, int]], max_length: int) ->
         )
 
 
+def _check_window(window: int) -> None:
+    if window < 0:
+        raise DocumentAttentionError(f"window={window}: a sliding window is a positive length")
+
+
 def _pieces(documents: list[tuple[int, int, int]], window: int) -> Iterator[_Piece]:
     """What the kernel runs on: each document whole when the window covers it (or there is
     none), else in query chunks with the keys their window reaches within the document."""
-    if window < 0:
-        raise DocumentAttentionError(f"window={window}: a sliding window is a positive length")
+    _check_window(window)
     for row, start, end in documents:
         if not window or end - start <= window:
             yield _Piece(row, start, end, start)
@@ -339,8 +343,10 @@ def _varlen_sequences(
 
 
 def _flash_window(window: int) -> tuple[int, bool]:
-    """(window_size_left, is_causal) as torch's varlen_attn passes them, right size 0: causal
-    is (-1, 0), a window of W tokens (W - 1, 0), keys q - W + 1 ... q of the query's document."""
+    """(window_size_left, is_causal) as torch's varlen_attn passes them, with window_size_right
+    0: causal is (-1, 0), a window of W tokens (W - 1, 0), keys q - W + 1 ... q of the query's
+    document."""
+    _check_window(window)
     return (window - 1, False) if window else (-1, True)
 
 
@@ -394,9 +400,8 @@ def varlen_forward(
         window_size_right=0,
     )
     batch, _, seq, _ = query.shape
-    logsumexp = _contiguous(
-        lse.unflatten(1, (batch, seq)).transpose(0, 1)
-    )  # [Hq, B*S] -> [B, Hq, S]
+    # [Hq, B * S] as flash writes it, [B, Hq, S] as the fake declares it (a small copy)
+    logsumexp = _contiguous(lse.unflatten(1, (batch, seq)).transpose(0, 1))
     return _unpacked(output, batch), logsumexp
 
 

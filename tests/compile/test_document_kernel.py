@@ -160,6 +160,8 @@ def test_cuda_kernel_refuses_what_flash_does_not_compute_by_name(monkeypatch):
             varlen_forward(odd, key, value, boundaries, SCALE, 0, longest)
         with pytest.raises(DocumentAttentionError, match="cu_seqlens without max_length"):
             varlen_forward(query, key, value, boundaries, SCALE, 0, 0)
+        with pytest.raises(DocumentAttentionError, match="window=-1: a sliding window is a"):
+            varlen_forward(query, key, value, boundaries, SCALE, -1, longest)
         monkeypatch.setattr(torch.version, "hip", "6.2")
         with pytest.raises(DocumentAttentionError, match=r"ROCm \(cluster.vendor=amd\)"):
             varlen_forward(query, key, value, boundaries, SCALE, 0, longest)
