@@ -48,6 +48,7 @@ CASES = {
     "packed_rows": Case(),
     "window_within_documents": Case(window=7),
     "window_over_whole_rows": Case(documents=False, window=7),
+    "two_rows_after_the_all_to_all": Case(head_major=True),
     "one_row_after_the_all_to_all": Case(batch=1, window=7, head_major=True),
 }
 
