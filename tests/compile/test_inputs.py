@@ -5,7 +5,7 @@ import torch
 from sp_cases import tiny_model
 from torch._dynamo.testing import CompileCounter
 
-from slurm_autosp.compile import IGNORE_INDEX, prepare_sp_inputs
+from slurm_autosp.compile import IGNORE_INDEX, AutoSPCompileError, prepare_sp_inputs
 from slurm_autosp.compile.hf_attention import use_sp_attention
 from slurm_autosp.compile.layers import decoder_layers
 
@@ -95,3 +95,20 @@ def test_the_longest_document_is_read_on_the_host_once_per_batch_and_spans_the_p
     assert shards[0].cu_seqlens.tolist() == [0, 3, 5, 8, 12, 16]
     assert [s.longest_document for s in shards] == [4, 4]
     assert prepare_sp_inputs(torch.arange(1, 9)[None], sp_rank=0, sp_size=2).longest_document == 0
+
+
+def test_a_longest_document_given_as_an_int_is_refused_naming_model_kwargs():
+    """HF's own convention for max_length_q, an int, would compile the layers again at the
+    second batch; the attention refuses it and says what to pass."""
+    model = tiny_model("llama", 2)
+    use_sp_attention(model)
+    documents = torch.repeat_interleave(torch.arange(2), torch.tensor([30, 18]))[None]
+    shard = prepare_sp_inputs(
+        torch.arange(1, 49)[None], document_ids=documents, sp_rank=0, sp_size=1
+    )
+    kwargs = shard.model_kwargs(shard.valid_labels)
+    kwargs["max_length_q"] = kwargs["max_length_k"] = 30
+    with pytest.raises(
+        AutoSPCompileError, match=r"max_length_q=30; .* empty \[longest, 0\] tensor"
+    ):
+        model(**kwargs)
