@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from slurm_autosp.compile.attention_pattern import cpu_only_attention, unsupported_attention
+from slurm_autosp.compile.attention_pattern import unsupported_attention, windowed_attention
 from slurm_autosp.compile.chunked_loss import unsupported_logits
 from slurm_autosp.config import (
     ConfigError,
@@ -19,6 +19,7 @@ from slurm_autosp.config import (
     JobConfig,
     ModelConfig,
     Precision,
+    Vendor,
 )
 
 if TYPE_CHECKING:
@@ -142,16 +143,7 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
         else []
     )
     if cfg.compile.enabled and cfg.cluster.gpus_per_node > 0:
-        cpu_only = cpu_only_attention(config, padded) + (
-            ["per-document attention (data.documents=masked)"]
-            if cfg.data.documents is DocumentBoundaries.masked
-            else []
-        )
-        problems += [
-            f"{p} over {padded} tokens runs on CPU ranks only so far (cluster.gpus_per_node="
-            f"{cfg.cluster.gpus_per_node}: the GPU varlen kernel is not wired in yet)"
-            for p in cpu_only
-        ]
+        problems += _untested_varlen_attention(cfg, config, padded)
     model_class = _hf_model_class(config)
     if cfg.model.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         problems.insert(
@@ -177,6 +169,30 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
             + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
             "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
         )
+
+
+def _untested_varlen_attention(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
+    """On GPU ranks `document_attention` (windows, packed documents) runs torch's flash varlen
+    kernel: in bf16 on NVIDIA GPUs. fp32 (flash computes bf16/fp16 only) and ROCm (untested)
+    are refused, naming the key to change."""
+    needed = windowed_attention(config, seq_len) + (
+        ["per-document attention (data.documents=masked)"]
+        if cfg.data.documents is DocumentBoundaries.masked
+        else []
+    )
+    if cfg.cluster.vendor is Vendor.amd:
+        why = (
+            "on AMD GPUs (cluster.vendor=amd): the flash varlen kernel it runs there has not "
+            "been tested on ROCm"
+        )
+    elif cfg.precision is Precision.fp32:
+        why = (
+            "in fp32 on GPUs (train.precision=fp32): the flash varlen kernel computes in bf16 "
+            "or fp16 only; set train.precision=bf16"
+        )
+    else:
+        return []
+    return [f"{p} over {seq_len} tokens {why}" for p in needed]
 
 
 def _call_builder(cfg: ModelConfig) -> nn.Module:

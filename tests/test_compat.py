@@ -82,3 +82,40 @@ def test_deepspeed_builds_no_shared_memory_op_once_skipped(monkeypatch):
     monkeypatch.setitem(deepspeed.ops.__compatible_ops__, builder.NAME, True)
     deepspeed_api.skip_shared_memory_comm_build()
     assert build_shm_op() is None
+
+
+def test_flash_varlen_ops_take_the_arguments_document_attention_passes():
+    """document_attention's CUDA kernel calls them positionally up to is_causal (forward) and
+    unused (backward), then by keyword: an upgrade that moves or renames one fails here."""
+    forward = [a.name for a in torch_api.flash_attention_forward._schema.arguments]
+    backward = [a.name for a in torch_api.flash_attention_backward._schema.arguments]
+    assert forward[:10] == [
+        "query",
+        "key",
+        "value",
+        "cum_seq_q",
+        "cum_seq_k",
+        "max_q",
+        "max_k",
+        "dropout_p",
+        "is_causal",
+        "return_debug_mask",
+    ]
+    assert backward[:14] == [
+        "grad_out",
+        "query",
+        "key",
+        "value",
+        "out",
+        "logsumexp",
+        "cum_seq_q",
+        "cum_seq_k",
+        "max_q",
+        "max_k",
+        "dropout_p",
+        "is_causal",
+        "rng_state",
+        "unused",
+    ]
+    for names in (forward, backward):
+        assert {"scale", "window_size_left", "window_size_right"} <= set(names)

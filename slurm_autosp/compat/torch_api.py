@@ -1,9 +1,12 @@
-"""torch's private names that slurm_autosp uses: the compiler's and the plan's layer tracing."""
+"""torch's private names that slurm_autosp uses: the compiler's, the plan's layer tracing and
+the CUDA kernel of document attention (the flash varlen forward and backward that
+torch.nn.attention.varlen calls, with its arguments)."""
 
 from __future__ import annotations
 
 import os
 
+import torch
 from torch._dynamo import config as dynamo_config
 from torch._dynamo import maybe_mark_dynamic
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -17,12 +20,22 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.cuda._pin_memory_utils import pin_memory as register_pinned
 from torch.cuda._pin_memory_utils import unpin_memory as unregister_pinned
 
+# (query, key, value [T, H, D], cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+#  return_debug_mask, *, scale, window_size_left, window_size_right, ...)
+#  -> (output [T, Hq, D], logsumexp [Hq, T] fp32, rng_state, unused, debug_attn_mask)
+flash_attention_forward = torch.ops.aten._flash_attention_forward.default
+# (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+#  is_causal, rng_state, unused, *, scale, window_size_left, window_size_right) -> (dq, dk, dv)
+flash_attention_backward = torch.ops.aten._flash_attention_backward.default
+
 __all__ = [
     "CustomGraphPass",
     "FakeTensorMode",
     "aot_module_simplified",
     "compile_fx",
     "dynamo_config",
+    "flash_attention_backward",
+    "flash_attention_forward",
     "inductor_config",
     "inductor_default_cache_dir",
     "maybe_mark_dynamic",

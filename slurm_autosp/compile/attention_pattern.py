@@ -85,9 +85,9 @@ def unsupported_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
     return problems
 
 
-def cpu_only_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
+def windowed_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
     """The windows of `config` that matter at `seq_len` tokens: computed exactly by
-    `document_attention`, which runs on CPU only so far."""
+    `document_attention` (on GPUs its flash varlen kernel, which not every GPU job may run)."""
     types = _layer_types(config)
     window = getattr(config, "sliding_window", None)
     where = [i for i, t in enumerate(types) if t == SLIDING]

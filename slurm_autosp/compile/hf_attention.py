@@ -89,15 +89,33 @@ def _document_attention_forward(
             f"{name} asks for attention dropout={kwargs['dropout']} over packed documents or a "
             "sliding window; document attention has no dropout (set the model's attention_dropout=0)"
         )
-    if kwargs.get("cu_seq_lens_k") is not cu_seqlens:
+    if kwargs.get("cu_seq_lens_k") is not cu_seqlens or (
+        kwargs.get("max_length_k") is not kwargs.get("max_length_q")
+    ):
         raise AutoSPCompileError(
-            f"{name} got different cu_seq_lens_q and cu_seq_lens_k; packed documents attend "
-            "within themselves, so both must be the lengths prepare_sp_inputs derived"
+            f"{name} got different cu_seq_lens_q and cu_seq_lens_k (or max_length_q and "
+            "max_length_k); packed documents attend within themselves, so both must be the "
+            "lengths prepare_sp_inputs derived"
         )
     scaling = kwargs.get("scaling")
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    output, _ = document_attention(query, key, value, cu_seqlens, scale, window or 0)
+    longest = _longest_document(name, kwargs.get("max_length_q"))
+    output, _ = document_attention(query, key, value, cu_seqlens, scale, window or 0, longest)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _longest_document(name: str, carrier: object) -> int:
+    """The longest document's length from the empty [longest, 0] tensor SPBatch.model_kwargs()
+    passes as `max_length_q` (symbolic under Dynamo, so no batch compiles again); 0 for none."""
+    if carrier is None:
+        return 0
+    if not isinstance(carrier, torch.Tensor) or carrier.dim() != 2 or carrier.shape[1] != 0:
+        raise AutoSPCompileError(
+            f"{name} got max_length_q={carrier!r}; AutoSP reads the longest document's length from "
+            "the empty [longest, 0] tensor prepare_sp_inputs(...).model_kwargs() passes: call the "
+            "model with those keyword arguments"
+        )
+    return carrier.shape[0]
 
 
 def _sp_sdpa_attention(

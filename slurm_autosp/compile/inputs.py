@@ -34,7 +34,10 @@ class SPBatch:
     `valid_labels` counts the labels of this shard that enter the loss. Summed over every
     rank of the world and every micro-batch of the optimizer step, it is the step's loss
     normaliser (`num_items_in_batch`). `cu_seqlens` (packed rows only) are the cumulative
-    document lengths of the whole, padded batch, the same on every rank of the SP group.
+    document lengths of the whole, padded batch, the same on every rank of the SP group, and
+    `longest_document` the longest of those documents (0: not known). It is read once here, on
+    the host: the CUDA kernel needs it, and reading it there would wait for the GPU in every
+    layer.
     """
 
     input_ids: torch.Tensor
@@ -42,6 +45,7 @@ class SPBatch:
     position_ids: torch.Tensor
     valid_labels: int
     cu_seqlens: torch.Tensor | None = None
+    longest_document: int = 0
 
     def model_kwargs(self, num_items_in_batch: torch.Tensor | int) -> dict[str, object]:
         """Keyword arguments for an HF causal LM: its loss is then this shard's summed token
@@ -52,7 +56,11 @@ class SPBatch:
         a KV cache would make every decoder layer a different graph. Packed rows' document
         lengths travel as HF's varlen attention arguments, which reach the attention function;
         their count changes from batch to batch, so it is symbolic from the first compile (the
-        tensor itself reaches every layer: otherwise the second step would compile again).
+        tensor itself reaches every layer: otherwise the second step would compile again). The
+        longest document changes too: it travels as the length of an empty tensor
+        ([longest, 0], HF's `max_length_q`/`max_length_k`), symbolic from the first compile as
+        well, an int inside the graph that no device copy (FSDP2 moves inputs) turns into a read
+        from the GPU. A plain int would compile the layers again at the second step.
         """
         kwargs: dict[str, object] = {
             "input_ids": self.input_ids,
@@ -65,6 +73,10 @@ class SPBatch:
         if self.cu_seqlens is not None:
             maybe_mark_dynamic(self.cu_seqlens, 0)
             kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = self.cu_seqlens
+        if self.cu_seqlens is not None and self.longest_document:
+            longest = self.input_ids.new_empty(self.longest_document, 0)
+            maybe_mark_dynamic(longest, 0)
+            kwargs["max_length_q"] = kwargs["max_length_k"] = longest
         return kwargs
 
 
@@ -180,10 +192,12 @@ def prepare_sp_inputs(
     shard = input_ids.shape[1] // sp_size
     local = slice(sp_rank * shard, (sp_rank + 1) * shard)
     local_labels = shift_labels[:, local].contiguous()
+    cu_seqlens = None if starts is None else cumulative_lengths(starts, input_ids.shape[1])
     return SPBatch(
         input_ids=input_ids[:, local].contiguous(),
         shift_labels=local_labels,
         position_ids=position_ids[:, local].contiguous(),
         valid_labels=int((local_labels != IGNORE_INDEX).sum()),
-        cu_seqlens=None if starts is None else cumulative_lengths(starts, input_ids.shape[1]),
+        cu_seqlens=cu_seqlens,
+        longest_document=0 if cu_seqlens is None else int(cu_seqlens.diff().max()),
     )

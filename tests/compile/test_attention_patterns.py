@@ -172,9 +172,12 @@ def test_chunked_loss_refuses_a_model_that_transforms_its_logits():
 
 
 @pytest.mark.parametrize("case", ["window", "documents"])
-def test_attention_computed_on_cpu_only_is_refused_for_gpu_jobs_before_they_start(case, tmp_path):
-    """document_attention runs on CPU ranks only: a GPU job that needs it is refused at submit,
-    not at its first step."""
+def test_gpu_jobs_get_windows_and_documents_in_bf16_on_nvidia_and_fp32_or_rocm_is_refused(
+    case, tmp_path
+):
+    """On GPU ranks document_attention runs the flash varlen kernel: bf16 on NVIDIA GPUs is
+    accepted; fp32 (flash has no fp32 kernel) and AMD GPUs (untested) are refused at submit,
+    naming the key, not at the first step."""
     if case == "window":
         overrides = ["model.model_type=mistral", "model.extra.sliding_window=4096"]
         named = "sliding-window attention (sliding_window=4096"
@@ -182,8 +185,13 @@ def test_attention_computed_on_cpu_only_is_refused_for_gpu_jobs_before_they_star
         data = prepared_dataset(tmp_path / "prepared", [3000, 70000])
         overrides = ["data.source=tokens", f"data.path={data}", "data.documents=masked"]
         named = "per-document attention (data.documents=masked)"
-    gpu = load_config(["cfg=configs/llama8b_32k.yaml", *overrides])
-    with pytest.raises(ConfigError) as refused:
-        refuse_unsupported_attention(gpu)
-    assert named in str(refused.value) and "runs on CPU ranks only" in str(refused.value)
+    gpu = ["cfg=configs/llama8b_32k.yaml", *overrides]
+    refuse_unsupported_attention(load_config(gpu))
+    for key, why in [
+        ("train.precision=fp32", "in fp32 on GPUs (train.precision=fp32)"),
+        ("cluster.vendor=amd", "on AMD GPUs (cluster.vendor=amd)"),
+    ]:
+        with pytest.raises(ConfigError) as refused:
+            refuse_unsupported_attention(load_config([*gpu, key]))
+        assert named in str(refused.value) and why in str(refused.value)
     refuse_unsupported_attention(load_config(["cfg=configs/tiny_cpu.yaml", *overrides]))

@@ -5,7 +5,7 @@ import torch
 from sp_cases import tiny_model
 from torch._dynamo.testing import CompileCounter
 
-from slurm_autosp.compile import IGNORE_INDEX, prepare_sp_inputs
+from slurm_autosp.compile import IGNORE_INDEX, AutoSPCompileError, prepare_sp_inputs
 from slurm_autosp.compile.hf_attention import use_sp_attention
 from slurm_autosp.compile.layers import decoder_layers
 
@@ -65,10 +65,12 @@ def test_count_goes_to_the_model_as_a_tensor_so_graphs_do_not_specialise_on_it()
     assert torch.is_tensor(kwargs["num_items_in_batch"]) and kwargs["use_cache"] is False
 
 
-def test_a_new_document_count_does_not_compile_the_layers_again():
-    """Packed rows' document count changes from batch to batch; the compiled layers get the
-    lengths' tensor itself, symbolic in that count from the first step (before, every job
-    compiled its layers twice: static at step 1, again with a symbolic count at step 2)."""
+def test_a_new_document_count_or_longest_document_does_not_compile_the_layers_again():
+    """Packed rows' document count and longest document change from batch to batch; the
+    compiled layers get the lengths' tensor itself, symbolic in that count from the first step
+    (before, every job compiled its layers twice: static at step 1, again with a symbolic count
+    at step 2), and the longest document as the length of an empty tensor, symbolic too (as a
+    plain int it would compile them again at step 2)."""
     model = tiny_model("llama", 2)
     use_sp_attention(model)
     counter = CompileCounter()
@@ -79,5 +81,34 @@ def test_a_new_document_count_does_not_compile_the_layers_again():
         documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         shard = prepare_sp_inputs(ids, document_ids=documents[None], sp_rank=0, sp_size=1)
         assert shard.cu_seqlens.numel() == len(lengths) + 1
-        model(**shard.model_kwargs(shard.valid_labels)).loss.backward()
+        kwargs = shard.model_kwargs(shard.valid_labels)
+        assert kwargs["max_length_q"].shape == (max(lengths), 0) == kwargs["max_length_k"].shape
+        model(**kwargs).loss.backward()
     assert counter.frame_count == 1, f"the layers compiled {counter.frame_count} times"
+
+
+def test_the_longest_document_is_read_on_the_host_once_per_batch_and_spans_the_padding():
+    """The CUDA kernel needs the longest document's length; prepare_sp_inputs reads it once per
+    micro-batch. Padding to the SP size joins each row's last document."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1, 2]])
+    shards = _shards(2, input_ids=torch.arange(1, 8).expand(2, 7), position_ids=positions)
+    assert shards[0].cu_seqlens.tolist() == [0, 3, 5, 8, 12, 16]
+    assert [s.longest_document for s in shards] == [4, 4]
+    assert prepare_sp_inputs(torch.arange(1, 9)[None], sp_rank=0, sp_size=2).longest_document == 0
+
+
+def test_a_longest_document_given_as_an_int_is_refused_naming_model_kwargs():
+    """HF's own convention for max_length_q, an int, would compile the layers again at the
+    second batch; the attention refuses it and says what to pass."""
+    model = tiny_model("llama", 2)
+    use_sp_attention(model)
+    documents = torch.repeat_interleave(torch.arange(2), torch.tensor([30, 18]))[None]
+    shard = prepare_sp_inputs(
+        torch.arange(1, 49)[None], document_ids=documents, sp_rank=0, sp_size=1
+    )
+    kwargs = shard.model_kwargs(shard.valid_labels)
+    kwargs["max_length_q"] = kwargs["max_length_k"] = 30
+    with pytest.raises(
+        AutoSPCompileError, match=r"max_length_q=30; .* empty \[longest, 0\] tensor"
+    ):
+        model(**kwargs)

@@ -145,6 +145,16 @@ def test_document_attention_refuses_lengths_that_do_not_partition_the_rows(cu_se
         document_attention(query, key, value, torch.tensor(cu_seqlens), 0.3)
 
 
+def test_document_attention_refuses_a_longest_length_the_boundaries_do_not_give():
+    """The CUDA kernel trusts max_length (reading the boundaries there would wait for the GPU);
+    the CPU kernel, which reads them anyway, checks it."""
+    query, key, value = _qkv()
+    cu_seqlens = torch.tensor([0, 5, 6, 20, 33, 40], dtype=torch.int32)  # longest: 14 (6...20)
+    document_attention(query, key, value, cu_seqlens, 0.3, 0, 14)
+    with pytest.raises(DocumentAttentionError, match="max_length=13, but the longest document"):
+        document_attention(query, key, value, cu_seqlens, 0.3, 0, 13)
+
+
 def test_sac_keeps_document_attention_and_never_recomputes_it():
     """Under SAC with no budget the op's outputs are saved (tagged MUST_SAVE): the backward
     reads them, never runs the forward again; gradients equal eager ones."""

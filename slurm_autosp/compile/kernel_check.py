@@ -1,0 +1,116 @@
+"""How exact document attention's kernel is on a device: against the op's CPU kernel in fp32
+on the same inputs, for packed documents, a window within them and a window over whole rows,
+forward and backward, with grouped KV heads and two rows.
+
+On a GPU this checks the flash varlen kernel, which nothing else runs on numbers before a
+job does (tests check only its shapes, on a fake device); with `device="cpu"` it checks the
+CPU kernel in bf16, a self-check of the reference path that runs anywhere.
+
+The inputs are drawn in fp32 and rounded to `dtype`; the reference sees those rounded values
+in fp32, so what is measured is the kernel's own arithmetic. Each error is the largest
+absolute difference from the reference over the reference's largest magnitude. The bounds
+are set for bf16, whose 8 significant bits round a value by up to 2^-8 = 3.9e-3 of itself:
+the output is rounded once after an fp32 accumulation, over probabilities themselves rounded
+to bf16 before they weight the values (on the GPU), so OUTPUT_BOUND = 2e-2 allows about five
+such roundings; a gradient goes through more bf16 intermediates (dP, dS) and sums over keys
+and query heads, so GRADIENT_BOUND = 4e-2 allows twice that. Measured on CPU (seeds 0-2): the
+CPU kernel in bf16 stays within 2.9e-3 (output) and 8.0e-3 (gradients), in fp16 within 8.6e-4;
+a window one key too wide, the smallest mistake a kernel could make here, errs by 0.13-0.28.
+fp16 and fp32 are more precise than bf16, so the same bounds hold for them.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from slurm_autosp.compile.document_attention import document_attention
+
+OUTPUT_BOUND = 2e-2
+GRADIENT_BOUND = 4e-2
+
+_BATCH, _HEADS, _KV_HEADS, _SEQ, _HEAD_DIM = 2, 4, 2, 256, 64
+_DOCUMENTS = ((37, 1, 90, 128), (200, 56))  # a single token, shorter and longer than the window
+_WINDOW = 48
+
+
+@dataclass(frozen=True)
+class KernelCheck:
+    """One case on one device: each error is max |kernel - reference| / max |reference|."""
+
+    case: str
+    device: str
+    dtype: str
+    output: float
+    grad_query: float
+    grad_key: float
+    grad_value: float
+
+    @property
+    def passed(self) -> bool:
+        gradients = max(self.grad_query, self.grad_key, self.grad_value)
+        return self.output <= OUTPUT_BOUND and gradients <= GRADIENT_BOUND
+
+
+@dataclass(frozen=True)
+class _Case:
+    name: str
+    documents: bool
+    window: int
+
+
+_CASES = (
+    _Case("packed documents", documents=True, window=0),
+    _Case("window within documents", documents=True, window=_WINDOW),
+    _Case("window over whole rows", documents=False, window=_WINDOW),
+)
+
+
+def _boundaries() -> tuple[torch.Tensor, int]:
+    """cu_seqlens (int32) of `_DOCUMENTS`' rows laid end to end, and the longest document."""
+    lengths = [length for row in _DOCUMENTS for length in row]
+    starts = torch.tensor([0, *lengths]).cumsum(0)
+    return starts.to(torch.int32), max(lengths)
+
+
+def _attention(
+    inputs: list[torch.Tensor], case: _Case, device: torch.device, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """The op's output and its gradients for `inputs` (query, key, value, output gradient),
+    computed on `device` in `dtype`, returned on the CPU in fp32."""
+    query, key, value, grad_output = (t.to(device, dtype) for t in inputs)
+    leaves = [t.requires_grad_() for t in (query, key, value)]
+    cu_seqlens, longest = _boundaries() if case.documents else (None, 0)
+    output, _ = document_attention(
+        *leaves,
+        None if cu_seqlens is None else cu_seqlens.to(device),
+        _HEAD_DIM**-0.5,
+        case.window,
+        longest,
+    )
+    grads = torch.autograd.grad(output, leaves, grad_output)
+    return [t.detach().float().cpu() for t in (output, *grads)]
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def check_document_kernel(
+    device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> list[KernelCheck]:
+    """Document attention on `device` in `dtype` against its CPU kernel in fp32, one
+    `KernelCheck` per case; `passed` compares it with OUTPUT_BOUND and GRADIENT_BOUND."""
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(_HEADS, _SEQ), (_KV_HEADS, _SEQ), (_KV_HEADS, _SEQ), (_HEADS, _SEQ)]
+    inputs = [
+        torch.randn(_BATCH, heads, seq, _HEAD_DIM, generator=generator).to(dtype).float()
+        for heads, seq in shapes
+    ]
+    results = []
+    for case in _CASES:
+        got = _attention(inputs, case, device, dtype)
+        want = _attention(inputs, case, torch.device("cpu"), torch.float32)
+        errors = [_relative_error(g, w) for g, w in zip(got, want, strict=True)]
+        results.append(KernelCheck(case.name, str(device), str(dtype), *errors))
+    return results
