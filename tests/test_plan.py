@@ -22,7 +22,13 @@ from slurm_autosp.plan import (
     zero_stage_for,
 )
 from slurm_autosp.plan.__main__ import main as plan_main
-from slurm_autosp.plan.memory import model_size, policy_memory
+from slurm_autosp.plan.memory import (
+    attention_backward_per_token,
+    communicators,
+    model_size,
+    outside_allocator,
+    policy_memory,
+)
 from slurm_autosp.plan.policies import Rung, ladder, spec_label, tile_tokens_for
 
 TERMS = (
@@ -97,6 +103,32 @@ def test_plan_command_exits_0_for_llama70b_128k():
     proc = run_command(plan_main, f"cfg={REPO / 'configs' / 'llama70b_128k.yaml'}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: fits" in proc.stdout and "under ZeRO-3" in proc.stdout, proc.stdout
+
+
+def test_what_the_traced_graph_cannot_see_is_named_not_a_flat_margin(llama8b_plan):
+    """Llama-8B at SP=8: 4 query heads and 1 key/value head a rank after the all-to-all, so
+    flash's backward expands dk and dv to the 4 query heads; its dq accumulator is fp32."""
+    memory = llama8b_plan.configured
+    tokens = memory.trace.tokens
+    assert not memory.rung.tiled
+    # fp32 dq, and bf16 dk and dv at the query heads' width
+    assert memory.terms["attention_backward"] == (4 + 2 * 2) * 4096 * tokens
+    assert memory.terms["cublas_workspace"] == 64 * 2**20
+    assert memory.outside == {"cuda_context": 0.6e9, "nccl_buffers": 2**28}  # SP spans the world
+    assert memory.margin == pytest.approx(0.05 * memory.subtotal)
+    assert memory.total == pytest.approx(memory.subtotal * 1.05 + 0.6e9 + 2**28)
+    text = render(llama8b_plan)
+    for name in ("attention_backward", "cuda_context", "nccl_buffers", "fragmentation_margin"):
+        assert name in text
+
+
+def test_equal_query_and_key_value_heads_need_no_expanded_gradients_and_cpu_ranks_no_runtime():
+    mha = load_config(["cfg=configs/llama8b_32k.yaml", "model.num_key_value_heads=32"])
+    assert attention_backward_per_token(mha) == 4 * 4096
+    two_nodes = load_config(["cfg=configs/llama8b_32k.yaml", "cluster.nodes=2"])
+    assert communicators(two_nodes) == 3  # the world's, an SP group's and a DP group's
+    cpu = load_config(["cfg=configs/tiny_cpu.yaml"])
+    assert outside_allocator(cpu) == {}
 
 
 @pytest.mark.parametrize("plan_fixture", ["llama70b_plan", "llama8b_plan"])

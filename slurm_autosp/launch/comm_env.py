@@ -1,4 +1,5 @@
-"""Environment variables for NCCL (NVIDIA) or RCCL (AMD) on a given fabric.
+"""Environment variables for NCCL (NVIDIA) or RCCL (AMD) on a given fabric, and the CUDA
+allocator's configuration.
 
 One pure function decides; the caller applies the result before torch.distributed starts
 and logs it. Every variable is here for a stated reason (the table below); debug-only
@@ -52,6 +53,15 @@ _GPU_COLLECTIVES = (
 )
 
 _NVIDIA = (
+    EnvSetting(
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "expandable_segments:True",
+        "let the CUDA allocator grow segments in place instead of caching fixed-size ones: a "
+        "long-context step allocates tensors of many sizes, which otherwise fragment the GPU "
+        "into reserved memory nothing fits in (the memory plan's margin assumes it; torchtitan "
+        "sets it)",
+        aliases=("PYTORCH_ALLOC_CONF",),
+    ),
     EnvSetting(
         "CUDA_DEVICE_ORDER",
         "PCI_BUS_ID",

@@ -31,7 +31,12 @@ bf16, 4 in fp32) and `world` ranks:
   elements of the training dtype);
 - recompute working buffers: what one layer's backward recomputes, plus a gradient in and
   out of its largest tensor;
-- a fragmentation and runtime margin: 10% of the above plus 1 GiB (CUDA context, NCCL).
+- what the traced graph cannot see, each named: the attention backward kernel's own buffers
+  at the full sequence (flash's fp32 dq accumulator; with fewer key/value heads than query
+  heads on the rank, dk and dv expanded to every query head before they are summed; an untiled
+  layer's attention only: a tiled layer's schedule counts them), and cuBLAS's workspaces;
+  outside torch's allocator, the CUDA context and NCCL's buffers per communicator;
+- fragmentation: 5% of the allocator's terms (the job runs with expandable segments).
 Optimizer offload moves state from the GPU to host memory: under ZeRO-1 (DeepSpeed's
 ZeRO-Offload) the optimizer shard, plus a pinned b-byte staging copy of the rank's parameter
 partition on the host; under ZeRO-3 (FSDP2's CPUOffloadPolicy) the fp32 parameter and gradient
@@ -45,7 +50,7 @@ the local sequence length, so the longest sequence that fits is solved from one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slurm_autosp.compat.torch_api import FakeTensorMode
 from slurm_autosp.compile.checkpointing import CheckpointSpec
@@ -66,14 +71,49 @@ FSDP2_STATE_BYTES = {
 }  # fp32 shard, fp32 grad, Adam m + v
 REDUCE_BYTES = 4  # gradients reduce in fp32: FSDP2's reduce_dtype, DeepSpeed's grad_accum_dtype
 CU_SEQLENS_BYTES = 4  # int32, one per document of a micro-batch, and its total
-MARGIN_FRACTION = 0.10
-RUNTIME_RESERVE = 2**30
+# Estimates, not measurements (the probe measures them on the user's GPUs):
+FRAGMENTATION = 0.05  # of the allocator's terms, with PYTORCH_CUDA_ALLOC_CONF=expandable_segments
+CUDA_CONTEXT_BYTES = 0.6 * GB  # the CUDA context and its lazily loaded kernels, per process
+NCCL_BYTES_PER_COMMUNICATOR = 2**28  # 32 channels x (send + receive) x 4 MiB NCCL_BUFFSIZE
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20  # cuBLASLt's 32 MiB on sm90, compute and side stream
+FLASH_DQ_ACCUMULATOR_BYTES = 4  # flash backward accumulates dq in fp32
 
 
 def with_margin(subtotal: float) -> float:
-    """Bytes to plan for `subtotal` bytes of terms: a fraction on top for what the terms miss
-    (fragmentation, small buffers) and a fixed reserve for the CUDA context and libraries."""
-    return subtotal * (1 + MARGIN_FRACTION) + RUNTIME_RESERVE
+    """The allocator's bytes for `subtotal` bytes of terms: fragmentation on top."""
+    return subtotal * (1 + FRAGMENTATION)
+
+
+def communicators(cfg: JobConfig) -> int:
+    """NCCL communicators a rank holds buffers for: the world's, and the SP and DP groups'
+    where they are proper subgroups."""
+    sp, world = cfg.parallel.sp_size, cfg.cluster.world_size
+    return 1 + (1 < sp < world) + (1 < world // sp < world)
+
+
+def outside_allocator(cfg: JobConfig) -> dict[str, float]:
+    """GPU memory torch's allocator never sees (none on CPU ranks)."""
+    if not cfg.cluster.uses_gpus:
+        return {}
+    return {
+        "cuda_context": CUDA_CONTEXT_BYTES,
+        "nccl_buffers": NCCL_BYTES_PER_COMMUNICATOR * communicators(cfg),
+    }
+
+
+def attention_backward_per_token(cfg: JobConfig) -> float:
+    """The attention backward kernel's buffers per local token (after the all-to-all a rank
+    holds the whole sequence for 1/sp of the heads: the same bytes as all heads of its own
+    tokens): flash's fp32 dq, and dk, dv expanded to the query heads when the rank's key/value
+    heads are fewer."""
+    hf = hf_config(cfg.model)
+    heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    sp = cfg.parallel.sp_size
+    q_width = heads * head_dim
+    rank_kv_heads = max(1, kv_heads // sp)  # fewer than sp: repeated to one a rank
+    expanded = 2 * bytes_per_element(cfg) * q_width if rank_kv_heads < heads // sp else 0
+    return FLASH_DQ_ACCUMULATOR_BYTES * q_width + expanded
 
 
 # of a node's host memory, for offloaded activations and optimizer state (the rest: OS, data)
@@ -126,6 +166,8 @@ class PolicyMemory:
     # what lives beside a tile plus the tile; this line, (per token, fixed), is the tile
     # branch's excess over the full-width one, counted where positive
     tile_excess: tuple[float, float] = (0.0, 0.0)
+    # bytes outside torch's allocator: the CUDA context, NCCL's buffers
+    outside: dict[str, float] = field(default_factory=dict)
 
     @property
     def spec(self) -> CheckpointSpec:
@@ -148,22 +190,30 @@ class PolicyMemory:
 
     @property
     def margin(self) -> float:
+        """Fragmentation of the allocator's terms."""
         return with_margin(self.subtotal) - self.subtotal
+
+    @property
+    def allocator_total(self) -> float:
+        """What torch's allocator reserves: the terms and their fragmentation."""
+        return self.subtotal + self.margin
 
     def excess_at(self, tokens: float) -> float:
         per_token, fixed = self.tile_excess
         return max(0.0, fixed + per_token * tokens)
 
     def total_at(self, tokens: float) -> float:
-        """The total, margin included, at `tokens` local tokens instead of the traced ones."""
-        return with_margin(self.fixed + self.per_token * tokens + self.excess_at(tokens))
+        """The total, margin and memory outside the allocator included, at `tokens` local
+        tokens instead of the traced ones."""
+        allocator = with_margin(self.fixed + self.per_token * tokens + self.excess_at(tokens))
+        return allocator + sum(self.outside.values())
 
     @property
     def total(self) -> float:
-        return self.subtotal + self.margin
+        return self.allocator_total + sum(self.outside.values())
 
     def longest_local_seq(self, gpu_bytes: float) -> int:
-        room = (gpu_bytes - RUNTIME_RESERVE) / (1 + MARGIN_FRACTION) - self.fixed
+        room = (gpu_bytes - sum(self.outside.values())) / (1 + FRAGMENTATION) - self.fixed
         longest = max(0, int(room // self.per_token)) if self.per_token else 0
         excess_per_token, excess_fixed = self.tile_excess
         if excess_fixed and self.per_token + excess_per_token > 0:  # both branches must fit
@@ -266,6 +316,8 @@ def policy_memory(
         "logits_and_loss_saved": 0.0 if rung.offload else loss_saved,
         "communication_all_to_all": 3 * trace.largest_all_to_all_bytes / tokens,
         "recompute_working": trace.working_bytes / tokens,
+        # a tiled layer's schedule counts them (layer_graph.tiled_layer_trace)
+        "attention_backward": 0.0 if rung.tiled else attention_backward_per_token(cfg),
     }
     tile = tile_tokens_for(cfg, hf.intermediate_size, b, tokens) if rung.tiled else 0
     beside_tile = trace.tile_alongside_bytes  # a tiled layer's: see LayerTrace.working_bytes_with
@@ -290,6 +342,8 @@ def policy_memory(
         "logits_and_loss": per_token["logits_and_loss_saved"] * tokens + logits_chunk,
         "communication": per_token["communication_all_to_all"] * tokens + buckets,
         "recompute_working": trace.working_bytes_with(tile),
+        "attention_backward": per_token["attention_backward"] * tokens,
+        **({"cublas_workspace": CUBLAS_WORKSPACE_BYTES} if cfg.cluster.uses_gpus else {}),
     }
     if "document_boundaries" in per_token:  # train_step prepares every micro-batch up front
         terms["document_boundaries"] = (
@@ -314,4 +368,5 @@ def policy_memory(
         tile,
         host_state + (SLAB_BYTES if rung.offload else 0.0),
         tile_excess,
+        outside_allocator(cfg),
     )

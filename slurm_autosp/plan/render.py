@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.model import hf_config
-from slurm_autosp.plan.memory import GB, MemoryPlan
+from slurm_autosp.plan.memory import FRAGMENTATION, GB, MemoryPlan
 from slurm_autosp.plan.offload_cost import REFERENCE_MFU, optimizer_offload_cost, peak_tflops
 from slurm_autosp.plan.verdict import verdict
 
@@ -35,7 +35,11 @@ def render(plan: MemoryPlan) -> str:
     ]
     for name, value in memory.terms.items():
         lines.append(f"  {name:<26}{_gb(value)}")
-    lines.append(f"  {'fragmentation_margin':<26}{_gb(memory.margin)}   (10% + 1 GiB runtime)")
+    lines.append(
+        f"  {'fragmentation_margin':<26}{_gb(memory.margin)}   ({FRAGMENTATION:.0%} of the above: expandable segments)"
+    )
+    for name, value in memory.outside.items():
+        lines.append(f"  {name:<26}{_gb(value)}   (outside torch's allocator, estimated)")
     lines.append(f"  {'total':<26}{_gb(memory.total)}   of {c.gpu_memory_gb:g} GB")
     t = memory.trace
     lines.append(

@@ -39,6 +39,15 @@ def test_rccl_gets_fine_grained_pcie_and_nccl_gets_pci_bus_device_order():
     assert "HSA_FORCE_FINE_GRAIN_PCIE" not in env(vendor="nvidia")
 
 
+def test_nvidia_runs_get_expandable_segments_unless_the_user_configured_the_allocator():
+    assert env()["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        e = env(user_env={name: "max_split_size_mb:512"})
+        assert e[name] == "max_split_size_mb:512"
+        assert [k for k in e if k.endswith("ALLOC_CONF")] == [name]
+    assert not any(k.endswith("ALLOC_CONF") for k in env(vendor="amd"))
+
+
 def test_compile_caches_are_node_local_and_follow_slurm_tmpdir():
     assert (
         env()["TRITON_CACHE_DIR"] == f"/tmp/slurm_autosp_cache_{os.getuid()}/triton"
