@@ -23,6 +23,7 @@ from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan import model_size
 from slurm_autosp.plan.memory import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
+from slurm_autosp.probe.stop import AgreedStop
 
 WARMUP = 2
 TIMED = 5
@@ -174,16 +175,24 @@ def _median_seconds(
 
 
 def time_collectives(
-    cfg: JobConfig, parallel: Parallel, device: torch.device, rank: int, zero_stage: int
+    cfg: JobConfig,
+    parallel: Parallel,
+    device: torch.device,
+    rank: int,
+    zero_stage: int,
+    stop: AgreedStop | None = None,
 ) -> list[CollectiveTiming]:
-    """Time every message of `step_messages` on this rank's group (every rank takes part)."""
+    """Time every message of `step_messages` on this rank's group (every rank takes part); an
+    agreed stop request ends the timing between two messages."""
     layout = parallel.layout
     groups = {
         "sp": (parallel.sp_group, layout.dp_rank(rank), layout.sp_size),
         "dp": (parallel.dp_group, layout.sp_rank(rank), layout.dp_size),
     }
-    timings = []
+    timings: list[CollectiveTiming] = []
     for m in step_messages(cfg, zero_stage):
+        if stop is not None and stop.requested(f"{len(timings)} collectives timed"):
+            break
         group, index, size = groups[m.group]
         element = torch.empty((), dtype=m.dtype).element_size()
         numel = m.nbytes // element // size * size  # divisible into the group's chunks
