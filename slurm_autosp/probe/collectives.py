@@ -1,11 +1,19 @@
 """Collective bandwidth and latency on the job's own SP and DP groups, at the message sizes
 its training step sends, beside the link's nominal bandwidth where one is published.
 
-Bandwidths follow nccl-tests: `algbw` is the bytes each rank sends (all-to-all) or contributes
-(all-reduce, reduce-scatter) over the time of one call; `busbw` scales it by what crosses each
-link, (n-1)/n for all-to-all and reduce-scatter and 2(n-1)/n for all-reduce, so it compares with
-a link's bandwidth whatever the group size. Latency is the time of the same collective with one
-element per rank.
+Timing follows nccl-tests: a sample is CALLS back-to-back calls between two readings of one
+timer, divided by CALLS; the median of SAMPLES samples (after WARMUP calls) is the time of one
+call. One call timed alone from the host (barrier, synchronize, clock, call, synchronize, clock)
+would also count the kernel launch and the ranks' skew leaving the barrier, which on NVLink are
+as long as the transfer itself. The timer is the device's own: CUDA events on the current
+stream around the calls on GPU (a synchronous collective orders its NCCL work between them), the
+host's clock on CPU, where gloo's calls return when done.
+
+Bandwidths follow nccl-tests too: `algbw` is the bytes each rank sends (all-to-all) or
+contributes (all-reduce, reduce-scatter) over the time of one call; `busbw` scales it by what
+crosses each link, (n-1)/n for all-to-all and reduce-scatter and 2(n-1)/n for all-reduce, so it
+compares with a link's bandwidth whatever the group size. Latency is the time of the same
+collective with one element per rank.
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ from slurm_autosp.plan import model_size
 from slurm_autosp.plan.memory import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.probe.stop import AgreedStop
 
-WARMUP = 2
-TIMED = 5
+WARMUP = 5  # calls, untimed: connections, NCCL's channels and buffers set up
+CALLS = 20  # back-to-back calls per sample
+SAMPLES = 5  # the median is reported
 # NVLink bandwidth per GPU, each way, GB/s (vendor data sheets: NVLink 5 900, NVLink 4 450,
 # H800's 400 total = 200, NVLink 3 300, A800 200), matched against the device name in order.
 # Only SP groups inside one NVLink domain are held to it; nothing is published for gloo on CPU,
@@ -58,7 +67,7 @@ class Message:
 
 @dataclass(frozen=True)
 class CollectiveTiming:
-    """One rank's median time of one message, and of the one-element latency probe."""
+    """One rank's time per call of one message, and of the one-element latency probe."""
 
     collective: str
     what: str
@@ -66,8 +75,9 @@ class CollectiveTiming:
     group_index: int  # which SP (or DP) group this rank is in
     group_size: int
     nbytes: int
-    seconds: float
+    seconds: float  # per call: the median sample of CALLS back-to-back calls, over CALLS
     latency_s: float
+    calls: int  # back-to-back calls per sample
     nominal_gb_per_s: float | None
     nominal_source: str
 
@@ -157,21 +167,72 @@ def _call(collective: str, send: torch.Tensor, group: dist.ProcessGroup) -> Call
     return lambda: dist.all_reduce(send, group=group)
 
 
-def _median_seconds(
+class _EventTimer:
+    """The device's time between two points of the current stream (CUDA events)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.current_stream(device)
+        self.begin = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self.begin.record(self.stream)
+
+    def seconds(self) -> float:
+        self.end.record(self.stream)
+        self.end.synchronize()
+        return self.begin.elapsed_time(self.end) / 1e3
+
+
+class _HostTimer:
+    """The host's clock: gloo's collectives on CPU return when they are done."""
+
+    def start(self) -> None:
+        self.begin = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.begin
+
+
+def timer_for(device: torch.device) -> _EventTimer | _HostTimer:
+    return _EventTimer(device) if device.type == "cuda" else _HostTimer()
+
+
+def per_call_seconds(
     run: Callable[[], None], group: dist.ProcessGroup, device: torch.device
 ) -> float:
-    times = []
-    for i in range(WARMUP + TIMED):
+    """The median over SAMPLES of the time of CALLS back-to-back calls, over CALLS. The ranks
+    line up once per sample (barrier, and on GPU the device drained), never between calls."""
+    for _ in range(WARMUP):
+        run()
+    timer = timer_for(device)
+    samples = []
+    for _ in range(SAMPLES):
         dist.barrier(group=group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        timer.start()
+        for _ in range(CALLS):
+            run()
+        samples.append(timer.seconds() / CALLS)
+    return statistics.median(samples)
+
+
+def time_message(
+    m: Message, group: dist.ProcessGroup, device: torch.device
+) -> tuple[int, float, float]:
+    """(bytes per rank as sent, seconds per call, latency per call) of one message: the buffer
+    is cut to a multiple of the group size, so it divides into the group's chunks. Zeros: a
+    sum of them neither grows nor overflows however often it is repeated."""
+    size = dist.get_world_size(group)
+    element = torch.empty((), dtype=m.dtype).element_size()
+    numel = m.nbytes // element // size * size
+    send = torch.zeros(numel, dtype=m.dtype, device=device)
+    seconds = per_call_seconds(_call(m.collective, send, group), group, device)
+    del send
+    tiny = torch.zeros(size, dtype=m.dtype, device=device)
+    latency = per_call_seconds(_call(m.collective, tiny, group), group, device)
+    return numel * element, seconds, latency
 
 
 def time_collectives(
@@ -194,13 +255,7 @@ def time_collectives(
         if stop is not None and stop.requested(f"{len(timings)} collectives timed"):
             break
         group, index, size = groups[m.group]
-        element = torch.empty((), dtype=m.dtype).element_size()
-        numel = m.nbytes // element // size * size  # divisible into the group's chunks
-        send = torch.ones(numel, dtype=m.dtype, device=device)
-        seconds = _median_seconds(_call(m.collective, send, group), group, device)
-        tiny = torch.ones(size, dtype=m.dtype, device=device)
-        latency = _median_seconds(_call(m.collective, tiny, group), group, device)
-        del send
+        nbytes, seconds, latency = time_message(m, group, device)
         nominal, source = nominal_bandwidth(cfg, m.group, device)
         timings.append(
             CollectiveTiming(
@@ -209,9 +264,10 @@ def time_collectives(
                 m.group,
                 index,
                 size,
-                numel * element,
+                nbytes,
                 seconds,
                 latency,
+                CALLS,
                 nominal,
                 source,
             )

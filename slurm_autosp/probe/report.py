@@ -19,7 +19,7 @@ from slurm_autosp.config import JobConfig
 from slurm_autosp.metrics import tensorboard_dir
 from slurm_autosp.plan import TrainingChoices
 from slurm_autosp.plan.policies import spec_label
-from slurm_autosp.probe.collectives import TIMED, WARMUP, CollectiveTiming
+from slurm_autosp.probe.collectives import CALLS, SAMPLES, WARMUP, CollectiveTiming
 from slurm_autosp.probe.prediction import PlanPrediction
 from slurm_autosp.probe.steps import StepMeasurement
 
@@ -253,7 +253,8 @@ def describe_job(report: ProbeReport) -> str:
 def render_table(report: ProbeReport) -> str:
     lines = [describe_job(report)]
     lines.append(
-        f"collectives (the slowest rank of the slowest group; median of {TIMED} calls after {WARMUP}):"
+        f"collectives (the slowest rank of the slowest group; per call: the median of {SAMPLES} "
+        f"samples of {CALLS} back-to-back calls, after {WARMUP}):"
     )
     if not report.collectives:
         lines.append("  none: SP=1 and DP=1")
