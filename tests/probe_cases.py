@@ -6,15 +6,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.probe import collectives
-from slurm_autosp.probe.collectives import Message
+from slurm_autosp.probe import timing
+from slurm_autosp.probe.timing import Message
 
 
 def timed_calls(collective: str, nbytes: int) -> dict:
     """`per_call_seconds` of one collective on the world group, each call recorded; then the
     same message through `time_message`, as the probe times it."""
     send = torch.zeros(nbytes // 4, dtype=torch.float32)
-    run = collectives._call(collective, send, dist.group.WORLD)
+    run = timing._call(collective, send, dist.group.WORLD)
     spans = []
 
     def recorded() -> None:
@@ -22,9 +22,7 @@ def timed_calls(collective: str, nbytes: int) -> dict:
         run()
         spans.append((begin, time.perf_counter()))
 
-    seconds = collectives.per_call_seconds(recorded, dist.group.WORLD, torch.device("cpu"))
+    seconds = timing.per_call_seconds(recorded, dist.group.WORLD, torch.device("cpu"))
     message = Message(collective, "test", "dp", nbytes, torch.float32)
-    sent, per_call, latency = collectives.time_message(
-        message, dist.group.WORLD, torch.device("cpu")
-    )
+    sent, per_call, latency = timing.time_message(message, dist.group.WORLD, torch.device("cpu"))
     return {"seconds": seconds, "spans": spans, "message": (sent, per_call, latency)}

@@ -1,7 +1,7 @@
 """The probe measures real numbers on the tiny CPU job (2 gloo ranks, SP=2), reports them
 beside the plan, stops on a signal with what it measured, records running out of memory as a
-finding, and the GPU check refuses clearly where no GPU is visible. A probe's run takes about a
-minute on 2 cores, so the tests that start one are in the slow tier."""
+finding. A probe's run takes about a minute on 2 cores, so the tests that start one are in the
+slow tier. The GPU check's tests are in test_gpu_check.py."""
 
 import json
 import os
@@ -20,6 +20,7 @@ from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.plan import training_choices
 from slurm_autosp.probe.__main__ import main as probe_main
 from slurm_autosp.probe.__main__ import probe_config
+from slurm_autosp.probe.kernels import FAIL, PASS, KernelCheck
 from slurm_autosp.probe.report import RankResult, build_report, write_report
 from slurm_autosp.probe.steps import OutOfMemory, StepMeasurement
 
@@ -67,6 +68,9 @@ def test_probe_runs_in_its_own_run_directory_and_writes_probe_json(probe_run):
     report = json.loads((root / "tiny_cpu_probe" / "probe.json").read_text())
     assert report["world_size"] == 2 and report["sp_size"] == 2
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    # every rank ran the kernels' exactness check on its own device before measuring
+    assert report["kernels"] and all(k["ranks"] for k in report["kernels"])
+    assert report["verdict"]["text"].startswith("verdict: kernel")
 
 
 @pytest.mark.slow
@@ -148,14 +152,6 @@ def test_the_probe_job_script_keeps_a_run_name_with_spaces_hashes_and_quotes(tmp
 def test_probe_steps_and_layers_must_be_positive():
     with pytest.raises(ConfigError, match=r"probe.steps=0 must be >= 1\n  probe.layers=0 must"):
         load_config(["cfg=configs/tiny_cpu.yaml", "probe.steps=0", "probe.layers=0"])
-
-
-def test_gpu_check_exits_with_a_clear_message_without_a_gpu():
-    proc = subprocess.run(
-        ["bash", "bench/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode != 0
-    assert proc.stderr.startswith("gpu_check: no GPU visible"), proc.stderr
 
 
 def _group_alive(pgid: int) -> list[int]:
@@ -249,23 +245,38 @@ def test_running_out_of_memory_in_the_first_step_is_recorded_with_the_memory(tmp
     assert "OUT OF MEMORY on rank(s) [0, 1]" in report["verdict"]["text"]
 
 
-def _out_of_memory_at_step_one(rank: int) -> RankResult:
+def _out_of_memory_at_step_one(rank: int, kernel: KernelCheck) -> RankResult:
     oom = OutOfMemory(
         1, "CUDA out of memory. Tried to allocate 2.00 GiB", 70 * 2**30, 79 * 2**30, 0
     )
     steps = StepMeasurement([], [], None, 0, 79 * 2**30, 0, 1e15, None, "CPU", oom, "")
-    return RankResult(rank, "node", [], steps)
+    return RankResult(rank, "node", [kernel], [], steps)
 
 
 def test_a_report_with_no_timed_step_is_written_with_the_out_of_memory_error(tmp_path):
     """The report's own path, without processes: ranks that ran out of memory in their first
-    step (nothing timed) still give a table, a verdict and probe.json."""
+    step (nothing timed) still give a table, a verdict and probe.json; a kernel check that
+    failed on one rank names it."""
     cfg = load_config(["cfg=configs/tiny_cpu.yaml", f"run.output_root={tmp_path}"])
-    ranks = [_out_of_memory_at_step_one(0), _out_of_memory_at_step_one(1)]
+    exact = KernelCheck("documents", PASS, 1e-3, 2e-3, "bf16 vs fp32")
+    wrong = KernelCheck("documents", FAIL, 5e-2, 2e-3, "bf16 vs fp32")
+    ranks = [_out_of_memory_at_step_one(0, exact), _out_of_memory_at_step_one(1, wrong)]
     report = build_report(cfg, training_choices(cfg), ranks, None, on_gpu=False)
     table = write_report(report, tmp_path, tensorboard=False)
     assert "out of memory at step 1: CUDA out of memory" in table
     assert "slowest rank: none completed a step" in table
+    assert "kernels exact: NO (documents on rank(s) [1])" in table
     written = json.loads((tmp_path / "probe.json").read_text())
     assert written["step_s"] is None and written["verdict"]["oom_ranks"] == [0, 1]
     assert written["ranks"][0]["oom"]["allocated_bytes"] == 70 * 2**30
+    assert written["verdict"]["kernels_exact"] is False
+    assert written["kernels"] == [
+        {
+            "name": "documents",
+            "status": FAIL,
+            "ranks": [1],
+            "error": 5e-2,
+            "tolerance": 2e-3,
+            "detail": "bf16 vs fp32",
+        }
+    ]

@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from slurm_autosp.probe.collectives import CALLS, SAMPLES, WARMUP, CollectiveTiming
+from slurm_autosp.probe.collectives import CollectiveTiming
+from slurm_autosp.probe.timing import CALLS, SAMPLES, WARMUP
 from tests._dist_pool import dist_pools as dist_pools  # the session's pools
 
 NBYTES = 1 << 16

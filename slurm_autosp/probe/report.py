@@ -1,6 +1,7 @@
 """The probe's findings, from every rank's measurements: a table for the log, `probe.json` in
-the run directory and TensorBoard text and scalars, with one verdict: the plan within ±10%,
-bandwidth within 70% of nominal, and the slowest rank.
+the run directory and TensorBoard text and scalars, with one verdict: the attention kernels
+exact on every rank, the plan within ±10%, bandwidth within 70% of nominal, and the slowest
+rank.
 
 A probe that ran out of memory, or was stopped by a signal, reports what it measured up to
 then: an out-of-memory error is a finding (where, and the memory when it struck), and a rank
@@ -19,9 +20,11 @@ from slurm_autosp.config import JobConfig
 from slurm_autosp.metrics import tensorboard_dir
 from slurm_autosp.plan import TrainingChoices
 from slurm_autosp.plan.policies import spec_label
-from slurm_autosp.probe.collectives import CALLS, SAMPLES, WARMUP, CollectiveTiming
+from slurm_autosp.probe.collectives import CollectiveTiming
+from slurm_autosp.probe.kernels import KernelCheck, KernelSummary, kernels_verdict, summarise
 from slurm_autosp.probe.prediction import PlanPrediction
 from slurm_autosp.probe.steps import StepMeasurement
+from slurm_autosp.probe.timing import CALLS, SAMPLES, WARMUP
 
 PLAN_TOLERANCE = 0.10
 BANDWIDTH_FLOOR = 0.70
@@ -32,6 +35,7 @@ MIB = 2**20
 class RankResult:
     rank: int
     host: str
+    kernels: list[KernelCheck]
     collectives: list[CollectiveTiming]
     steps: StepMeasurement
 
@@ -53,6 +57,7 @@ class MemoryRow:
 
 @dataclass(frozen=True)
 class Verdict:
+    kernels_exact: bool | None  # None: some check did not run (kernels.py)
     plan_within: bool | None  # None: no term could be judged
     bandwidth_within: bool | None  # None: no nominal figure to hold any collective to
     slowest_rank: int | None  # None: no rank completed a step
@@ -67,6 +72,7 @@ class ProbeReport:
     cfg: JobConfig
     choices: TrainingChoices
     ranks: list[RankResult]
+    kernels: list[KernelSummary]  # per check, its worst status over the ranks
     collectives: list[CollectiveTiming]  # per message, the slowest rank of the slowest group
     prediction: PlanPrediction | None
     memory: list[MemoryRow]
@@ -159,8 +165,12 @@ def memory_rows(
 
 
 def decide(
-    ranks: list[RankResult], collectives: list[CollectiveTiming], memory: list[MemoryRow]
+    ranks: list[RankResult],
+    kernels: list[KernelSummary],
+    collectives: list[CollectiveTiming],
+    memory: list[MemoryRow],
 ) -> Verdict:
+    kernels_exact, exactness = kernels_verdict(kernels)
     judged = [row for row in memory if row.judged]
     plan_within = all(abs(r.error) <= PLAN_TOLERANCE for r in judged) if judged else None
     held_to = [c for c in collectives if c.nominal_gb_per_s]
@@ -191,7 +201,7 @@ def decide(
     )
     oom = [r for r in ranks if r.steps.oom]
     stopped = next((r.steps.stopped for r in ranks if r.steps.stopped), "")
-    text = f"verdict: {plan}; {bandwidth}; {slow}"
+    text = f"verdict: {exactness}; {plan}; {bandwidth}; {slow}"
     if oom:
         first = oom[0].steps.oom
         assert first is not None
@@ -199,6 +209,7 @@ def decide(
     if stopped:
         text += f"; STOPPED EARLY, {stopped}: the numbers are what was measured until then"
     return Verdict(
+        kernels_exact,
         plan_within,
         bandwidth_within,
         None if slowest is None else slowest.rank,
@@ -216,11 +227,11 @@ def build_report(
     prediction: PlanPrediction | None,
     on_gpu: bool,
 ) -> ProbeReport:
+    kernels = summarise({r.rank: r.kernels for r in ranks})
     collectives = slowest_per_message(ranks)
     memory = memory_rows(ranks, prediction, on_gpu)
-    return ProbeReport(
-        cfg, choices, ranks, collectives, prediction, memory, decide(ranks, collectives, memory)
-    )
+    verdict = decide(ranks, kernels, collectives, memory)
+    return ProbeReport(cfg, choices, ranks, kernels, collectives, prediction, memory, verdict)
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -252,6 +263,13 @@ def describe_job(report: ProbeReport) -> str:
 
 def render_table(report: ProbeReport) -> str:
     lines = [describe_job(report)]
+    lines.append("kernels (exactness on every rank's own device, the worst rank):")
+    lines += [
+        f"  {k.name:<42}{k.status:<9}"
+        + ("" if k.error is None else f"error {k.error:.2e} <= {k.tolerance:.2e}  ")
+        + f"rank(s) {k.ranks}: {k.detail}"
+        for k in report.kernels
+    ]
     lines.append(
         f"collectives (the slowest rank of the slowest group; per call: the median of {SAMPLES} "
         f"samples of {CALLS} back-to-back calls, after {WARMUP}):"
@@ -313,6 +331,7 @@ def to_json(report: ProbeReport) -> dict[str, Any]:
         "checkpointing": spec_label(report.choices.checkpointing),
         "step_s": report.step_seconds,
         "tokens_per_s": report.tokens_per_s,
+        "kernels": [asdict(k) for k in report.kernels],
         "collectives": [
             {
                 **asdict(c),

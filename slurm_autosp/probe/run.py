@@ -1,4 +1,5 @@
-"""What every rank of a probe runs: the collectives, then the compiled steps; rank 0 gathers
+"""What every rank of a probe runs: the attention kernels' exactness check on its own device
+(kernels.py), the collectives, then the compiled steps; rank 0 gathers
 every rank's numbers, compares them with the plan and writes the report. A stop signal ends
 the measurements at the next boundary every rank agrees on; the report of what was measured
 is still written, and the job ends, so the probe never holds its GPUs past `scancel`, a time
@@ -16,6 +17,7 @@ from slurm_autosp.launch.distributed import DistContext
 from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.plan import training_choices
 from slurm_autosp.probe.collectives import time_collectives
+from slurm_autosp.probe.kernels import check_kernels
 from slurm_autosp.probe.prediction import predict_memory
 from slurm_autosp.probe.report import ProbeReport, RankResult, build_report, write_report
 from slurm_autosp.probe.steps import StepMeasurement, measure_steps
@@ -31,13 +33,14 @@ def run_probe(
     choices = training_choices(cfg)
     prediction = predict_memory(cfg, choices) if ctx.rank == 0 else None
     stop = AgreedStop(request, ctx.device)
+    kernels = check_kernels(ctx.device, tiny=True)
     collectives = time_collectives(cfg, parallel, ctx.device, ctx.rank, choices.zero_stage, stop)
     steps = (
         StepMeasurement.not_run(stop.reason)
         if stop.reason
         else measure_steps(cfg, ctx, parallel, choices, stop)
     )
-    mine = RankResult(ctx.rank, socket.gethostname(), collectives, steps)
+    mine = RankResult(ctx.rank, socket.gethostname(), kernels, collectives, steps)
     gathered: list[RankResult | None] = [None] * ctx.world_size
     dist.all_gather_object(gathered, mine)
     if ctx.rank != 0:

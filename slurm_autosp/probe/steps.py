@@ -12,6 +12,7 @@ needs). A stop request ends the steps at the next step boundary, with what they 
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.compile import decoder_layers
+from slurm_autosp.compile import AutoSPBackend, decoder_layers
 from slurm_autosp.compile.offload import ActivationOffload
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.data import build_source
@@ -127,13 +128,24 @@ class ProbeSteps:
     any sequence length through it, so a search over lengths reuses the compiled graphs."""
 
     def __init__(
-        self, cfg: JobConfig, ctx: DistContext, parallel: Parallel, choices: TrainingChoices
+        self,
+        cfg: JobConfig,
+        ctx: DistContext,
+        parallel: Parallel,
+        choices: TrainingChoices,
+        backend: AutoSPBackend | None = None,
     ):
+        """`backend`: an earlier ProbeSteps' (same config), whose compiled graphs it reuses."""
         self.ctx, self.parallel = ctx, parallel
         torch.manual_seed(cfg.train.seed)
         self.engine = build_engine(cfg, ctx.device, choices.zero_stage, choices.offload_optimizer)
         self.backend = compile_for_sp(
-            self.engine.module, cfg, parallel, choices.checkpointing, choices.tile_tokens
+            self.engine.module,
+            cfg,
+            parallel,
+            choices.checkpointing,
+            choices.tile_tokens,
+            backend,
         )
         self.offload = (
             ActivationOffload(ctx.device, layers=len(decoder_layers(self.engine.module)))
@@ -211,7 +223,12 @@ class ProbeSteps:
         return OutOfMemory(step, message, allocated, max(peak, allocated), reserved)
 
     def close(self) -> None:
+        """Close the engine and give its memory back (the GPU's to the device, for a next try)."""
         self.engine.close()
+        del self.engine
+        gc.collect()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def measure_steps(
