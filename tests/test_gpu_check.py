@@ -133,7 +133,8 @@ def test_kernel_checks_take_the_providers_results_passed_failed_or_refused(monke
 
     def check_kernels(device, *, tiny):
         seen.append((device, tiny))
-        return [_Result("documents", True), _Result("window", False), _Result("other", None)]
+        refused = _Result("other", None, error=None, tolerance=None, detail="no kernel on ROCm")
+        return [_Result("documents", True), _Result("window", False), refused]
 
     _provider(monkeypatch, check_kernels)
     checks = kernels.check_kernels(CPU, tiny=True)

@@ -10,8 +10,8 @@ The checks themselves belong to slurm_autosp.compile (being written); this adapt
 each result having the attributes
     name: str              what is compared, e.g. "packed documents vs each document alone"
     passed: bool | None    None: refused on this device (the reason in `detail`), not run
-    error: float           the measured error, as the check defines it
-    tolerance: float       what `error` is held to
+    error: float | None    the measured error, as the check defines it (None when refused)
+    tolerance: float | None  what `error` is held to
     detail: str            how the error was measured, or why the check was refused
 
 It runs on this rank's device alone, without torch.distributed (every rank runs it on its own,
@@ -51,11 +51,19 @@ class KernelCheck:
         return None if self.status == REFUSED else self.status == PASS
 
 
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def _converted(result: Any) -> KernelCheck:
     passed = result.passed
     status = REFUSED if passed is None else PASS if passed else FAIL
     return KernelCheck(
-        str(result.name), status, float(result.error), float(result.tolerance), str(result.detail)
+        str(result.name),
+        status,
+        _number(result.error),
+        _number(result.tolerance),
+        str(result.detail),
     )
 
 
