@@ -12,9 +12,12 @@ alike.
   per-step all-gather and the TensorBoard scalars): what every step pays;
 - traced: the same on a step in `trace.memory_steps`: timeline sampling thread, module hooks,
   phase marks, and at `log_step` the trace gathered, drawn, PNG-encoded and written.
-Last, 200 empty untraced steps measure the tracer's own bookkeeping without a model.
+Last, 200 empty untraced steps measure the tracer's own bookkeeping without a model, and 2000
+memory readings the sampling thread's own cost (samples per traced step x time per reading).
 Reported: median wall time and median CPU time (all threads of the process, so the sampling
-thread's work counts) of each kind and their difference to bare, in ms and %. On a shared,
+thread's work counts) of each kind and their difference to bare, in ms and %; then the steps
+alone, without `log_step`: how much the tracing distorts the very step it measures (the
+sampling thread and the hooks run during it; drawing and writing come after). On a shared,
 oversubscribed machine the CPU time is the steadier number: there, wall time also measures how
 the scheduler treats a process with one more thread.
 """
@@ -117,6 +120,7 @@ def main():
 
     times = {"bare": [], "untraced": [], "traced": []}
     cpu = {kind: [] for kind in times}
+    alone = {kind: [] for kind in times}  # the step without log_step: (wall, CPU)
     samples = []
     order = random.Random(0)
     for r in range(rounds):
@@ -127,9 +131,11 @@ def main():
             start, start_cpu = time.perf_counter(), time.process_time()
             if step is None:
                 one_step(model, optimizer, ids, _Untimed())
+                alone[kind].append((time.perf_counter() - start, time.process_time() - start_cpu))
             else:
                 with tracer.step(step) as phases:
                     loss = one_step(model, optimizer, ids, phases)
+                alone[kind].append((time.perf_counter() - start, time.process_time() - start_cpu))
                 if kind == "traced":
                     samples.append(len(tracer._last.trace.times))
                 tracer.log_step(step, loss, 1e-4, 1.0)
@@ -144,6 +150,10 @@ def main():
                     pass
         tracer.log_step(step, 0.0, 1e-4, 1.0)
     empty.append(time.process_time())
+    reading = time.process_time()
+    for _ in range(2000):
+        tracer.memory.read_and_reset()
+    reading = (time.process_time() - reading) / 2000
     tracer.close()
     dist.destroy_process_group()
 
@@ -164,6 +174,21 @@ def main():
             )
         )
         print(f"  {kind:9s} wall {1e3 * wall:8.2f} ms, CPU {1e3 * used:8.2f} ms{extra}")
+    print("  the step alone, without log_step:")
+    bare_wall = statistics.median(w for w, _ in alone["bare"])
+    bare_cpu = statistics.median(c for _, c in alone["bare"])
+    for kind in ("untraced", "traced"):
+        wall = statistics.median(w for w, _ in alone[kind])
+        used = statistics.median(c for _, c in alone[kind])
+        print(
+            f"  {kind:9s} wall {1e3 * (wall - bare_wall):+7.2f} ms ({100 * (wall - bare_wall) / bare_wall:+5.1f}%),"
+            f" CPU {1e3 * (used - bare_cpu):+7.2f} ms ({100 * (used - bare_cpu) / bare_cpu:+5.1f}%)"
+        )
+    sampled = statistics.median(samples) * reading
+    print(
+        f"  memory sampling alone: {statistics.median(samples):.0f} samples x {1e6 * reading:.0f} us "
+        f"= {1e3 * sampled:.2f} ms CPU per traced step ({100 * sampled / bare_cpu:.1f}% of a bare step)"
+    )
     print(
         f"  tracer bookkeeping alone on an untraced step (phase clock, memory peak, all-gather, "
         f"scalars event): {1e6 * (empty[1] - empty[0]) / 200:.0f} us CPU"

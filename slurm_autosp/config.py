@@ -280,7 +280,9 @@ class TraceConfig:
     memory_steps: list[int] = field(default_factory=lambda: [2])  # step 1 is mostly compilation
     memory_ranks: list[int] = field(default_factory=lambda: [0])
     memory_worst_rank: bool = True  # also trace the rank whose peak memory is highest
-    memory_sample_ms: float = 1.0  # sampling interval of the timeline inside a traced step
+    # sampling interval of the timeline inside a traced step: each sample reads and resets the
+    # peak, so peaks stay exact however long it is; shorter distorts the step it measures more
+    memory_sample_ms: float = 5.0
     memory_snapshot: bool = True  # GPU: PyTorch memory snapshot (memory_viz) of the traced ranks
     oom_snapshot: bool = True  # GPU: a rank that runs out of memory dumps a snapshot first
     peak_tflops_per_gpu: float | None = None  # MFU denominator; default by GPU name, none on CPU

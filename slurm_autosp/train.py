@@ -51,14 +51,17 @@ def compile_for_sp(
     parallel: Parallel,
     spec: CheckpointSpec,
     tile_tokens: int = 0,
+    backend: AutoSPBackend | None = None,
 ) -> AutoSPBackend | None:
     """Compile the model with the AutoSP backend over this rank's SP group (if enabled),
-    checkpointing activations by `spec`, its MLPs in sequence tiles of `tile_tokens` (0: untiled)."""
+    checkpointing activations by `spec`, its MLPs in sequence tiles of `tile_tokens` (0: untiled).
+    Passing the `backend` an earlier model of the same shapes was compiled with reuses its
+    graphs: Dynamo serves a graph only to the backend object that compiled it."""
     if not cfg.compile.enabled:
         if tile_tokens:
             tile_mlps(model, tile_tokens)
         return None
-    backend = AutoSPBackend(cfg.parallel.sp_size, spec)
+    backend = backend or AutoSPBackend(cfg.parallel.sp_size, spec)
     log.info("AutoSP: %r%s", backend, f", MLP tiles of {tile_tokens} tokens" if tile_tokens else "")
     set_sp_group(parallel.sp_group)
     compile_model(model, backend, per_layer=cfg.compile.per_layer, tile_tokens=tile_tokens)

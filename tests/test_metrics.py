@@ -4,6 +4,7 @@ and a StepTracer driving a small model through traced and untraced steps (1-rank
 import json
 import struct
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from slurm_autosp.config import load_config
+from slurm_autosp.config import TraceConfig, load_config
 from slurm_autosp.metrics import StepTracer, memory_dir, tensorboard_dir
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.memory import MemoryReader, MemoryTimeline
@@ -95,6 +96,56 @@ def test_cpu_timeline_keeps_a_peak_that_falls_between_samples():
     assert trace.peak[forward_end] - trace.current[0] >= 30 * MIB
     assert trace.current[forward_end] - trace.current[0] < 16 * MIB
     assert trace.where_peak().startswith("in forward")
+
+
+def test_a_traced_step_samples_memory_every_few_milliseconds():
+    """Each sample runs beside the step it measures, holding the GIL: every millisecond (the old
+    default) is 200 samples in this step; the peaks stay exact at any interval (each reading
+    resets the peak), so sample every 5 ms."""
+    interval_s = TraceConfig().memory_sample_ms / 1e3
+    timeline = MemoryTimeline(
+        MemoryReader(torch.device("cpu")), rank=0, step=1, interval_s=interval_s, model=None
+    )
+    step_s = 0.2
+    timeline.start()
+    time.sleep(step_s)
+    trace = timeline.stop()
+    assert interval_s >= 0.005
+    assert len(trace.times) <= step_s / 0.005 + 2  # and the start and end marks
+
+
+def test_gpu_memory_is_read_from_the_allocators_nested_counters(monkeypatch):
+    """memory_stats() and memory_allocated(), which calls it, flatten and sort every counter in
+    Python on each call (torch/cuda/memory.py): the reader takes the nested statistics as the
+    allocator gives them. An allocator's statistics stand in for the GPU this machine lacks."""
+    stats = {
+        pool: {
+            f"{what}_bytes": {"current": 3 * MIB, "peak": 5 * MIB, "allocated": 0, "freed": 0}
+            | ({"peak": 7 * MIB} if what == "reserved" else {})
+            for what in ("allocated", "reserved", "active")
+        }
+        for pool in ("all", "small_pool", "large_pool")
+    }
+    nested = {key: {pool: stats[pool][key] for pool in stats} for key in stats["all"]}
+    nested["num_ooms"] = 0
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda device: nested)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: nested)
+    flat = torch.cuda.memory_stats(torch.device("cuda", 0))  # torch's own flattening of them
+    expected = tuple(
+        flat[k]
+        for k in (
+            "allocated_bytes.all.current",
+            "allocated_bytes.all.peak",
+            "reserved_bytes.all.peak",
+        )
+    )
+
+    def flattening(device=None):
+        raise AssertionError("memory_stats() flattens every counter in Python")
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", flattening)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", flattening)
+    assert MemoryReader(torch.device("cuda", 0)).read() == expected == (3 * MIB, 5 * MIB, 7 * MIB)
 
 
 def test_memory_trace_image_shades_phases_and_marks_the_peak():

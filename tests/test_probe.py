@@ -1,19 +1,28 @@
 """The probe measures real numbers on the tiny CPU job (2 gloo ranks, SP=2), reports them
-beside the plan, and the GPU check refuses clearly where no GPU is visible. The probe's run
-takes about a minute on 2 cores, so the tests reading it are in the slow tier."""
+beside the plan, stops on a signal with what it measured, records running out of memory as a
+finding. A probe's run takes about a minute on 2 cores, so the tests that start one are in the
+slow tier. The GPU check's tests are in test_gpu_check.py."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import oom_model
 import pytest
 from in_process import run_command
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.plan import training_choices
 from slurm_autosp.probe.__main__ import main as probe_main
 from slurm_autosp.probe.__main__ import probe_config
+from slurm_autosp.probe.kernels import FAIL, PASS, KernelCheck
+from slurm_autosp.probe.report import RankResult, build_report, write_report
+from slurm_autosp.probe.steps import OutOfMemory, StepMeasurement
 
 REPO = Path(__file__).resolve().parents[1]
 # What the forward keeps for backward against the plan's activations and loss inputs: the plan
@@ -21,19 +30,28 @@ REPO = Path(__file__).resolve().parents[1]
 HELD_TOLERANCE = 0.10
 
 
+# After SIGTERM: the step running ends, the ranks agree, rank 0 writes the report and every
+# process exits. A tiny CPU step takes 0.05 s, writing the report a few seconds on 2 busy cores.
+STOP_BOUND_S = 30
+
+
+def probe_command(root: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "slurm_autosp.probe",
+        "cfg=configs/tiny_cpu.yaml",
+        "cluster.backend=local",
+        f"run.output_root={root}",
+        *overrides,
+    ]
+
+
 @pytest.fixture(scope="module")
 def probe_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slurm_autosp.probe",
-            "cfg=configs/tiny_cpu.yaml",
-            "cluster.backend=local",
-            f"run.output_root={root}",
-            "probe.steps=4",
-        ],
+        probe_command(root, "probe.steps=4"),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -50,6 +68,9 @@ def test_probe_runs_in_its_own_run_directory_and_writes_probe_json(probe_run):
     report = json.loads((root / "tiny_cpu_probe" / "probe.json").read_text())
     assert report["world_size"] == 2 and report["sp_size"] == 2
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    # every rank ran the kernels' exactness check on its own device before measuring
+    assert report["kernels"] and all(k["ranks"] for k in report["kernels"])
+    assert report["verdict"]["text"].startswith("verdict: kernel")
 
 
 @pytest.mark.slow
@@ -133,9 +154,129 @@ def test_probe_steps_and_layers_must_be_positive():
         load_config(["cfg=configs/tiny_cpu.yaml", "probe.steps=0", "probe.layers=0"])
 
 
-def test_gpu_check_exits_with_a_clear_message_without_a_gpu():
+def _group_alive(pgid: int) -> list[int]:
+    """The processes of group `pgid` still running (zombies excluded: nobody may reap them)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def _wait_for_line(path: Path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {text!r} within {timeout_s} s:\n" + path.read_text(errors="replace"))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_probe_at_its_next_step_and_it_writes_what_it_measured(tmp_path):
+    """SIGTERM to the probe's process group, as `timeout` sends it (scancel and a time limit
+    signal every process of the job alike): the ranks stop at their next step boundary, rank 0
+    writes probe.json with the steps measured so far, and every process is gone within
+    STOP_BOUND_S, so the GPU is free for the next job."""
+    steps = 100_000  # hours of steps: only the signal ends this probe
+    log = tmp_path / "probe.out"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            probe_command(
+                tmp_path, f"probe.steps={steps}", "parallel.sp_size=1", "compile.enabled=false"
+            ),
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        _wait_for_line(log, f"probe: step 3 of {steps}", timeout_s=300)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)  # the follower dies at once (SIGTERM's default)
+        deadline = time.monotonic() + STOP_BOUND_S
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _group_alive(proc.pid), f"still running {STOP_BOUND_S} s after SIGTERM"
+    finally:
+        for pid in _group_alive(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    report = json.loads((tmp_path / "tiny_cpu_probe" / "probe.json").read_text())
+    stopped = report["verdict"]["stopped"]
+    assert stopped.startswith("stopped by SIGTERM after step "), stopped
+    assert "STOPPED EARLY" in report["verdict"]["text"]
+    for rank in report["ranks"]:
+        assert 3 <= len(rank["seconds"]) < steps and rank["step_s"] > 0 and rank["oom"] is None
+
+
+@pytest.mark.slow
+def test_running_out_of_memory_in_the_first_step_is_recorded_with_the_memory(tmp_path):
+    """Every rank's forward raises torch.OutOfMemoryError in step 1 (oom_model stands in for
+    a GPU too small): no step is timed, yet probe.json is written with the error, the step and
+    the memory when it struck, and the log says it ran out of memory."""
     proc = subprocess.run(
-        ["bash", "bench/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=120
+        probe_command(
+            tmp_path,
+            oom_model.BUILDER,
+            "probe.steps=3",
+            "parallel.sp_size=1",
+            "compile.enabled=false",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=oom_model.job_env(),
     )
-    assert proc.returncode != 0
-    assert proc.stderr.startswith("gpu_check: no GPU visible"), proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"ran out of memory at step 1: {oom_model.MESSAGE}" in proc.stdout, proc.stdout
+    report = json.loads((tmp_path / "tiny_cpu_probe" / "probe.json").read_text())
+    assert report["step_s"] is None and report["tokens_per_s"] is None
+    for rank in report["ranks"]:
+        assert rank["seconds"] == [] and rank["step_s"] is None and rank["mfu"] is None
+        oom = rank["oom"]
+        assert oom["step"] == 1 and oom["message"] == oom_model.MESSAGE
+        assert oom["peak_bytes"] >= oom["allocated_bytes"] > 0  # the rank's RSS on CPU
+    assert report["verdict"]["oom_ranks"] == [0, 1]
+    assert "OUT OF MEMORY on rank(s) [0, 1]" in report["verdict"]["text"]
+
+
+def _out_of_memory_at_step_one(rank: int, kernel: KernelCheck) -> RankResult:
+    oom = OutOfMemory(
+        1, "CUDA out of memory. Tried to allocate 2.00 GiB", 70 * 2**30, 79 * 2**30, 0
+    )
+    steps = StepMeasurement([], [], None, 0, 79 * 2**30, 0, 1e15, None, "CPU", oom, "")
+    return RankResult(rank, "node", [kernel], [], steps)
+
+
+def test_a_report_with_no_timed_step_is_written_with_the_out_of_memory_error(tmp_path):
+    """The report's own path, without processes: ranks that ran out of memory in their first
+    step (nothing timed) still give a table, a verdict and probe.json; a kernel check that
+    failed on one rank names it."""
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml", f"run.output_root={tmp_path}"])
+    exact = KernelCheck("documents", PASS, 1e-3, 2e-3, "bf16 vs fp32")
+    wrong = KernelCheck("documents", FAIL, 5e-2, 2e-3, "bf16 vs fp32")
+    ranks = [_out_of_memory_at_step_one(0, exact), _out_of_memory_at_step_one(1, wrong)]
+    report = build_report(cfg, training_choices(cfg), ranks, None, on_gpu=False)
+    table = write_report(report, tmp_path, tensorboard=False)
+    assert "out of memory at step 1: CUDA out of memory" in table
+    assert "slowest rank: none completed a step" in table
+    assert "kernels exact: NO (documents on rank(s) [1])" in table
+    written = json.loads((tmp_path / "probe.json").read_text())
+    assert written["step_s"] is None and written["verdict"]["oom_ranks"] == [0, 1]
+    assert written["ranks"][0]["oom"]["allocated_bytes"] == 70 * 2**30
+    assert written["verdict"]["kernels_exact"] is False
+    assert written["kernels"] == [
+        {
+            "name": "documents",
+            "status": FAIL,
+            "ranks": [1],
+            "error": 5e-2,
+            "tolerance": 2e-3,
+            "detail": "bf16 vs fp32",
+        }
+    ]

@@ -4,11 +4,19 @@ What is measured: on GPU the CUDA caching allocator's counters (bytes allocated 
 and bytes reserved from the device); on CPU the process's resident set from
 /proc/self/status (VmRSS now, VmHWM its high-water mark, reset by writing 5 to
 /proc/self/clear_refs). Every reading also reads and resets the peak, so a timeline sampled
-every millisecond still holds the exact peak of every interval between two samples.
+every few milliseconds still holds the exact peak of every interval between two samples.
+
+A sample runs on a thread beside the step it measures, holding the GIL: it must be cheap. On
+GPU it takes the allocator's nested statistics as they come from C++
+(`memory_stats_as_nested_dict`); `memory_stats()`, and `memory_allocated()` which reads it,
+flatten and sort all of them in Python on every call (torch/cuda/memory.py). On CPU it reads
+/proc with bare system calls, without Python's file objects: 24 us a sample instead of 74 us
+here.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,6 +26,7 @@ from typing import Any
 import torch
 
 _STATUS = "/proc/self/status"
+_STATUS_BYTES = 16384  # /proc/self/status is about 1.5 KB; one read takes it whole
 _CLEAR_REFS = "/proc/self/clear_refs"
 
 
@@ -45,24 +54,30 @@ class MemoryReader:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         try:
-            with open(_CLEAR_REFS, "w") as f:
-                f.write("5")
+            fd = os.open(_CLEAR_REFS, os.O_WRONLY)
+        except OSError:
+            return
+        try:
+            os.write(fd, b"5")
         except OSError:
             pass
+        finally:
+            os.close(fd)
 
     def read(self) -> tuple[int, int, int]:
         if self.on_gpu:
-            stats = torch.cuda.memory_stats(self.device)
-            return (
-                stats.get("allocated_bytes.all.current", 0),
-                stats.get("allocated_bytes.all.peak", 0),
-                stats.get("reserved_bytes.all.peak", 0),
-            )
+            stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+            allocated = stats.get("allocated_bytes", {}).get("all", {})
+            reserved = stats.get("reserved_bytes", {}).get("all", {})
+            return allocated.get("current", 0), allocated.get("peak", 0), reserved.get("peak", 0)
         try:
-            with open(_STATUS, "rb") as f:
-                status = f.read()
+            fd = os.open(_STATUS, os.O_RDONLY)
         except OSError:
             return 0, 0, 0
+        try:
+            status = os.read(fd, _STATUS_BYTES)
+        finally:
+            os.close(fd)
         return _kib_field(status, b"VmRSS:") * 1024, _kib_field(status, b"VmHWM:") * 1024, 0
 
     def read_and_reset(self) -> tuple[int, int, int]:

@@ -1,63 +1,25 @@
 """Collective bandwidth and latency on the job's own SP and DP groups, at the message sizes
-its training step sends, beside the link's nominal bandwidth where one is published.
-
-Bandwidths follow nccl-tests: `algbw` is the bytes each rank sends (all-to-all) or contributes
-(all-reduce, reduce-scatter) over the time of one call; `busbw` scales it by what crosses each
-link, (n-1)/n for all-to-all and reduce-scatter and 2(n-1)/n for all-reduce, so it compares with
-a link's bandwidth whatever the group size. Latency is the time of the same collective with one
-element per rank.
-"""
+its training step sends, beside the link's nominal bandwidth where one is published; timed
+and reckoned as nccl-tests does (probe/timing.py)."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan import model_size
 from slurm_autosp.plan.memory import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
-
-WARMUP = 2
-TIMED = 5
-# NVLink bandwidth per GPU, each way, GB/s (vendor data sheets: NVLink 5 900, NVLink 4 450,
-# H800's 400 total = 200, NVLink 3 300, A800 200), matched against the device name in order.
-# Only SP groups inside one NVLink domain are held to it; nothing is published for gloo on CPU,
-# for links between nodes (that depends on the NICs per GPU) or for other GPUs.
-NVLINK_GB_PER_S = (
-    ("GB200", 900.0),
-    ("B200", 900.0),
-    ("H200", 450.0),
-    ("H800", 200.0),
-    ("H100 PCIE", None),
-    ("H100 NVL", None),
-    ("H100", 450.0),
-    ("A800", 200.0),
-    ("A100", 300.0),
-)
-BUS_FACTOR = {"all_to_all": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}  # x (n-1)/n
-
-
-@dataclass(frozen=True)
-class Message:
-    """One collective the training step runs, at its size."""
-
-    collective: str  # all_to_all | all_reduce | reduce_scatter
-    what: str  # what training sends with it
-    group: str  # sp | dp
-    nbytes: int  # per rank
-    dtype: torch.dtype
+from slurm_autosp.probe.stop import AgreedStop
+from slurm_autosp.probe.timing import BUS_FACTOR, CALLS, Message, nvlink_bandwidth, time_message
 
 
 @dataclass(frozen=True)
 class CollectiveTiming:
-    """One rank's median time of one message, and of the one-element latency probe."""
+    """One rank's time per call of one message, and of the one-element latency probe."""
 
     collective: str
     what: str
@@ -65,8 +27,9 @@ class CollectiveTiming:
     group_index: int  # which SP (or DP) group this rank is in
     group_size: int
     nbytes: int
-    seconds: float
+    seconds: float  # per call: the median sample of CALLS back-to-back calls, over CALLS
     latency_s: float
+    calls: int  # back-to-back calls per sample
     nominal_gb_per_s: float | None
     nominal_source: str
 
@@ -135,63 +98,30 @@ def nominal_bandwidth(cfg: JobConfig, group: str, device: torch.device) -> tuple
         return None, "no nominal: gloo on CPU"
     if group != "sp" or cfg.parallel.allow_cross_domain:
         return None, "no nominal: between nodes it depends on the NICs per GPU"
-    name = torch.cuda.get_device_name(device).upper()
-    for key, gb_per_s in NVLINK_GB_PER_S:
-        if key in name:
-            if gb_per_s is None:
-                break
-            return gb_per_s, f"NVLink of {key}, each way"
-    return None, f"no nominal: no NVLink figure for {name}"
-
-
-def _call(collective: str, send: torch.Tensor, group: dist.ProcessGroup) -> Callable[[], None]:
-    """The collective on preallocated buffers, so a timed call allocates nothing."""
-    n = dist.get_world_size(group)
-    if collective == "all_to_all":
-        received = torch.empty_like(send)
-        return lambda: dist.all_to_all_single(received, send, group=group)
-    if collective == "reduce_scatter":
-        shard = torch.empty(send.numel() // n, dtype=send.dtype, device=send.device)
-        return lambda: dist.reduce_scatter_tensor(shard, send, group=group)
-    return lambda: dist.all_reduce(send, group=group)
-
-
-def _median_seconds(
-    run: Callable[[], None], group: dist.ProcessGroup, device: torch.device
-) -> float:
-    times = []
-    for i in range(WARMUP + TIMED):
-        dist.barrier(group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return nvlink_bandwidth(device)
 
 
 def time_collectives(
-    cfg: JobConfig, parallel: Parallel, device: torch.device, rank: int, zero_stage: int
+    cfg: JobConfig,
+    parallel: Parallel,
+    device: torch.device,
+    rank: int,
+    zero_stage: int,
+    stop: AgreedStop | None = None,
 ) -> list[CollectiveTiming]:
-    """Time every message of `step_messages` on this rank's group (every rank takes part)."""
+    """Time every message of `step_messages` on this rank's group (every rank takes part); an
+    agreed stop request ends the timing between two messages."""
     layout = parallel.layout
     groups = {
         "sp": (parallel.sp_group, layout.dp_rank(rank), layout.sp_size),
         "dp": (parallel.dp_group, layout.sp_rank(rank), layout.dp_size),
     }
-    timings = []
+    timings: list[CollectiveTiming] = []
     for m in step_messages(cfg, zero_stage):
+        if stop is not None and stop.requested(f"{len(timings)} collectives timed"):
+            break
         group, index, size = groups[m.group]
-        element = torch.empty((), dtype=m.dtype).element_size()
-        numel = m.nbytes // element // size * size  # divisible into the group's chunks
-        send = torch.ones(numel, dtype=m.dtype, device=device)
-        seconds = _median_seconds(_call(m.collective, send, group), group, device)
-        tiny = torch.ones(size, dtype=m.dtype, device=device)
-        latency = _median_seconds(_call(m.collective, tiny, group), group, device)
-        del send
+        nbytes, seconds, latency = time_message(m, group, device)
         nominal, source = nominal_bandwidth(cfg, m.group, device)
         timings.append(
             CollectiveTiming(
@@ -200,9 +130,10 @@ def time_collectives(
                 m.group,
                 index,
                 size,
-                numel * element,
+                nbytes,
                 seconds,
                 latency,
+                CALLS,
                 nominal,
                 source,
             )

@@ -1,5 +1,6 @@
 """The probe as a job: the training job's whole path (environment, process group, run lock,
-topology check, layout) with the probe's measurements where training would run."""
+topology check, layout) with the probe's measurements where training would run, stopping on
+the job's stop signals as training does (without the checkpoint and the requeue)."""
 
 from __future__ import annotations
 
@@ -13,4 +14,4 @@ from slurm_autosp.probe.run import run_probe
 
 class ProbeJob(TrainingJob):
     def work(self, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> ProbeReport | None:
-        return run_probe(self.cfg, ctx, parallel)
+        return run_probe(self.cfg, ctx, parallel, stop)

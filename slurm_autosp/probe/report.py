@@ -1,6 +1,11 @@
 """The probe's findings, from every rank's measurements: a table for the log, `probe.json` in
-the run directory and TensorBoard text and scalars, with one verdict: the plan within ±10%,
-bandwidth within 70% of nominal, and the slowest rank."""
+the run directory and TensorBoard text and scalars, with one verdict: the attention kernels
+exact on every rank, the plan within ±10%, bandwidth within 70% of nominal, and the slowest
+rank.
+
+A probe that ran out of memory, or was stopped by a signal, reports what it measured up to
+then: an out-of-memory error is a finding (where, and the memory when it struck), and a rank
+may have no timed step at all."""
 
 from __future__ import annotations
 
@@ -15,9 +20,11 @@ from slurm_autosp.config import JobConfig
 from slurm_autosp.metrics import tensorboard_dir
 from slurm_autosp.plan import TrainingChoices
 from slurm_autosp.plan.policies import spec_label
-from slurm_autosp.probe.collectives import TIMED, WARMUP, CollectiveTiming
+from slurm_autosp.probe.collectives import CollectiveTiming
+from slurm_autosp.probe.kernels import KernelCheck, KernelSummary, kernels_verdict, summarise
 from slurm_autosp.probe.prediction import PlanPrediction
 from slurm_autosp.probe.steps import StepMeasurement
+from slurm_autosp.probe.timing import CALLS, SAMPLES, WARMUP
 
 PLAN_TOLERANCE = 0.10
 BANDWIDTH_FLOOR = 0.70
@@ -28,6 +35,7 @@ MIB = 2**20
 class RankResult:
     rank: int
     host: str
+    kernels: list[KernelCheck]
     collectives: list[CollectiveTiming]
     steps: StepMeasurement
 
@@ -49,10 +57,13 @@ class MemoryRow:
 
 @dataclass(frozen=True)
 class Verdict:
+    kernels_exact: bool | None  # None: some check did not run (kernels.py)
     plan_within: bool | None  # None: no term could be judged
     bandwidth_within: bool | None  # None: no nominal figure to hold any collective to
-    slowest_rank: int
-    slowest_host: str
+    slowest_rank: int | None  # None: no rank completed a step
+    slowest_host: str | None
+    oom_ranks: list[int]  # the ranks that ran out of memory
+    stopped: str  # why the probe stopped early on a signal; empty when it ran to the end
     text: str
 
 
@@ -61,26 +72,31 @@ class ProbeReport:
     cfg: JobConfig
     choices: TrainingChoices
     ranks: list[RankResult]
+    kernels: list[KernelSummary]  # per check, its worst status over the ranks
     collectives: list[CollectiveTiming]  # per message, the slowest rank of the slowest group
     prediction: PlanPrediction | None
     memory: list[MemoryRow]
     verdict: Verdict
 
     @property
-    def step_seconds(self) -> float:
-        """The job's step time: the slowest rank's."""
-        return max(r.steps.step_seconds for r in self.ranks)
+    def step_seconds(self) -> float | None:
+        """The job's step time: the slowest rank's; None when no rank completed a step."""
+        timed = [r.steps.step_seconds for r in self.ranks if r.steps.step_seconds is not None]
+        return max(timed) if timed else None
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.cfg.global_batch * self.cfg.data.seq_len / self.step_seconds
+    def tokens_per_s(self) -> float | None:
+        seconds = self.step_seconds
+        return None if seconds is None else self.cfg.global_batch * self.cfg.data.seq_len / seconds
 
-    def tflops(self, steps: StepMeasurement) -> float:
+    def tflops(self, steps: StepMeasurement) -> float | None:
         """Model TFLOP/s per device at this rank's step time."""
-        return steps.flops_per_step / steps.step_seconds / len(self.ranks) / 1e12
+        seconds = steps.step_seconds
+        return None if seconds is None else steps.flops_per_step / seconds / len(self.ranks) / 1e12
 
     def mfu(self, steps: StepMeasurement) -> float | None:
-        return None if steps.peak_tflops is None else self.tflops(steps) / steps.peak_tflops
+        tflops = self.tflops(steps)
+        return None if tflops is None or steps.peak_tflops is None else tflops / steps.peak_tflops
 
 
 def slowest_per_message(ranks: list[RankResult]) -> list[CollectiveTiming]:
@@ -97,9 +113,12 @@ def slowest_per_message(ranks: list[RankResult]) -> list[CollectiveTiming]:
 def memory_rows(
     ranks: list[RankResult], prediction: PlanPrediction | None, on_gpu: bool
 ) -> list[MemoryRow]:
-    if prediction is None:
-        return []
     steps = [r.steps for r in ranks]
+    if prediction is None or not any(s.seconds or s.oom for s in steps):
+        return []
+    # After an out-of-memory error the peak is the one at the failure: a lower bound.
+    judged = not any(s.oom for s in steps)
+    lower = "" if judged else " (ran out of memory: the peak at the failure, a lower bound)"
     rows = []
     held = [s.held_bytes for s in steps if s.held_bytes is not None]
     if held:
@@ -118,8 +137,8 @@ def memory_rows(
                 "peak allocated",
                 max(s.peak_bytes for s in steps),
                 prediction.subtotal,
-                True,
-                "max_memory_allocated vs every term, no margin",
+                judged,
+                "max_memory_allocated vs every term, no margin" + lower,
             )
         )
         rows.append(
@@ -128,7 +147,7 @@ def memory_rows(
                 max(s.peak_reserved_bytes for s in steps),
                 prediction.total,
                 False,
-                "max_memory_reserved vs the plan's total with margin",
+                "max_memory_reserved vs the plan's total with margin" + lower,
             )
         )
     else:
@@ -139,15 +158,19 @@ def memory_rows(
                 prediction.transient,
                 False,
                 "RSS peak above the timed steps' start (allocator slack included) vs "
-                "activations, loss, all-to-all and recompute buffers",
+                "activations, loss, all-to-all and recompute buffers" + lower,
             )
         )
     return rows
 
 
 def decide(
-    ranks: list[RankResult], collectives: list[CollectiveTiming], memory: list[MemoryRow]
+    ranks: list[RankResult],
+    kernels: list[KernelSummary],
+    collectives: list[CollectiveTiming],
+    memory: list[MemoryRow],
 ) -> Verdict:
+    kernels_exact, exactness = kernels_verdict(kernels)
     judged = [row for row in memory if row.judged]
     plan_within = all(abs(r.error) <= PLAN_TOLERANCE for r in judged) if judged else None
     held_to = [c for c in collectives if c.nominal_gb_per_s]
@@ -156,7 +179,6 @@ def decide(
         if held_to
         else None
     )
-    slowest = max(ranks, key=lambda r: r.steps.step_seconds)
     if plan_within is None:
         plan = "plan: nothing to compare (no plan for model.builder models)"
     else:
@@ -170,14 +192,32 @@ def decide(
             f"bandwidth within {BANDWIDTH_FLOOR:.0%} of nominal: "
             f"{'yes' if bandwidth_within else 'NO'}"
         )
-    oom = [r.rank for r in ranks if r.steps.oom]
+    timed = [(r.steps.step_seconds, r) for r in ranks if r.steps.step_seconds is not None]
+    slowest = max(timed, key=lambda pair: pair[0])[1] if timed else None
     slow = (
         f"slowest rank: {slowest.rank} on {slowest.host} ({slowest.steps.step_seconds:.3f} s/step)"
+        if slowest is not None
+        else "slowest rank: none completed a step"
     )
-    text = f"verdict: {plan}; {bandwidth}; {slow}" + (
-        f"; OUT OF MEMORY on rank(s) {oom}" if oom else ""
+    oom = [r for r in ranks if r.steps.oom]
+    stopped = next((r.steps.stopped for r in ranks if r.steps.stopped), "")
+    text = f"verdict: {exactness}; {plan}; {bandwidth}; {slow}"
+    if oom:
+        first = oom[0].steps.oom
+        assert first is not None
+        text += f"; OUT OF MEMORY on rank(s) {[r.rank for r in oom]}: rank {oom[0].rank} {first.describe()}"
+    if stopped:
+        text += f"; STOPPED EARLY, {stopped}: the numbers are what was measured until then"
+    return Verdict(
+        kernels_exact,
+        plan_within,
+        bandwidth_within,
+        None if slowest is None else slowest.rank,
+        None if slowest is None else slowest.host,
+        [r.rank for r in oom],
+        stopped,
+        text,
     )
-    return Verdict(plan_within, bandwidth_within, slowest.rank, slowest.host, text)
 
 
 def build_report(
@@ -187,11 +227,15 @@ def build_report(
     prediction: PlanPrediction | None,
     on_gpu: bool,
 ) -> ProbeReport:
+    kernels = summarise({r.rank: r.kernels for r in ranks})
     collectives = slowest_per_message(ranks)
     memory = memory_rows(ranks, prediction, on_gpu)
-    return ProbeReport(
-        cfg, choices, ranks, collectives, prediction, memory, decide(ranks, collectives, memory)
-    )
+    verdict = decide(ranks, kernels, collectives, memory)
+    return ProbeReport(cfg, choices, ranks, kernels, collectives, prediction, memory, verdict)
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _mib(value: float) -> str:
@@ -219,8 +263,16 @@ def describe_job(report: ProbeReport) -> str:
 
 def render_table(report: ProbeReport) -> str:
     lines = [describe_job(report)]
+    lines.append("kernels (exactness on every rank's own device, the worst rank):")
+    lines += [
+        f"  {k.name:<42}{k.status:<9}"
+        + ("" if k.error is None else f"error {k.error:.2e} <= {k.tolerance:.2e}  ")
+        + f"rank(s) {k.ranks}: {k.detail}"
+        for k in report.kernels
+    ]
     lines.append(
-        f"collectives (the slowest rank of the slowest group; median of {TIMED} calls after {WARMUP}):"
+        f"collectives (the slowest rank of the slowest group; per call: the median of {SAMPLES} "
+        f"samples of {CALLS} back-to-back calls, after {WARMUP}):"
     )
     if not report.collectives:
         lines.append("  none: SP=1 and DP=1")
@@ -241,16 +293,17 @@ def render_table(report: ProbeReport) -> str:
         f"  {'rank':<6}{'host':<20}{'step s':>9}{'compile s':>11}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}"
         f"{'start':>14}{'peak':>14}{'held for bw':>16}"
     )
+    tokens = report.cfg.global_batch * report.cfg.data.seq_len
     for r in report.ranks:
         s = r.steps
-        mfu = report.mfu(s)
+        seconds, tflops, mfu = s.step_seconds, report.tflops(s), report.mfu(s)
+        held = "offloaded" if report.choices.offload_activations else "-"
         lines.append(
-            f"  {r.rank:<6}{r.host[:19]:<20}{s.step_seconds:9.3f}{s.compile_seconds:11.1f}"
-            f"{report.cfg.global_batch * report.cfg.data.seq_len / s.step_seconds:12,.0f}"
-            f"{report.tflops(s):10.4f}"
-            f"{'-' if mfu is None else f'{mfu:.1%}':>8}{_mib(s.start_bytes):>14}{_mib(s.peak_bytes):>14}"
-            f"{'offloaded' if s.held_bytes is None else _mib(s.held_bytes):>16}"
-            + (f"  OOM: {s.oom}" if s.oom else "")
+            f"  {r.rank:<6}{r.host[:19]:<20}{_num(seconds, '.3f'):>9}{_num(s.compile_seconds, '.1f'):>11}"
+            f"{_num(None if seconds is None else tokens / seconds, ',.0f'):>12}"
+            f"{_num(tflops, '.4f'):>10}{_num(mfu, '.1%'):>8}{_mib(s.start_bytes):>14}{_mib(s.peak_bytes):>14}"
+            f"{held if s.held_bytes is None else _mib(s.held_bytes):>16}"
+            + (f"  {s.oom.describe()}" if s.oom else "")
         )
     if report.ranks[0].steps.peak_tflops is None:
         lines.append(f"  MFU: {report.ranks[0].steps.peak_source}")
@@ -278,6 +331,7 @@ def to_json(report: ProbeReport) -> dict[str, Any]:
         "checkpointing": spec_label(report.choices.checkpointing),
         "step_s": report.step_seconds,
         "tokens_per_s": report.tokens_per_s,
+        "kernels": [asdict(k) for k in report.kernels],
         "collectives": [
             {
                 **asdict(c),
@@ -311,14 +365,18 @@ def write_report(report: ProbeReport, run_dir: Path, tensorboard: bool) -> str:
     if tensorboard:
         writer = SummaryWriter(str(tensorboard_dir(run_dir)))
         writer.add_text("probe/report", "```\n" + table + "\n```")
-        writer.add_scalar("probe/step_s", report.step_seconds)
-        writer.add_scalar("probe/tokens_per_s", report.tokens_per_s)
+        if report.step_seconds is not None and report.tokens_per_s is not None:
+            writer.add_scalar("probe/step_s", report.step_seconds)
+            writer.add_scalar("probe/tokens_per_s", report.tokens_per_s)
         for r in report.ranks:
-            writer.add_scalar("probe/step_s_by_rank", r.steps.step_seconds, r.rank)
-            writer.add_scalar("probe/compile_s_by_rank", r.steps.compile_seconds, r.rank)
-            mfu = report.mfu(r.steps)
-            if mfu is not None:
-                writer.add_scalar("probe/mfu_pct_by_rank", 100 * mfu, r.rank)
+            by_rank = {
+                "step_s": r.steps.step_seconds,
+                "compile_s": r.steps.compile_seconds,
+                "mfu_pct": None if (mfu := report.mfu(r.steps)) is None else 100 * mfu,
+            }
+            for name, value in by_rank.items():
+                if value is not None:
+                    writer.add_scalar(f"probe/{name}_by_rank", value, r.rank)
         for c in report.collectives:
             name = f"{c.collective} {c.what}".replace(" / ", "_").replace(" ", "_")
             writer.add_scalar(f"probe/busbw_gb_per_s/{name}", c.busbw_gb_per_s)

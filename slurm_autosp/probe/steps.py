@@ -4,10 +4,16 @@ AutoSP compile, optimizer step): step and compile time, FLOPs, and the memory th
 Memory per rank: what the forward keeps for backward (distinct storages reaching autograd's
 saved-tensor hooks, parameters excluded: the plan's activations and loss inputs), and the
 allocated (GPU) or resident (CPU) memory at the start of the timed steps and its peak over them.
+
+An out-of-memory error is a result, not a crash: the steps end, and the measurement records at
+which step and the memory when it struck (the peak then is a lower bound of what the step
+needs). A stop request ends the steps at the next step boundary, with what they measured.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import statistics
 import time
 from collections.abc import Iterator
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.compile import decoder_layers
+from slurm_autosp.compile import AutoSPBackend, decoder_layers
 from slurm_autosp.compile.offload import ActivationOffload
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.data import build_source
@@ -27,33 +33,65 @@ from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.memory import MemoryReader
 from slurm_autosp.model import model_vocab_size
 from slurm_autosp.plan import TrainingChoices
+from slurm_autosp.probe.stop import AgreedStop
 from slurm_autosp.train import compile_for_sp, optimizer_step
+
+log = logging.getLogger(__name__)
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """Where a rank ran out of memory, and its memory when it did."""
+
+    step: int  # 1-based, as the steps are logged
+    message: str  # the error's first line (CUDA's names the allocation that failed)
+    allocated_bytes: int  # allocated (GPU) or resident (CPU) when the error was caught
+    peak_bytes: int  # the allocated or resident peak up to the failure
+    peak_reserved_bytes: int  # GPU: the caching allocator's reserved peak; 0 on CPU
+
+    def describe(self) -> str:
+        return (
+            f"out of memory at step {self.step}: {self.message} (allocated "
+            f"{self.allocated_bytes / MIB:,.0f} MiB, peak {self.peak_bytes / MIB:,.0f} MiB, "
+            f"reserved peak {self.peak_reserved_bytes / MIB:,.0f} MiB)"
+        )
 
 
 @dataclass(frozen=True)
 class StepMeasurement:
     """One rank's steps. Step 1 compiles; the others are timed (median)."""
 
-    seconds: list[float]  # every step, in order
+    seconds: list[float]  # every step that completed, in order
     losses: list[float]
     held_bytes: int | None  # kept for backward per micro-batch; None when offloaded (host)
+    # or when no step completed
     start_bytes: int  # allocated (GPU) or resident (CPU) as the timed steps start
     peak_bytes: int  # the allocated or resident peak over the timed steps
     peak_reserved_bytes: int  # GPU: the caching allocator's reserved peak; 0 on CPU
     flops_per_step: float  # model FLOPs of one optimizer step, all ranks together
     peak_tflops: float | None  # per device, for MFU; None on CPU
     peak_source: str
-    oom: str  # the out-of-memory error; empty when every step ran
+    oom: OutOfMemory | None  # the out-of-memory error that ended the steps
+    stopped: str  # why the steps ended early on a stop request; empty otherwise
+
+    @classmethod
+    def not_run(cls, stopped: str) -> StepMeasurement:
+        """The steps of a probe stopped before them: the engine is not even built."""
+        return cls([], [], None, 0, 0, 0, 0.0, None, "no step ran", None, stopped)
 
     @property
-    def step_seconds(self) -> float:
+    def step_seconds(self) -> float | None:
+        """The median timed step; None when no step completed."""
         timed = self.seconds[1:] or self.seconds
-        return statistics.median(timed)
+        return statistics.median(timed) if timed else None
 
     @property
-    def compile_seconds(self) -> float:
+    def compile_seconds(self) -> float | None:
         """The first step's excess over a timed step: compilation and first-touch allocation."""
-        return self.seconds[0] - self.step_seconds if len(self.seconds) > 1 else 0.0
+        if len(self.seconds) < 2:
+            return None
+        return self.seconds[0] - statistics.median(self.seconds[1:])
 
 
 class SavedBytes:
@@ -85,57 +123,124 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_steps(
-    cfg: JobConfig, ctx: DistContext, parallel: Parallel, choices: TrainingChoices
-) -> StepMeasurement:
-    """`probe.steps` optimizer steps as training runs them; an out-of-memory error ends them."""
-    torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, ctx.device, choices.zero_stage, choices.offload_optimizer)
-    backend = compile_for_sp(
-        engine.module, cfg, parallel, choices.checkpointing, choices.tile_tokens
-    )
-    offload = (
-        ActivationOffload(ctx.device, layers=len(decoder_layers(engine.module)))
-        if choices.offload_activations
-        else None
-    )
-    source = build_source(cfg, model_vocab_size(cfg.model))
-    flops = count_flops(engine.module, cfg.data.seq_len, cfg.global_batch)
-    peak, peak_source = peak_tflops(
-        cfg.trace.peak_tflops_per_gpu, ctx.device, cfg.precision is Precision.bf16
-    )
-    memory = MemoryReader(ctx.device)
-    held = SavedBytes({p.untyped_storage().data_ptr() for p in engine.module.parameters()})
-    seconds: list[float] = []
-    losses: list[float] = []
-    start_bytes, oom = memory.read()[0], ""
-    try:
-        for step in range(cfg.probe.steps):
+class ProbeSteps:
+    """The model as training builds and compiles it, once; `measure` runs optimizer steps at
+    any sequence length through it, so a search over lengths reuses the compiled graphs."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        ctx: DistContext,
+        parallel: Parallel,
+        choices: TrainingChoices,
+        backend: AutoSPBackend | None = None,
+    ):
+        """`backend`: an earlier ProbeSteps' (same config), whose compiled graphs it reuses."""
+        self.ctx, self.parallel = ctx, parallel
+        torch.manual_seed(cfg.train.seed)
+        self.engine = build_engine(cfg, ctx.device, choices.zero_stage, choices.offload_optimizer)
+        self.backend = compile_for_sp(
+            self.engine.module,
+            cfg,
+            parallel,
+            choices.checkpointing,
+            choices.tile_tokens,
+            backend,
+        )
+        self.offload = (
+            ActivationOffload(ctx.device, layers=len(decoder_layers(self.engine.module)))
+            if choices.offload_activations
+            else None
+        )
+        self.peak, self.peak_source = peak_tflops(
+            cfg.trace.peak_tflops_per_gpu, ctx.device, cfg.precision is Precision.bf16
+        )
+        self.memory = MemoryReader(ctx.device)
+        self.held = SavedBytes(
+            {p.untyped_storage().data_ptr() for p in self.engine.module.parameters()}
+        )
+        self.sdpa_checked = False
+
+    def measure(
+        self, cfg: JobConfig, steps: int, stop: AgreedStop | None = None
+    ) -> StepMeasurement:
+        """`steps` optimizer steps at `cfg.data.seq_len`; an out-of-memory error or an agreed
+        stop request ends them."""
+        ctx, memory = self.ctx, self.memory
+        source = build_source(cfg, model_vocab_size(cfg.model))
+        flops = count_flops(self.engine.module, cfg.data.seq_len, cfg.global_batch)
+        seconds: list[float] = []
+        losses: list[float] = []
+        held: int | None = None
+        oom: OutOfMemory | None = None
+        memory.reset_peak()
+        start_bytes = memory.read()[0]
+        for step in range(steps):
+            if stop is not None and stop.requested(f"step {step} of {steps}"):
+                log.info("probe: %s", stop.reason)
+                break
             if step == 1:
                 start_bytes = memory.read()[0]
                 memory.reset_peak()
             _synchronize(ctx.device)
             begin = time.perf_counter()
-            with held.counting():
-                loss = optimizer_step(engine, cfg, ctx, parallel, source, step, offload=offload)
-            _synchronize(ctx.device)
+            try:
+                with self.held.counting():
+                    loss = optimizer_step(
+                        self.engine, cfg, ctx, self.parallel, source, step, offload=self.offload
+                    )
+                _synchronize(ctx.device)
+            except torch.OutOfMemoryError as err:
+                oom = self._out_of_memory(step + 1, err)
+                log.error("probe: rank %d ran %s", ctx.rank, oom.describe())
+                break
             seconds.append(time.perf_counter() - begin)
             losses.append(loss)
-            if backend is not None and step == 0:
-                backend.require_sdpa_found()
-    except torch.OutOfMemoryError as err:
-        oom = str(err).splitlines()[0]
-    _, peak_bytes, peak_reserved = memory.read()
-    engine.close()
-    return StepMeasurement(
-        seconds=seconds,
-        losses=losses,
-        held_bytes=None if offload else held.total // cfg.train.grad_accum,
-        start_bytes=start_bytes,
-        peak_bytes=peak_bytes,
-        peak_reserved_bytes=peak_reserved,
-        flops_per_step=flops.per_step,
-        peak_tflops=peak,
-        peak_source=peak_source,
-        oom=oom,
-    )
+            held = self.held.total // cfg.train.grad_accum
+            log.info("probe: step %d of %d: %.3f s", step + 1, steps, seconds[-1])
+            if self.backend is not None and not self.sdpa_checked:
+                self.backend.require_sdpa_found()
+                self.sdpa_checked = True
+        _, peak_bytes, peak_reserved = memory.read()
+        return StepMeasurement(
+            seconds=seconds,
+            losses=losses,
+            held_bytes=None if self.offload else held,
+            start_bytes=start_bytes,
+            peak_bytes=peak_bytes,
+            peak_reserved_bytes=peak_reserved,
+            flops_per_step=flops.per_step,
+            peak_tflops=self.peak,
+            peak_source=self.peak_source,
+            oom=oom,
+            stopped=stop.reason if stop is not None else "",
+        )
+
+    def _out_of_memory(self, step: int, err: torch.OutOfMemoryError) -> OutOfMemory:
+        """The memory while the failed step's tensors are still held (by the traceback)."""
+        allocated, peak, reserved = self.memory.read()
+        message = (str(err).splitlines() or [type(err).__name__])[0]
+        return OutOfMemory(step, message, allocated, max(peak, allocated), reserved)
+
+    def close(self) -> None:
+        """Close the engine and give its memory back (the GPU's to the device, for a next try)."""
+        self.engine.close()
+        del self.engine
+        gc.collect()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure_steps(
+    cfg: JobConfig,
+    ctx: DistContext,
+    parallel: Parallel,
+    choices: TrainingChoices,
+    stop: AgreedStop | None = None,
+) -> StepMeasurement:
+    """`probe.steps` optimizer steps as training runs them."""
+    steps = ProbeSteps(cfg, ctx, parallel, choices)
+    try:
+        return steps.measure(cfg, cfg.probe.steps, stop)
+    finally:
+        steps.close()

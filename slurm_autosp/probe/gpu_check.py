@@ -1,0 +1,204 @@
+"""python -m slurm_autosp.probe.gpu_check [--out DIR] [--device cuda|cpu] [--tiny] [--eager]
+
+The first GPU evidence in one command (bench/gpu_check.sh runs it): one process on one GPU,
+at SP=1, prints one table and writes it to DIR/gpu_check.json (default runs/gpu_check):
+
+- exactness (correctness rows): the attention kernels of slurm_autosp.compile (packed
+  documents, sliding windows: probe/kernels.py) and the memory-saving rewrites (tiled vs
+  untiled MLPs and layers, offloaded vs resident activations: probe/exactness.py), in bf16
+  against an fp32 reference;
+- plan vs peak: the memory plan against the measured peak, per checkpointing policy (none, sac
+  at budget 0, full) at 32k and 128k tokens, 4 decoder layers of Llama-3.1-8B width (goal: ±10%);
+- step: step time, tokens/s and MFU at the same lengths;
+- longest: per policy, the longest sequence that fits, searched by memory through the same
+  compiled model (probe/search.py), never cut short by a time budget;
+- bandwidth: all-reduce and all-to-all across the GPUs, where more than one is visible.
+
+Exit status 0 only when every correctness row passed (a row the device refuses, e.g. a kernel
+ROCm lacks, is named as refused and does not fail it); 1 otherwise; 2 without a GPU. The
+output of an earlier run is removed first, so a failed run never leaves old results to read.
+
+  --device cpu --tiny --eager: every row's code on CPU, tiny shapes, uncompiled (a self-test
+  of this command, not evidence about any kernel); --tiny alone compiles them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from slurm_autosp.probe.gpu_rows import Row, exactness_row, render
+
+OUTPUT = "gpu_check.json"
+BANDWIDTH_BYTES = {False: 256 << 20, True: 1 << 20}  # per rank: the GPU's, the --tiny run's
+
+
+def no_gpu() -> str | None:
+    """Why torch sees no GPU here, with what to do; None when it sees one."""
+    if torch.cuda.is_available():
+        return None
+    tools = [tool for tool in ("nvidia-smi", "rocm-smi") if shutil.which(tool)]
+    if not tools:
+        return (
+            "no GPU visible: neither nvidia-smi nor rocm-smi is installed here; run this on a GPU "
+            "node (e.g. srun --gpus=1 bench/gpu_check.sh), or add --device cpu --tiny --eager "
+            "for the CPU self-test"
+        )
+    return (
+        f"no GPU visible to torch: torch.cuda.is_available() is False although {tools[0]} is "
+        "installed (a CPU build of torch? install a CUDA or ROCm wheel: TORCH_SPEC in install.sh)"
+    )
+
+
+@contextmanager
+def one_rank(device: torch.device) -> Iterator[None]:
+    """A process group of this process alone (NCCL or RCCL on GPU, gloo on CPU): the engine,
+    the SP all-to-all and the probe's steps run over it as over a job's."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"file://{tmp}/store",
+            rank=0,
+            world_size=1,
+            device_id=device if device.type == "cuda" else None,
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _section(name: str, start: float, rows: list[Row]) -> None:
+    print(f"gpu_check: {name}: {len(rows)} rows, {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[Row]:
+    """Every row, in the table's order (the bandwidth is measured first: its processes start
+    before this one holds any GPU memory)."""
+    # After the GPU check: a machine without a GPU is refused in a second, not after these.
+    from slurm_autosp.compile import set_sp_group
+    from slurm_autosp.launch.compile_cache import use_private_compile_cache
+    from slurm_autosp.launch.distributed import DistContext
+    from slurm_autosp.launch.placement import build_parallel
+    from slurm_autosp.plan.memory import GB
+    from slurm_autosp.probe.bandwidth import bandwidth_rows
+    from slurm_autosp.probe.exactness import check_rewrites
+    from slurm_autosp.probe.gpu_measure import (
+        GPU_SCALE,
+        POLICIES,
+        TINY_SCALE,
+        Target,
+        check_config,
+        policy_rows,
+        predictions,
+    )
+    from slurm_autosp.probe.kernels import check_kernels
+
+    on_gpu = device.type == "cuda"
+    scale = TINY_SCALE if tiny else GPU_SCALE
+    use_private_compile_cache(None)
+    start = time.perf_counter()
+    bandwidth = bandwidth_rows(
+        torch.cuda.device_count() if on_gpu else 2, on_gpu, BANDWIDTH_BYTES[tiny]
+    )
+    _section("bandwidth", start, bandwidth)
+    target = Target(
+        device,
+        ("amd" if torch.version.hip else "nvidia") if on_gpu else "none",
+        torch.cuda.get_device_properties(device).total_memory / GB if on_gpu else 0.0,
+        compiled=not eager,
+        out=out,
+    )
+    rows: list[Row] = []
+    with one_rank(device):
+        cfg = check_config(scale, target, next(iter(POLICIES)), scale.lengths[0])
+        parallel = build_parallel(cfg)
+        ctx = DistContext(rank=0, world_size=1, local_rank=0, device=device)
+        start = time.perf_counter()
+        planned = predictions(scale, target)  # before anything compiles: it resets Dynamo
+        set_sp_group(parallel.sp_group)
+        checks = check_kernels(device, tiny) + check_rewrites(device, tiny, compiled=not eager)
+        rows += [exactness_row(c) for c in checks]
+        _section("exactness", start, rows)
+        torch.compiler.reset()  # the checks' small models' graphs: no part of the policies' limits
+        for policy in POLICIES:
+            start = time.perf_counter()
+            measured = policy_rows(scale, target, policy, ctx, parallel, planned)
+            rows += measured
+            _section(policy, start, measured)
+    return rows + bandwidth
+
+
+def _write(path: Path, report: dict) -> None:
+    """Whole or not at all: a reader never sees half a report."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(report, indent=1))
+    os.replace(partial, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="runs/gpu_check", help="where gpu_check.json goes")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU self-test)")
+    parser.add_argument("--eager", action="store_true", help="uncompiled (the CPU self-test)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / OUTPUT).unlink(missing_ok=True)
+    refusal = no_gpu() if args.device == "cuda" else None
+    if refusal:
+        print(f"gpu_check: {refusal}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    name = torch.cuda.get_device_name(device) if args.device == "cuda" else "CPU"
+    started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+    print(f"gpu_check: {name}, torch {torch.__version__}; output in {out / OUTPUT}", flush=True)
+    rows = run_check(device, args.tiny, args.eager, out)
+    failed = [r for r in rows if r.failed]
+    print(render(rows))
+    print(
+        f"gpu_check: {'FAILED: ' + ', '.join(r.case for r in failed) if failed else 'every correctness row passed'}"
+        f" ({time.perf_counter() - start:.0f} s)"
+    )
+    _write(
+        out / OUTPUT,
+        {
+            "run_id": uuid.uuid4().hex,
+            "started": started.isoformat(timespec="seconds"),
+            "seconds": time.perf_counter() - start,
+            "device": name,
+            "torch": torch.__version__,
+            "rocm": torch.version.hip,
+            "tiny": args.tiny,
+            "eager": args.eager,
+            "passed": not failed,
+            "rows": [asdict(r) for r in rows],
+        },
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

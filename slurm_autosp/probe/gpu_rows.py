@@ -1,0 +1,44 @@
+"""The GPU check's one table: a row per finding, the correctness rows deciding the exit status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slurm_autosp.probe.kernels import PASS, REFUSED, KernelCheck
+
+COLUMNS = ("check", "case", "expected", "measured", "result")
+
+
+@dataclass(frozen=True)
+class Row:
+    check: str  # exactness | plan vs peak | step | longest | bandwidth
+    case: str  # what was run: the comparison, or the policy and length
+    expected: str  # what it is held to, or what the plan says
+    measured: str
+    result: str
+    correctness: bool = False  # a correctness row must pass (or be refused) for exit 0
+    detail: str = ""  # how it was measured: a line under the row
+
+    @property
+    def failed(self) -> bool:
+        return self.correctness and self.result not in (PASS, REFUSED)
+
+
+def exactness_row(check: KernelCheck) -> Row:
+    measured = "-" if check.error is None else f"error {check.error:.2e}"
+    expected = "-" if check.tolerance is None else f"error <= {check.tolerance:.2e}"
+    return Row("exactness", check.name, expected, measured, check.status, True, check.detail)
+
+
+def render(rows: list[Row]) -> str:
+    """Aligned columns, each row's detail indented under it."""
+    cells = [COLUMNS, *((r.check, r.case, r.expected, r.measured, r.result) for r in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS) - 1)]
+    lines = []
+    for cell, row in zip(cells, [None, *rows], strict=True):
+        lines.append(
+            "  ".join(c.ljust(w) for c, w in zip(cell, widths, strict=False)) + "  " + cell[-1]
+        )
+        if row is not None and row.detail:
+            lines.append(f"    {row.detail}")
+    return "\n".join(lines)

@@ -1,0 +1,260 @@
+"""bench/gpu_check.sh (python -m slurm_autosp.probe.gpu_check): fails fast where no GPU is
+visible, never leaves an earlier run's output to be read, and in its CPU self-test (tiny shapes,
+eager) runs every row's code; its parts: the kernel checks' adapter, the rewrites' exactness
+check (which must catch a broken rewrite), and the search for the longest sequence."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import oom_model
+import pytest
+import torch
+import yaml
+
+from slurm_autosp.compile import tiling
+from slurm_autosp.probe import kernels
+from slurm_autosp.probe.exactness import check_rewrites
+from slurm_autosp.probe.gpu_check import OUTPUT, one_rank
+from slurm_autosp.probe.gpu_measure import (
+    TINY_SCALE,
+    Scale,
+    Target,
+    check_config,
+    plan_row,
+    policy_rows,
+    step_row,
+)
+from slurm_autosp.probe.prediction import PlanPrediction
+from slurm_autosp.probe.search import longest_fitting
+from slurm_autosp.probe.steps import OutOfMemory, StepMeasurement
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def test_the_script_fails_fast_without_a_gpu_and_leaves_no_earlier_output(tmp_path):
+    """A rerun that fails must not leave the last run's table to be read as its own."""
+    earlier = tmp_path / OUTPUT
+    earlier.write_text('{"passed": true}')
+    proc = subprocess.run(
+        ["bash", "bench/gpu_check.sh"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("gpu_check: no GPU visible"), proc.stderr
+    assert "--device cpu --tiny --eager" in proc.stderr
+    assert not earlier.exists()
+
+
+def test_the_cpu_self_test_runs_every_row_and_its_exit_status_is_the_correctness_rows(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "slurm_autosp.probe.gpu_check", "--device", "cpu", "--tiny"]
+        + ["--eager", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads((tmp_path / OUTPUT).read_text())
+    rows = report["rows"]
+    by_check = {}
+    for row in rows:
+        by_check.setdefault(row["check"], []).append(row)
+    assert [len(by_check[c]) for c in ("plan vs peak", "step", "longest", "bandwidth")] == [
+        6,
+        6,
+        3,
+        2,
+    ], proc.stdout
+    rewrites = {r["case"]: r["result"] for r in by_check["exactness"] if r["case"] in REWRITES}
+    assert rewrites == dict.fromkeys(REWRITES, "pass"), proc.stdout
+    assert all(r["correctness"] for r in by_check["exactness"])
+    failed = [r for r in rows if r["correctness"] and r["result"] not in ("pass", "refused")]
+    assert proc.returncode == (1 if failed else 0) and report["passed"] is not failed
+    assert all(r["check"] in proc.stdout and r["case"] in proc.stdout for r in rows)
+
+
+REWRITES = (
+    "tiled MLPs vs untiled",
+    "tiled layers vs untiled (full)",
+    "offloaded vs resident activations",
+)
+
+
+def test_the_exactness_check_catches_a_tile_left_out(monkeypatch):
+    """The last tile of every tiled MLP skipped: the tiled row fails, the others still pass."""
+    honest = tiling.sequence_tiles
+    monkeypatch.setattr(
+        tiling, "sequence_tiles", lambda length, tokens: honest(length, tokens)[:-1]
+    )
+    results = {c.name: c.status for c in check_rewrites(CPU, tiny=True, compiled=False)}
+    assert results == {
+        "tiled MLPs vs untiled": "FAIL",
+        "tiled layers vs untiled (full)": "pass",
+        "offloaded vs resident activations": "pass",
+    }
+
+
+class _Result:
+    """A result as slurm_autosp.compile.kernel_check is to return them (kernels.py)."""
+
+    def __init__(self, name, passed, error=1e-3, tolerance=2e-3, detail="bf16 vs fp32"):
+        self.name, self.passed, self.error, self.tolerance, self.detail = (
+            name,
+            passed,
+            error,
+            tolerance,
+            detail,
+        )
+
+
+def _provider(monkeypatch, check_kernels):
+    module = type(sys)(kernels.PROVIDER)
+    module.check_kernels = check_kernels
+    monkeypatch.setitem(sys.modules, kernels.PROVIDER, module)
+
+
+def test_kernel_checks_are_missing_until_compile_provides_them():
+    checks = kernels.check_kernels(CPU, tiny=True)
+    assert [c.name for c in checks] == list(kernels.EXPECTED)
+    assert {c.status for c in checks} == {"missing"} and not any(c.exact for c in checks)
+
+
+def test_kernel_checks_take_the_providers_results_passed_failed_or_refused(monkeypatch):
+    """The interface slurm_autosp.compile is to implement: check_kernels(device, *, tiny)."""
+    seen = []
+
+    def check_kernels(device, *, tiny):
+        seen.append((device, tiny))
+        refused = _Result("other", None, error=None, tolerance=None, detail="no kernel on ROCm")
+        return [_Result("documents", True), _Result("window", False), refused]
+
+    _provider(monkeypatch, check_kernels)
+    checks = kernels.check_kernels(CPU, tiny=True)
+    assert seen == [(CPU, True)]
+    assert [(c.name, c.status, c.exact) for c in checks] == [
+        ("documents", "pass", True),
+        ("window", "FAIL", False),
+        ("other", "refused", None),
+    ]
+
+
+def test_a_kernel_check_that_raises_fails_every_expected_row(monkeypatch):
+    def check_kernels(device, *, tiny):
+        raise RuntimeError("no varlen kernel for this device")
+
+    _provider(monkeypatch, check_kernels)
+    checks = kernels.check_kernels(CPU, tiny=True)
+    assert [c.status for c in checks] == ["FAIL"] * len(kernels.EXPECTED)
+    assert checks[0].detail == "RuntimeError: no varlen kernel for this device"
+
+
+def _memory_of(capacity):
+    """A device that runs every length up to `capacity` tokens, recording each try."""
+    tried = []
+
+    def fits(length):
+        tried.append(length)
+        return length <= capacity
+
+    return fits, tried
+
+
+def test_the_search_doubles_to_the_first_oom_then_halves_the_gap_to_the_resolution():
+    fits, tried = _memory_of(300_000)
+    found = longest_fitting(fits, 131072, None, granule=8192, ceiling=1 << 20, resolution=0.125)
+    assert tried == [262144, 524288, 393216, 327680, 294912]
+    assert (found.longest, found.first_oom) == (294912, 327680)
+    assert found.first_oom - found.longest <= 0.125 * found.longest
+
+
+def test_the_search_halves_when_even_the_known_lengths_run_out_of_memory():
+    fits, tried = _memory_of(20_000)
+    found = longest_fitting(fits, None, 32768, granule=8192, ceiling=1 << 20, resolution=0.125)
+    assert tried == [16384, 24576] and (found.longest, found.first_oom) == (16384, 24576)
+    fits, tried = _memory_of(1000)
+    nothing = longest_fitting(fits, None, 32768, granule=8192, ceiling=1 << 20, resolution=0.125)
+    assert tried == [16384, 8192] and nothing.longest is None
+    assert nothing.describe() == "nothing fits: 8,192 tokens ran out of memory"
+
+
+def test_the_search_stops_at_its_ceiling():
+    fits, tried = _memory_of(10**9)
+    found = longest_fitting(fits, 131072, None, granule=8192, ceiling=393216, resolution=0.125)
+    assert tried == [262144, 393216] and found.first_oom is None
+    assert "the ceiling" in found.describe()
+
+
+@pytest.fixture()
+def cpu_rank():
+    """This process as a one-rank job (gloo); the environment it sets is put back after."""
+    saved = dict(os.environ)
+    try:
+        with one_rank(CPU):
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_a_policys_rows_search_on_through_out_of_memory_errors(tmp_path, cpu_rank):
+    """A model that runs out of memory above 700 tokens (oom_model.build_short, the stand-in for
+    the GPU's memory): both lengths fit, the search doubles to 1,024, runs out, and goes on
+    through a rebuilt engine to 640 fitting and 704 not."""
+    from slurm_autosp.launch.distributed import DistContext
+    from slurm_autosp.launch.placement import build_parallel
+
+    shipped = yaml.safe_load((REPO / TINY_SCALE.config).read_text())
+    shipped["model"]["builder"] = "oom_model:build_short"
+    config = tmp_path / "short.yaml"
+    config.write_text(yaml.safe_dump(shipped))
+    scale = Scale(str(config), 2, (256, 512), 2, 64, 1024, 0.125)
+    target = Target(CPU, "none", 0.0, compiled=False, out=tmp_path)
+    cfg = check_config(scale, target, "none", 256)
+    assert cfg.model.builder == "oom_model:build_short"
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=CPU)
+    rows = policy_rows(
+        scale, target, "none", ctx, build_parallel(cfg), {("none", 256): None, ("none", 512): None}
+    )
+    longest = rows[-1]
+    assert 640 <= oom_model.SHORT_FIT < 704
+    assert longest.measured == "640 tokens fit, 704 ran out of memory", longest
+    assert longest.detail == "tries: 1,024 OOM, 768 OOM, 640 fits, 704 OOM"
+    assert [r.result for r in rows[:-1]] == ["-", "measured", "-", "measured"]
+
+
+def _measured(peak_gb: float, oom: bool = False) -> StepMeasurement:
+    failure = (
+        OutOfMemory(1, "CUDA out of memory.", int(peak_gb * 1e9), int(peak_gb * 1e9), 0)
+        if oom
+        else None
+    )
+    seconds = [] if oom else [9.0, 1.0, 1.0]
+    return StepMeasurement(
+        seconds, [], None, 0, int(peak_gb * 1e9), 0, 4e14, 989.0, "H100", failure, ""
+    )
+
+
+def test_the_plan_row_on_a_gpu_holds_the_peak_to_ten_percent_and_names_the_plans_fit():
+    """The row's arithmetic, on the numbers a GPU would give (none is here)."""
+    plan = PlanPrediction("none", {}, 0.0, 0.0, subtotal=40e9, total=44e9)
+    gpu = 80e9
+    within = plan_row("none", 32768, _measured(42.0), plan, gpu)
+    assert (within.measured, within.result) == ("42.00 GB (+5.0%)", "within 10%")
+    assert within.detail.endswith("plan with margin 44.00 GB of the GPU's 80.00 GB: fits")
+    assert plan_row("none", 32768, _measured(46.0), plan, gpu).result == "off by +15.0%"
+    oom = plan_row("none", 131072, _measured(79.5, oom=True), plan, gpu)
+    assert (oom.measured, oom.result) == (">= 79.50 GB", "ran out of memory")
+    assert (
+        "plan with margin 44.00 GB of the GPU's 80.00 GB: fits; out of memory at step 1"
+        in oom.detail
+    )
+    step = step_row("none", 32768, _measured(42.0), world=1)
+    assert step.measured == "1.000 s, 32,768 tokens/s, 400 TFLOP/s, MFU 40.4%"
