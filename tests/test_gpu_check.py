@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from slurm_autosp.compile import tiling
+from slurm_autosp.compile.kernel_check import CASES
 from slurm_autosp.probe import kernels
 from slurm_autosp.probe.exactness import check_rewrites
 from slurm_autosp.probe.gpu_check import OUTPUT, one_rank
@@ -102,58 +103,31 @@ def test_the_exactness_check_catches_a_tile_left_out(monkeypatch):
     }
 
 
-class _Result:
-    """A result as slurm_autosp.compile.kernel_check is to return them (kernels.py)."""
-
-    def __init__(self, name, passed, error=1e-3, tolerance=2e-3, detail="bf16 vs fp32"):
-        self.name, self.passed, self.error, self.tolerance, self.detail = (
-            name,
-            passed,
-            error,
-            tolerance,
-            detail,
-        )
+def test_the_kernel_checks_run_compiles_document_kernel_on_this_device():
+    """On CPU the op's own kernel in bf16 against itself in fp32: every case passes, its error
+    held to the bound it is nearest."""
+    checks = kernels.check_kernels(CPU)
+    assert [c.name for c in checks] == list(CASES)
+    assert all(c.status == "pass" and 0 < c.error <= c.tolerance for c in checks), checks
+    assert "vs the CPU kernel in fp32" in checks[0].detail
 
 
-def _provider(monkeypatch, check_kernels):
-    module = type(sys)(kernels.PROVIDER)
-    module.check_kernels = check_kernels
-    monkeypatch.setitem(sys.modules, kernels.PROVIDER, module)
+def test_a_kernel_check_that_raises_fails_every_row(monkeypatch):
+    """(A kernel that errs fails its case: tests/compile/test_document_kernel.py.)"""
 
-
-def test_kernel_checks_are_missing_until_compile_provides_them():
-    checks = kernels.check_kernels(CPU, tiny=True)
-    assert [c.name for c in checks] == list(kernels.EXPECTED)
-    assert {c.status for c in checks} == {"missing"} and not any(c.exact for c in checks)
-
-
-def test_kernel_checks_take_the_providers_results_passed_failed_or_refused(monkeypatch):
-    """The interface slurm_autosp.compile is to implement: check_kernels(device, *, tiny)."""
-    seen = []
-
-    def check_kernels(device, *, tiny):
-        seen.append((device, tiny))
-        refused = _Result("other", None, error=None, tolerance=None, detail="no kernel on ROCm")
-        return [_Result("documents", True), _Result("window", False), refused]
-
-    _provider(monkeypatch, check_kernels)
-    checks = kernels.check_kernels(CPU, tiny=True)
-    assert seen == [(CPU, True)]
-    assert [(c.name, c.status, c.exact) for c in checks] == [
-        ("documents", "pass", True),
-        ("window", "FAIL", False),
-        ("other", "refused", None),
-    ]
-
-
-def test_a_kernel_check_that_raises_fails_every_expected_row(monkeypatch):
-    def check_kernels(device, *, tiny):
+    def crashes(*args, **kwargs):
         raise RuntimeError("no varlen kernel for this device")
 
-    _provider(monkeypatch, check_kernels)
-    checks = kernels.check_kernels(CPU, tiny=True)
-    assert [c.status for c in checks] == ["FAIL"] * len(kernels.EXPECTED)
+    monkeypatch.setattr(kernels, "check_document_kernel", crashes)
+    checks = kernels.check_kernels(CPU)
+    assert [c.status for c in checks] == ["FAIL"] * len(CASES)
     assert checks[0].detail == "RuntimeError: no varlen kernel for this device"
+
+
+def test_on_rocm_the_kernel_checks_are_refused_not_run(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    checks = kernels.check_kernels(torch.device("cuda"))
+    assert {c.status for c in checks} == {"refused"} and "ROCm" in checks[0].detail
 
 
 def _memory_of(capacity):

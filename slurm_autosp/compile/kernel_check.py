@@ -63,6 +63,7 @@ _CASES = (
     _Case("window within documents", documents=True, window=_WINDOW),
     _Case("window over whole rows", documents=False, window=_WINDOW),
 )
+CASES = tuple(case.name for case in _CASES)
 
 
 def _boundaries() -> tuple[torch.Tensor, int]:

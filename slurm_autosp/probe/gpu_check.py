@@ -136,7 +136,7 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
         start = time.perf_counter()
         planned = predictions(scale, target)  # before anything compiles: it resets Dynamo
         set_sp_group(parallel.sp_group)
-        checks = check_kernels(device, tiny) + check_rewrites(device, tiny, compiled=not eager)
+        checks = check_kernels(device) + check_rewrites(device, tiny, compiled=not eager)
         rows += [exactness_row(c) for c in checks]
         _section("exactness", start, rows)
         torch.compiler.reset()  # the checks' small models' graphs: no part of the policies' limits

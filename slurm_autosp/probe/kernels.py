@@ -1,43 +1,33 @@
 """The exactness of the attention kernels slurm_autosp.compile owns (packed documents, sliding
-windows) on this rank's device, behind one small interface: the probe runs it on every rank of
-the user's nodes before the long job, the GPU check on its one GPU.
-
-The checks themselves belong to slurm_autosp.compile (being written); this adapter expects
-
-    slurm_autosp.compile.kernel_check.check_kernels(device: torch.device, *, tiny: bool)
-        -> Sequence[result]
-
-each result having the attributes
-    name: str              what is compared, e.g. "packed documents vs each document alone"
-    passed: bool | None    None: refused on this device (the reason in `detail`), not run
-    error: float | None    the measured error, as the check defines it (None when refused)
-    tolerance: float | None  what `error` is held to
-    detail: str            how the error was measured, or why the check was refused
-
-It runs on this rank's device alone, without torch.distributed (every rank runs it on its own,
-before the collectives), in seconds at `tiny` shapes. Until it exists each expected check is
-reported "missing", which is not a pass.
+windows) on this rank's device: the probe runs it on every rank of the user's nodes before the
+long job, the GPU check on its one GPU. It runs on the rank's device alone, without
+torch.distributed (every rank runs it before the collectives), in seconds: two rows of 256
+tokens (compile/kernel_check.py). On ROCm the kernel is refused (jobs are refused at submit),
+so its checks are reported refused, not run.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from slurm_autosp.compile.kernel_check import (
+    CASES,
+    GRADIENT_BOUND,
+    OUTPUT_BOUND,
+    check_document_kernel,
+)
+
 log = logging.getLogger(__name__)
 
-PROVIDER = "slurm_autosp.compile.kernel_check"
-EXPECTED = ("packed documents vs each document alone", "sliding window vs the model's own mask")
-PASS, FAIL, REFUSED, MISSING = "pass", "FAIL", "refused", "missing"
+PASS, FAIL, REFUSED = "pass", "FAIL", "refused"
 
 
 @dataclass(frozen=True)
 class KernelCheck:
-    """One exactness check on one device: `status` is pass, FAIL, refused or missing."""
+    """One exactness check on one device: `status` is pass, FAIL or refused."""
 
     name: str
     status: str
@@ -47,45 +37,41 @@ class KernelCheck:
 
     @property
     def exact(self) -> bool | None:
-        """True when it passed, False when it failed or could not run, None when refused."""
+        """True when it passed, False when it failed, None when refused."""
         return None if self.status == REFUSED else self.status == PASS
 
 
-def _number(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _converted(result: Any) -> KernelCheck:
-    passed = result.passed
-    status = REFUSED if passed is None else PASS if passed else FAIL
-    return KernelCheck(
-        str(result.name),
-        status,
-        _number(result.error),
-        _number(result.tolerance),
-        str(result.detail),
-    )
-
-
-def check_kernels(device: torch.device, tiny: bool) -> list[KernelCheck]:
-    """Every kernel check the provider makes on `device`; an error inside it fails its rows."""
+def check_kernels(device: torch.device) -> list[KernelCheck]:
+    """Every document-attention case on `device` in bf16 against the CPU kernel in fp32; a
+    check that raises fails its rows, named."""
+    if device.type == "cuda" and torch.version.hip:
+        why = "the flash varlen kernel has not been tested on ROCm: jobs using it are refused at submit"
+        return [KernelCheck(case, REFUSED, None, None, why) for case in CASES]
     try:
-        provider = importlib.import_module(PROVIDER)
-    except ModuleNotFoundError as err:
-        if err.name != PROVIDER:
-            raise
-        why = f"{PROVIDER}.check_kernels does not exist yet: not checked"
-        return [KernelCheck(name, MISSING, None, None, why) for name in EXPECTED]
-    try:
-        return [_converted(r) for r in provider.check_kernels(device, tiny=tiny)]
+        results = check_document_kernel(device, torch.bfloat16)
     except Exception as err:  # noqa: BLE001 - a crashing check is a failed check, named
         log.exception("kernel exactness check failed on %s", device)
         return [
-            KernelCheck(name, FAIL, None, None, f"{type(err).__name__}: {err}") for name in EXPECTED
+            KernelCheck(case, FAIL, None, None, f"{type(err).__name__}: {err}") for case in CASES
         ]
+    checks = []
+    for r in results:
+        gradient = max(r.grad_query, r.grad_key, r.grad_value)
+        output_worse = r.output / OUTPUT_BOUND >= gradient / GRADIENT_BOUND
+        checks.append(
+            KernelCheck(
+                r.case,
+                PASS if r.passed else FAIL,
+                r.output if output_worse else gradient,
+                OUTPUT_BOUND if output_worse else GRADIENT_BOUND,
+                f"{r.dtype} on {r.device} vs the CPU kernel in fp32: output {r.output:.1e}, "
+                f"gradients q {r.grad_query:.1e} k {r.grad_key:.1e} v {r.grad_value:.1e}",
+            )
+        )
+    return checks
 
 
-_WORSE = {REFUSED: 0, PASS: 1, MISSING: 2, FAIL: 3}
+_WORSE = {REFUSED: 0, PASS: 1, FAIL: 2}
 
 
 @dataclass(frozen=True)
@@ -122,14 +108,13 @@ def summarise(by_rank: dict[int, list[KernelCheck]]) -> list[KernelSummary]:
 
 def kernels_verdict(summaries: list[KernelSummary]) -> tuple[bool | None, str]:
     """Exact (every check passed, or was refused), not exact (one failed on some rank), or
-    None: some check did not run."""
+    None: no check ran."""
     failed = [s for s in summaries if s.status == FAIL]
     if failed:
         named = ", ".join(f"{s.name} on rank(s) {s.ranks}" for s in failed)
         return False, f"kernels exact: NO ({named})"
-    missing = [s.name for s in summaries if s.status == MISSING]
-    if missing or not summaries:
-        return None, f"kernels: not checked ({', '.join(missing) or 'no check'}: see {PROVIDER})"
+    if not summaries:
+        return None, "kernels: not checked"
     refused = [s.name for s in summaries if s.status == REFUSED]
     return True, "kernels exact: yes" + (
         f" (refused here: {', '.join(refused)})" if refused else ""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan import TrainingChoices, build_plan
-from slurm_autosp.plan.memory import ZERO_BUCKET_ELEMENTS
+from slurm_autosp.plan.memory import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.plan.policies import Rung
 
 
@@ -27,7 +27,7 @@ class PlanPrediction:
     transient: float  # what one step allocates and frees: held, one logits chunk, the
     # all-to-all buffers and the recompute working set (no state, no ZeRO-1 buckets)
     subtotal: float  # every term, no margin
-    total: float  # with the plan's fragmentation margin
+    total: float  # what the allocator reserves: with the plan's fragmentation margin
 
 
 def predict_memory(cfg: JobConfig, choices: TrainingChoices) -> PlanPrediction | None:
@@ -49,7 +49,7 @@ def predict_memory(cfg: JobConfig, choices: TrainingChoices) -> PlanPrediction |
     vocab = hf_config(cfg.model).vocab_size
     logits_chunk = chunk * vocab * (b + 4 + 4)  # in the model's dtype, fp32, fp32 gradient
     one_chunk_kept = tokens * vocab * 4 if chunk == tokens else 0
-    buckets = 2 * ZERO_BUCKET_ELEMENTS * b if choices.zero_stage == 1 else 0.0
+    buckets = ZERO_BUCKET_ELEMENTS * (REDUCE_BYTES + b) if choices.zero_stage == 1 else 0.0
     held = t["activations"] + t["logits_and_loss"] - logits_chunk + one_chunk_kept
     transient = (
         t["activations"]
@@ -57,5 +57,8 @@ def predict_memory(cfg: JobConfig, choices: TrainingChoices) -> PlanPrediction |
         + t["communication"]
         - buckets
         + t["recompute_working"]
+        + t["attention_backward"]
     )
-    return PlanPrediction(memory.label, dict(t), held, transient, memory.subtotal, memory.total)
+    return PlanPrediction(
+        memory.label, dict(t), held, transient, memory.subtotal, memory.allocator_total
+    )

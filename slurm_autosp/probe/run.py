@@ -33,7 +33,7 @@ def run_probe(
     choices = training_choices(cfg)
     prediction = predict_memory(cfg, choices) if ctx.rank == 0 else None
     stop = AgreedStop(request, ctx.device)
-    kernels = check_kernels(ctx.device, tiny=True)
+    kernels = check_kernels(ctx.device)
     collectives = time_collectives(cfg, parallel, ctx.device, ctx.rank, choices.zero_stage, stop)
     steps = (
         StepMeasurement.not_run(stop.reason)
