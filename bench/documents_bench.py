@@ -71,8 +71,11 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
     compile_model(model, AutoSPBackend(SP, spec), per_layer=True, dynamic=False)
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
     plain = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP)
+    padded = seq + (-seq % SP)
     one_document = dataclasses.replace(
-        plain, cu_seqlens=torch.tensor([0, seq + (-seq % SP)], dtype=torch.int32)
+        plain,
+        cu_seqlens=torch.tensor([0, padded], dtype=torch.int32),
+        longest_document=padded,
     )
     document_ids = (torch.arange(seq) * documents // seq).unsqueeze(0)
     packed = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP, document_ids=document_ids)
