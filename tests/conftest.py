@@ -108,14 +108,16 @@ def slurm_cluster():
 @pytest.fixture(scope="module")
 def single_rank_group(tmp_path_factory):
     """A one-rank gloo process group in this process, for a module of engine-level tests.
-    DeepSpeed caches the world group it first sees: forgotten at teardown, so the next
-    module's group is the one it uses."""
+    DeepSpeed caches the world group it first sees: forgotten at setup (another module of
+    this process may have built an engine over its own group, since destroyed, e.g. the GPU
+    check's one_rank) and at teardown, so each module's engines use its group."""
     from deepspeed.utils import groups
 
     init_file = tmp_path_factory.mktemp("rendezvous") / "file"  # no port to race for
     saved = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = "0"  # DeepSpeed insists on it
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    groups._WORLD_GROUP = None
     yield
     dist.destroy_process_group()
     groups._WORLD_GROUP = None
