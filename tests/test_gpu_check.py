@@ -17,7 +17,7 @@ import yaml
 from slurm_autosp.compile import tiling
 from slurm_autosp.compile.kernel_check import CASES
 from slurm_autosp.probe import kernels
-from slurm_autosp.probe.exactness import check_rewrites
+from slurm_autosp.probe.exactness import TINY_SHAPE, check_rewrites
 from slurm_autosp.probe.gpu_check import OUTPUT, one_rank
 from slurm_autosp.probe.gpu_measure import (
     TINY_SCALE,
@@ -90,11 +90,16 @@ REWRITES = (
 
 
 def test_the_exactness_check_catches_a_tile_left_out(monkeypatch):
-    """The last tile of every tiled MLP skipped: the tiled row fails, the others still pass."""
-    honest = tiling.sequence_tiles
-    monkeypatch.setattr(
-        tiling, "sequence_tiles", lambda length, tokens: honest(length, tokens)[:-1]
-    )
+    """The last (short) tile of every tiled MLP left out, its output zero (skipping it outright
+    would leave uninitialized memory, whose error is chance): the tiled row fails, the others
+    still pass."""
+    honest = tiling._untiled
+
+    def last_tile_left_out(mlp, x):
+        out = honest(mlp, x)
+        return out * 0 if x.shape[1] < TINY_SHAPE.tile_tokens else out
+
+    monkeypatch.setattr(tiling, "_untiled", last_tile_left_out)
     results = {c.name: c.status for c in check_rewrites(CPU, tiny=True, compiled=False)}
     assert results == {
         "tiled MLPs vs untiled": "FAIL",
