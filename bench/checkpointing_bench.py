@@ -80,25 +80,25 @@ def tiny_llama_config():
 
 
 def _spec(policy: str):
-    from slurm_autosp.compile.checkpointing import CheckpointSpec
+    from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing
 
     return {
-        "none": CheckpointSpec(ActivationCheckpointing.none),
-        "torch_default": CheckpointSpec(ActivationCheckpointing.torch_default),
-        "full": CheckpointSpec(ActivationCheckpointing.full),
-        "sac": CheckpointSpec(ActivationCheckpointing.sac, budget=0.0),
-        "sac_replay_a2a": CheckpointSpec(
+        "none": ActivationCheckpointSpec(ActivationCheckpointing.none),
+        "torch_default": ActivationCheckpointSpec(ActivationCheckpointing.torch_default),
+        "full": ActivationCheckpointSpec(ActivationCheckpointing.full),
+        "sac": ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0),
+        "sac_replay_a2a": ActivationCheckpointSpec(
             ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True
         ),
-        "deepspeed": CheckpointSpec(
+        "deepspeed": ActivationCheckpointSpec(
             ActivationCheckpointing.torch_default
         ),  # untagged: DeepSpeed's splice decides
-        "deepspeed_attn_kept": CheckpointSpec(ActivationCheckpointing.torch_default),
-        "sac_replay_a2a_tiled": CheckpointSpec(
+        "deepspeed_attn_kept": ActivationCheckpointSpec(ActivationCheckpointing.torch_default),
+        "sac_replay_a2a_tiled": ActivationCheckpointSpec(
             ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True
         ),
-        "full_replay_a2a_tiled_layers": CheckpointSpec(
+        "full_replay_a2a_tiled_layers": ActivationCheckpointSpec(
             ActivationCheckpointing.full, recompute_all_to_all=True
         ),
     }[policy.removesuffix("_offloaded")]
@@ -121,7 +121,7 @@ class _KeepAttentionOnly:
         from torch._inductor.custom_graph_pass import CustomGraphPass
         from torch.utils.checkpoint import CheckpointPolicy
 
-        from slurm_autosp.compile.checkpointing import ATTENTION_OPS
+        from slurm_autosp.compile.activation_checkpointing import ATTENTION_OPS
 
         class KeepAttention(CustomGraphPass):
             def __call__(self, graph):
@@ -184,10 +184,11 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
     from saved_bytes import DecoderSavedBytes
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs
-    from slurm_autosp.compile.checkpointing import is_quadratic
-    from slurm_autosp.compile.chunked_loss import causal_lm_loss
-    from slurm_autosp.compile.offload import ActivationOffload
+    from slurm_autosp.compile import AutoSPBackend, compile_model
+    from slurm_autosp.compile.activation_checkpointing import is_quadratic
+    from slurm_autosp.sp import loss_scale, prepare_sp_inputs
+    from slurm_autosp.sp.chunked_loss import causal_lm_loss
+    from slurm_autosp.sp.offload import ActivationOffload
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -271,13 +272,13 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
 def layer_trace(policy: str, seq: int):
     import torch
 
-    from slurm_autosp.compile.checkpointing import CheckpointSpec
+    from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing
     from slurm_autosp.plan.layer_graph import forget_traces, tiled_layer_trace, trace_decoder_layer
 
     forget_traces()  # DeepSpeed's rows trace under its own min-cut
     spec, whole_layers = _spec(policy), _whole_layers(policy)
-    traced = CheckpointSpec(ActivationCheckpointing.none) if whole_layers else spec
+    traced = ActivationCheckpointSpec(ActivationCheckpointing.none) if whole_layers else spec
     with _scope(policy):
         (trace,) = trace_decoder_layer(
             tiny_llama_config(),
@@ -315,7 +316,7 @@ def rank_main(rank: int, init_file: str, seqs: list[int], steps: int, out: str) 
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
-    from slurm_autosp.compile import set_sp_group
+    from slurm_autosp.sp import set_sp_group
 
     set_sp_group(dist.group.WORLD)
     rows = []

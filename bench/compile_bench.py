@@ -94,13 +94,8 @@ def setup_ours(layers: int, input_ids, device):
     import torch
     import torch.distributed as dist
 
-    from slurm_autosp.compile import (
-        AutoSPBackend,
-        compile_model,
-        loss_scale,
-        prepare_sp_inputs,
-        set_sp_group,
-    )
+    from slurm_autosp.compile import AutoSPBackend, compile_model
+    from slurm_autosp.sp import loss_scale, prepare_sp_inputs, set_sp_group
 
     world, rank = dist.get_world_size(), dist.get_rank()
     engine = deepspeed_engine(tiny_llama(layers, device), {})
@@ -237,7 +232,7 @@ def launch(
     impl: str, layers: int, steps: int, cache_dir: Path, device: str, timeout_s: float
 ) -> dict:
     """Run one measurement on SP fresh processes; returns rank 0's result or {"error": ...}."""
-    from slurm_autosp.launch.compile_cache import use_private_compile_cache
+    from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 
     result_path = cache_dir / f"result_{impl}_{layers}_{time.monotonic_ns()}.json"
     env = {

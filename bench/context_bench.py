@@ -80,10 +80,11 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from slurm_autosp.compile import AutoSPBackend, compile_model, set_sp_group
+    from slurm_autosp.compile import AutoSPBackend, compile_model
     from slurm_autosp.compile.hf_attention import use_sp_attention
-    from slurm_autosp.compile.offload import ActivationOffload
     from slurm_autosp.model import build_model
+    from slurm_autosp.sp import set_sp_group
+    from slurm_autosp.sp.offload import ActivationOffload
 
     torch.manual_seed(0)
     model = build_model(model_config())
@@ -154,18 +155,18 @@ def run_mode(mode: str, seq: int, tile: int, steps: int) -> dict:
 
 
 def _spec(mode: str):
-    from slurm_autosp.compile.checkpointing import CheckpointSpec
+    from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing
 
     if mode.startswith("full"):
-        return CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
-    return CheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
+        return ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
+    return ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
 
 
 def plan_prediction(mode: str, seq: int, tile: int) -> dict:
     import torch
 
-    from slurm_autosp.compile.checkpointing import CheckpointSpec
+    from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing
     from slurm_autosp.plan.layer_graph import tiled_layer_trace, trace_decoder_layer
 
@@ -173,7 +174,7 @@ def plan_prediction(mode: str, seq: int, tile: int) -> dict:
     tiled = "tiled" in mode.split("_")  # not "untiled"
     whole_layers = mode.startswith("full_tiled")
     spec = _spec(mode)
-    traced = CheckpointSpec(ActivationCheckpointing.none) if whole_layers else spec
+    traced = ActivationCheckpointSpec(ActivationCheckpointing.none) if whole_layers else spec
     (trace,) = trace_decoder_layer(
         model_config(),
         local_seq=local,
@@ -262,7 +263,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     sys.path.insert(0, str(REPO))
-    from slurm_autosp.launch.compile_cache import use_private_compile_cache
+    from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 
     # the user's own TORCHINDUCTOR_CACHE_DIR, else a fresh private one
     use_private_compile_cache(tempfile.mkdtemp(prefix="context_bench_cache_"))

@@ -49,10 +49,11 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
     from saved_bytes import DecoderSavedBytes
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from slurm_autosp.compile import AutoSPBackend, compile_model, loss_scale, prepare_sp_inputs
-    from slurm_autosp.compile.checkpointing import CheckpointSpec
-    from slurm_autosp.compile.chunked_loss import causal_lm_loss
+    from slurm_autosp.compile import AutoSPBackend, compile_model
+    from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing
+    from slurm_autosp.sp import loss_scale, prepare_sp_inputs
+    from slurm_autosp.sp.chunked_loss import causal_lm_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(
@@ -67,7 +68,7 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
             use_cache=False,
         )
     )
-    spec = CheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
+    spec = ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
     compile_model(model, AutoSPBackend(SP, spec), per_layer=True, dynamic=False)
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
     plain = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP)
@@ -137,7 +138,7 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, out: str) -> 
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
-    from slurm_autosp.compile import set_sp_group
+    from slurm_autosp.sp import set_sp_group
 
     set_sp_group(dist.group.WORLD)
     rows = run_modes(args.seq, args.documents, args.steps, rank)

@@ -130,11 +130,11 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     import torch
     import torch.distributed as dist
 
+    from slurm_autosp.cluster.distributed import DistContext
+    from slurm_autosp.cluster.placement import build_parallel
     from slurm_autosp.config import load_config
     from slurm_autosp.data import build_source
-    from slurm_autosp.launch.distributed import DistContext
-    from slurm_autosp.launch.placement import build_parallel
-    from slurm_autosp.plan import checkpoint_spec_for
+    from slurm_autosp.plan import activation_checkpoint_spec_for
     from slurm_autosp.train import build_engine, compile_for_sp, optimizer_step
 
     deepspeed.utils.logger.setLevel("WARNING")
@@ -191,7 +191,7 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     engine = build_engine(cfg, device, stage)
     built = time.perf_counter()
     say(f"{type(engine).__name__} built in {built - start:.1f} s; compiling (first step)")
-    backend = compile_for_sp(engine.module, cfg, parallel, checkpoint_spec_for(cfg))
+    backend = compile_for_sp(engine.module, cfg, parallel, activation_checkpoint_spec_for(cfg))
     held: dict[str, int] = {}
     real_step = engine.step
 
@@ -303,7 +303,7 @@ def main() -> int:
     import torch
     import torch.multiprocessing as mp
 
-    from slurm_autosp.launch.compile_cache import use_private_compile_cache
+    from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 
     args.device = "cuda" if torch.cuda.device_count() >= WORLD else "cpu"
     results: dict[int, list[dict[str, Any]]] = {}

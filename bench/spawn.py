@@ -17,7 +17,7 @@ def spawn_ranks(rank_main: Callable[..., None], args: tuple, nprocs: int) -> lis
     writes its JSON result to f"{out}.{rank}"; return those results in rank order. The ranks
     compile into fresh private caches (inductor's and Triton's), so no run times another's
     cached graphs."""
-    from slurm_autosp.launch.compile_cache import use_private_compile_cache
+    from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 
     with tempfile.TemporaryDirectory() as tmp:
         use_private_compile_cache(os.path.join(tmp, "cache"), inherited={})

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.compile import IGNORE_INDEX, prepare_sp_inputs
-from slurm_autosp.compile.chunked_loss import causal_lm_loss
-from slurm_autosp.compile.inputs import SPBatch
+from slurm_autosp.cluster.layout import ParallelLayout
 from slurm_autosp.config import JobConfig
 from slurm_autosp.data import SampleSource, open_eval_source
-from slurm_autosp.launch.layout import ParallelLayout
+from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs
+from slurm_autosp.sp.chunked_loss import causal_lm_loss
+from slurm_autosp.sp.inputs import SPBatch
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter  # imported by the tracer, when it writes

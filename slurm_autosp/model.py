@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from slurm_autosp.compile.attention_pattern import unsupported_attention, windowed_attention
-from slurm_autosp.compile.chunked_loss import unsupported_logits
 from slurm_autosp.config import (
     ConfigError,
     DocumentBoundaries,
@@ -21,6 +19,8 @@ from slurm_autosp.config import (
     Precision,
     Vendor,
 )
+from slurm_autosp.sp.attention_pattern import unsupported_attention, windowed_attention
+from slurm_autosp.sp.chunked_loss import unsupported_logits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -14,10 +14,10 @@ import os
 import sys
 
 from slurm_autosp.cli import arguments, config_error, take_flag
+from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import ConfigError, JobConfig, load_config
 from slurm_autosp.data import check_token_file
-from slurm_autosp.job import LockClaim, TrainingJob
-from slurm_autosp.launch.placement import plan_layout
+from slurm_autosp.launch.job import LockClaim, TrainingJob
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
 from slurm_autosp.plan import plan_verdict
 from slurm_autosp.plan.freeze import adopt_frozen_choices, freeze_choices
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         refuse_unsupported_attention(cfg)
         check_token_file(cfg, model_vocab_size(cfg.model))
-        plan_layout(cfg)
+        layout_for(cfg)
         plan_or_adopt(cfg, restarted)
         TrainingJob(cfg, LockClaim(force=force, record_config=not restarted))()
     except ConfigError as err:

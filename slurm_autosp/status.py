@@ -14,9 +14,7 @@ from pathlib import Path
 
 import submitit
 
-from slurm_autosp.checkpoint.lock import holder_liveness, read_lock
 from slurm_autosp.checkpoint.manifest import MANIFEST, list_files, read_manifest
-from slurm_autosp.checkpoint.schedule import checkpoint_dir
 from slurm_autosp.checkpoint.store import (
     DAMAGE_NOTE,
     TRAINER_STATE,
@@ -24,11 +22,13 @@ from slurm_autosp.checkpoint.store import (
     damaged_checkpoints,
 )
 from slurm_autosp.cli import config_error, take_flag
+from slurm_autosp.cluster.scheduler import Liveness
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.executor import submitit_dir
-from slurm_autosp.launch.requeue import recorded_requeues
-from slurm_autosp.launch.scheduler import Liveness
 from slurm_autosp.launch.watch import follow
+from slurm_autosp.lifecycle.lock import holder_liveness, read_lock
+from slurm_autosp.lifecycle.requeue import recorded_requeues
+from slurm_autosp.lifecycle.save_schedule import checkpoint_dir
 
 
 def last_good_checkpoint(run_dir: Path) -> Path | None:

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from slurm_autosp.metrics.memory import MemoryTrace
+from slurm_autosp.metrics.rank_memory import MemoryTrace
 from slurm_autosp.metrics.tracer import memory_dir, tensorboard_dir
 
 MIB = 2**20

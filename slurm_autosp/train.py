@@ -12,29 +12,23 @@ import torch.distributed as dist
 
 from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.checkpoint.identity import run_settings
-from slurm_autosp.checkpoint.schedule import SaveSchedule, checkpoint_dir
-from slurm_autosp.checkpoint.signals import StopRequest
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState, damage_report
-from slurm_autosp.compile import (
-    AutoSPBackend,
-    compile_model,
-    decoder_layers,
-    prepare_sp_inputs,
-    set_sp_group,
-    tile_mlps,
-)
-from slurm_autosp.compile.checkpointing import CheckpointSpec
-from slurm_autosp.compile.chunked_loss import causal_lm_loss
-from slurm_autosp.compile.offload import ActivationOffload
+from slurm_autosp.cluster.distributed import DistContext
+from slurm_autosp.cluster.placement import Parallel
+from slurm_autosp.compile import AutoSPBackend, compile_model, decoder_layers, tile_mlps
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import JobConfig
 from slurm_autosp.data import build_source, micro_batch, prepared_tokenizer
 from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.evaluate import build_evaluator
-from slurm_autosp.launch.distributed import DistContext
-from slurm_autosp.launch.placement import Parallel
-from slurm_autosp.launch.requeue import requeue_and_exit
+from slurm_autosp.lifecycle.requeue import requeue_and_exit
+from slurm_autosp.lifecycle.save_schedule import SaveSchedule, checkpoint_dir
+from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
 from slurm_autosp.plan import training_choices
+from slurm_autosp.sp import prepare_sp_inputs, set_sp_group
+from slurm_autosp.sp.chunked_loss import causal_lm_loss
+from slurm_autosp.sp.offload import ActivationOffload
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +43,7 @@ def compile_for_sp(
     model: torch.nn.Module,
     cfg: JobConfig,
     parallel: Parallel,
-    spec: CheckpointSpec,
+    spec: ActivationCheckpointSpec,
     tile_tokens: int = 0,
     backend: AutoSPBackend | None = None,
 ) -> AutoSPBackend | None:

@@ -25,10 +25,10 @@ from slurm_autosp.checkpoint.store import (  # noqa: E402
     damaged_checkpoints,
     refuse_another_runs_checkpoint,
 )
+from slurm_autosp.cluster.placement import layout_for  # noqa: E402
 from slurm_autosp.config import ConfigError, load_config  # noqa: E402
 from slurm_autosp.data.prepared import SUMMARY  # noqa: E402
 from slurm_autosp.engine import build_engine  # noqa: E402
-from slurm_autosp.launch.placement import plan_layout  # noqa: E402
 from slurm_autosp.optim import lr_factor  # noqa: E402
 
 STAGES = {"deepspeed_zero1": 1, "fsdp2": 3}
@@ -49,7 +49,7 @@ def engine(request, single_rank_group):
 def settings(engine_name, *overrides):
     """What a job of this engine with these overrides records and resumes with."""
     cfg = job_config(STAGES[engine_name], *overrides)
-    return run_settings(cfg, plan_layout(cfg), STAGES[engine_name])
+    return run_settings(cfg, layout_for(cfg), STAGES[engine_name])
 
 
 def state(step, engine_name, world_size=1, samples_per_step=1):

@@ -19,11 +19,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from slurm_autosp.compile.inputs import IGNORE_INDEX, prepare_sp_inputs
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.data import check_token_file, micro_batch, open_tokens, read_token_file
 from slurm_autosp.data.__main__ import main
 from slurm_autosp.data.prepared import SplitFiles
+from slurm_autosp.sp.inputs import IGNORE_INDEX, prepare_sp_inputs
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

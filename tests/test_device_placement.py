@@ -10,11 +10,11 @@ import pytest
 import torch
 from device_check import names_devices
 
-from slurm_autosp.checkpoint.signals import StopRequest
+from slurm_autosp.cluster.distributed import DistContext
+from slurm_autosp.cluster.placement import build_parallel
 from slurm_autosp.config import load_config
 from slurm_autosp.data import write_token_file
-from slurm_autosp.launch.distributed import DistContext
-from slurm_autosp.launch.placement import build_parallel
+from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.train import train
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -4,13 +4,13 @@ import pytest
 from in_process import run_command
 from slurm_helpers import REPO
 
-from slurm_autosp.config import load_config
-from slurm_autosp.launch.placement import TopologyMismatch, check_detected_topology
-from slurm_autosp.launch.topology import (
+from slurm_autosp.cluster.placement import TopologyMismatch, check_detected_topology
+from slurm_autosp.cluster.topology import (
     NodeTopology,
     nvlink_domains_from_links,
     parse_nvidia_smi_topo,
 )
+from slurm_autosp.config import load_config
 from slurm_autosp.submit import main as submit_main
 
 FIXTURES = REPO / "tests" / "fixtures"

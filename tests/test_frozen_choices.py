@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import slurm_autosp.plan.choose as choose
-from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
 from slurm_autosp.plan import TrainingChoices, plan_verdict, training_choices
 from slurm_autosp.plan.freeze import FROZEN_KEYS, freeze_choices
@@ -35,7 +35,11 @@ def frozen_llama70b(tmp_path):
 def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_replanning):
     cfg, choices = frozen_llama70b(tmp_path)
     assert choices == TrainingChoices(
-        3, CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True), 0, False, False
+        3,
+        ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True),
+        0,
+        False,
+        False,
     )
     written = tmp_path / "config.yaml"
     written.write_text(to_yaml(cfg))
@@ -65,7 +69,7 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
     requeued = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
     plan_or_adopt(requeued, restarted=True)
     assert training_choices(requeued) == TrainingChoices(
-        3, CheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True, True
+        3, ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True, True
     )
 
 

@@ -15,7 +15,6 @@ import torch
 import yaml
 
 from slurm_autosp.compile import tiling
-from slurm_autosp.compile.kernel_check import CASES
 from slurm_autosp.probe import kernels
 from slurm_autosp.probe.exactness import TINY_SHAPE, check_rewrites
 from slurm_autosp.probe.gpu_check import OUTPUT, one_rank
@@ -31,6 +30,7 @@ from slurm_autosp.probe.gpu_measure import (
 from slurm_autosp.probe.prediction import PlanPrediction
 from slurm_autosp.probe.search import longest_fitting
 from slurm_autosp.probe.steps import OutOfMemory, StepMeasurement
+from slurm_autosp.sp.kernel_check import CASES
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -187,8 +187,8 @@ def test_a_policys_rows_search_on_through_out_of_memory_errors(tmp_path, cpu_ran
     """A model that runs out of memory above 700 tokens (oom_model.build_short, the stand-in for
     the GPU's memory): both lengths fit, the search doubles to 1,024, runs out, and goes on
     through a rebuilt engine to 640 fitting and 704 not."""
-    from slurm_autosp.launch.distributed import DistContext
-    from slurm_autosp.launch.placement import build_parallel
+    from slurm_autosp.cluster.distributed import DistContext
+    from slurm_autosp.cluster.placement import build_parallel
 
     shipped = yaml.safe_load((REPO / TINY_SCALE.config).read_text())
     shipped["model"]["builder"] = "oom_model:build_short"

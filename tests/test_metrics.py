@@ -16,9 +16,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from slurm_autosp.config import TraceConfig, load_config
 from slurm_autosp.metrics import StepTracer, memory_dir, tensorboard_dir
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
-from slurm_autosp.metrics.memory import MemoryReader, MemoryTimeline
 from slurm_autosp.metrics.plot import PEAK_MARK, PHASE_COLORS, render_memory_trace
 from slurm_autosp.metrics.png import encode_png
+from slurm_autosp.metrics.rank_memory import MemoryReader, MemoryTimeline
 
 MIB = 2**20
 

@@ -7,19 +7,19 @@ import re
 
 import pytest
 
-from slurm_autosp.compile.host_arena import SLAB_BYTES
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.engine.deepspeed_zero1 import deepspeed_config
 from slurm_autosp.plan import build_plan, render
 from slurm_autosp.plan.choose import choices_from_plan
 from slurm_autosp.plan.freeze import FROZEN_KEYS, freeze_choices
-from slurm_autosp.plan.memory import FRAGMENTATION, GB, HOST_USABLE
+from slurm_autosp.plan.memory_plan import FRAGMENTATION, GB, HOST_USABLE
 from slurm_autosp.plan.offload_cost import (
     ADAM_BYTES_PER_PARAMETER,
     HOST_MEMORY_GB_PER_S,
     optimizer_offload_cost,
 )
 from slurm_autosp.plan.policies import Rung, ladder
+from slurm_autosp.sp.host_arena import SLAB_BYTES
 
 # Llama-3.1-8B on one node of 8 x 80 GB with 2 TB of host memory: 4.9M tokens is past what the
 # activation-offload rungs fit (4.75M), within what optimizer offload adds (5.27M)

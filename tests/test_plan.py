@@ -9,20 +9,19 @@ import torch
 from in_process import run_command
 from slurm_helpers import REPO
 
-from slurm_autosp.compile.checkpointing import CheckpointSpec
-from slurm_autosp.compile.host_arena import SLAB_BYTES
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, load_config
 from slurm_autosp.plan import (
     AUTO_CANDIDATES,
+    activation_checkpoint_spec_for,
     build_plan,
-    checkpoint_spec_for,
     plan_verdict,
     render,
     verdict,
     zero_stage_for,
 )
 from slurm_autosp.plan.__main__ import main as plan_main
-from slurm_autosp.plan.memory import (
+from slurm_autosp.plan.memory_plan import (
     attention_backward_per_token,
     communicators,
     model_size,
@@ -30,6 +29,7 @@ from slurm_autosp.plan.memory import (
     policy_memory,
 )
 from slurm_autosp.plan.policies import Rung, ladder, spec_label, tile_tokens_for
+from slurm_autosp.sp.host_arena import SLAB_BYTES
 
 TERMS = (
     "parameters",
@@ -186,7 +186,7 @@ def test_ladder_ends_with_tiling_then_offloads_of_the_least_memory_policies():
 def test_tiling_and_offload_extend_the_longest_sequence_llama8b(llama8b_plan):
     """Each rung down the ladder trains a longer sequence than the untiled, resident rung."""
     memories = llama8b_plan.memories[3]
-    full_a2a = CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
+    full_a2a = ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
     untiled, tiled = memories[Rung(full_a2a)], memories[Rung(full_a2a, tiled=True)]
     offloaded = memories[Rung(full_a2a, tiled=True, offload=True)]
     assert (
@@ -226,7 +226,7 @@ def test_a_tiled_layers_tiles_run_beside_less_than_its_full_width_peak():
     the longest sequence fits under both (the tile branch binds at short sequences, the
     full-width one at long)."""
     plan = build_plan(load_config(["cfg=configs/llama8b_4m.yaml"]))
-    full_a2a = CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
+    full_a2a = ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
     memory = plan.memories[3][Rung(full_a2a, tiled=True)]
     t, tile = memory.trace, memory.tile_tokens
     beside = t.tile_alongside_bytes + tile * t.tile_bytes_per_token
@@ -249,7 +249,7 @@ def test_tiled_layers_reach_1m_tokens_for_llama70b_on_8_nodes():
     plan = build_plan(
         load_config(["cfg=configs/llama70b_128k.yaml", "cluster.host_memory_gb=2048"])
     )
-    full_a2a = CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
+    full_a2a = ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True)
     offloaded = plan.memories[3][Rung(full_a2a, tiled=True, offload=True)]
     assert plan.longest_seq(offloaded) >= 2**20
     local = plan.longest_seq(offloaded) // 8
@@ -341,10 +341,14 @@ def test_cpu_jobs_always_fit_without_tracing():
 
 def test_without_a_plan_auto_and_the_stage_resolve_without_tracing():
     cpu = load_config(["cfg=configs/tiny_cpu.yaml", "parallel.zero_stage=null"])
-    assert checkpoint_spec_for(cpu) == CheckpointSpec(ActivationCheckpointing.sac, budget=1.0)
+    assert activation_checkpoint_spec_for(cpu) == ActivationCheckpointSpec(
+        ActivationCheckpointing.sac, budget=1.0
+    )
     assert zero_stage_for(cpu) == 1
     builder = load_config(["cluster.gpus_per_node=8", "model.builder=pkg.mod:fn"])
-    assert checkpoint_spec_for(builder) == CheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
+    assert activation_checkpoint_spec_for(builder) == ActivationCheckpointSpec(
+        ActivationCheckpointing.sac, budget=0.0
+    )
     assert zero_stage_for(builder) == 1
     assert zero_stage_for(load_config(["cluster.gpus_per_node=8", "parallel.zero_stage=3"])) == 3
 
@@ -362,10 +366,11 @@ def _forward_rss(seqs, budgets, queue):
     from the first length on (one compile serves both lengths)."""
     import torch.distributed as dist
 
-    from slurm_autosp.compile import AutoSPBackend, compile_model, prepare_sp_inputs, set_sp_group
-    from slurm_autosp.compile.checkpointing import CheckpointSpec
-    from slurm_autosp.compile.chunked_loss import causal_lm_loss
+    from slurm_autosp.compile import AutoSPBackend, compile_model
+    from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.model import build_model
+    from slurm_autosp.sp import prepare_sp_inputs, set_sp_group
+    from slurm_autosp.sp.chunked_loss import causal_lm_loss
 
     torch.set_num_threads(1)
     torch._dynamo.config.assume_static_by_default = False
@@ -383,7 +388,9 @@ def _forward_rss(seqs, budgets, queue):
     for budget in budgets:
         torch.compiler.reset()
         model = build_model(cfg.model)
-        compile_model(model, AutoSPBackend(1, CheckpointSpec("sac", budget=budget)), per_layer=True)
+        compile_model(
+            model, AutoSPBackend(1, ActivationCheckpointSpec("sac", budget=budget)), per_layer=True
+        )
         for seq in seqs:
             batch = prepare_sp_inputs(torch.randint(1, 256, (1, seq)), sp_rank=0, sp_size=1)
             for _ in range(2):
@@ -440,7 +447,7 @@ def test_predicted_activation_memory_is_within_15_percent_of_measured_on_cpu(
             local_seq=seq,
             sp_size=1,
             dtype=torch.float32,
-            specs=[CheckpointSpec("sac", budget=budget)],
+            specs=[ActivationCheckpointSpec("sac", budget=budget)],
         )
         final_norm_and_loss = hidden * 4 + 4 + hidden * 4 + 8 + 8
         predicted = layers * trace.activation_bytes + trace.shared_bytes + final_norm_and_loss * seq

@@ -20,8 +20,8 @@ from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.plan import training_choices
 from slurm_autosp.probe.__main__ import main as probe_main
 from slurm_autosp.probe.__main__ import probe_config
+from slurm_autosp.probe.findings import RankResult, build_report, write_report
 from slurm_autosp.probe.kernels import FAIL, PASS, KernelCheck
-from slurm_autosp.probe.report import RankResult, build_report, write_report
 from slurm_autosp.probe.steps import OutOfMemory, StepMeasurement
 
 REPO = Path(__file__).resolve().parents[1]

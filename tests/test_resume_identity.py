@@ -10,10 +10,10 @@ import pytest
 from submitit.core.utils import pickle_load
 
 from slurm_autosp.checkpoint.identity import differences, is_identity, run_settings
-from slurm_autosp.checkpoint.lock import RunLock
+from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import load_config
-from slurm_autosp.launch.placement import plan_layout
-from slurm_autosp.launch.run_dir import prepare_run_dir
+from slurm_autosp.lifecycle.lock import RunLock
+from slurm_autosp.lifecycle.run_dir import prepare_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 THIS_PROCESS = RunLock(str(os.getpid()), "local", socket.gethostname())  # a live holder
@@ -71,7 +71,7 @@ def test_keys_a_resumed_run_may_change_are_not(key):
 
 def settings(*overrides):
     cfg = load_config(["cfg=configs/tiny_cpu.yaml", *overrides])
-    return run_settings(cfg, plan_layout(cfg), 1)
+    return run_settings(cfg, layout_for(cfg), 1)
 
 
 def test_settings_are_flat_json_with_what_the_run_derives():

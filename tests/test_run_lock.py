@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from in_process import run_command
 
-from slurm_autosp.checkpoint.lock import (
+from slurm_autosp.cluster.scheduler import Liveness
+from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.lifecycle.lock import (
     LOCK,
     SUBMITTING,
     RunLock,
@@ -20,9 +22,7 @@ from slurm_autosp.checkpoint.lock import (
     read_lock,
     release_lock,
 )
-from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.launch.run_dir import prepare_run_dir
-from slurm_autosp.launch.scheduler import Liveness
+from slurm_autosp.lifecycle.run_dir import prepare_run_dir
 from slurm_autosp.submit import main as submit_main
 
 HOST = socket.gethostname()

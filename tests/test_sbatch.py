@@ -9,9 +9,9 @@ import time
 import pytest
 from slurm_helpers import REPO, job_state
 
-from slurm_autosp.checkpoint.lock import RunLock, acquire_lock, read_lock
 from slurm_autosp.config import ClusterConfig, load_config
 from slurm_autosp.launch.executor import sbatch_script
+from slurm_autosp.lifecycle.lock import RunLock, acquire_lock, read_lock
 
 SCRIPT = (REPO / "sbatch" / "train.sbatch").read_text()
 

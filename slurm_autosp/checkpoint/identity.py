@@ -18,9 +18,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from slurm_autosp.cluster.layout import ParallelLayout
 from slurm_autosp.config import JobConfig
 from slurm_autosp.data import data_identity
-from slurm_autosp.launch.layout import ParallelLayout
 
 IDENTITY_PREFIXES = ("model.", "data.blend")
 IDENTITY_KEYS = frozenset(

@@ -22,7 +22,6 @@ import logging
 import os
 import random
 import shutil
-import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +43,7 @@ from slurm_autosp.checkpoint.manifest import (
     write_manifest,
 )
 from slurm_autosp.config import ConfigError
+from slurm_autosp.lifecycle.run_dir import checkpoint_dir_problem
 
 log = logging.getLogger(__name__)
 
@@ -91,31 +91,6 @@ class TrainerState:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def checkpoint_dir_problem(root: Path) -> str:
-    """Why `root` cannot hold this run's checkpoints ("" if it can): it must be a directory we
-    can write, and one other users cannot, since resuming unpickles what DeepSpeed and DCP
-    wrote there. A directory the group can write (teams share runs that way) is warned about."""
-    probe = root / f".write-probe-{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as err:
-        return f"checkpoint directory {root} is not writable ({err.strerror or err})"
-    mode = root.stat().st_mode
-    if mode & stat.S_IWOTH:
-        return (
-            f"checkpoint directory {root} is writable by every user, and resuming loads files from it; "
-            f"chmod o-w {root}"
-        )
-    if mode & stat.S_IWGRP:
-        log.warning(
-            "checkpoint directory %s is writable by its group: anyone in it can change what a resume loads",
-            root,
-        )
-    return ""
 
 
 class CheckpointStore:

@@ -4,7 +4,7 @@ Two steps, kept apart so each can change alone: `rewrite_sdpa_for_sp` edits the 
 graph (q, k, v go from [B, H, S/P, D] to [B, H/P, S, D] before attention, the output comes
 back after; attention is SDPA, or `document_attention` for packed rows), and
 `compile_with_inductor` turns the rewritten graph into code, with the activation checkpointing
-policy (`checkpointing.CheckpointSpec`) as recompute tags that the min-cut partitioner honours.
+policy (`checkpointing.ActivationCheckpointSpec`) as recompute tags that the min-cut partitioner honours.
 """
 
 import operator
@@ -17,10 +17,13 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import Argument
 
-import slurm_autosp.compile.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
-import slurm_autosp.compile.document_attention  # noqa: F401 - registers its op
+import slurm_autosp.sp.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
+import slurm_autosp.sp.document_attention  # noqa: F401 - registers its op
 from slurm_autosp.compat.torch_api import compile_fx
-from slurm_autosp.compile.checkpointing import CheckpointSpec, inductor_config_patches
+from slurm_autosp.compile.activation_checkpointing import (
+    ActivationCheckpointSpec,
+    inductor_config_patches,
+)
 from slurm_autosp.config import ActivationCheckpointing
 from slurm_autosp.heads import valid_sp_sizes
 
@@ -224,11 +227,11 @@ def rewrite_sdpa_for_sp(gm: fx.GraphModule, sp_size: int) -> int:
 def compile_with_inductor(
     gm: fx.GraphModule,
     example_inputs: Sequence[torch.Tensor],
-    checkpointing: CheckpointSpec | None = None,
+    checkpointing: ActivationCheckpointSpec | None = None,
 ) -> Callable:
     """Compile a rewritten graph to code with inductor, partitioning forward and backward under
     `checkpointing` (None: torch's default partitioner heuristics)."""
-    spec = checkpointing or CheckpointSpec(ActivationCheckpointing.torch_default)
+    spec = checkpointing or ActivationCheckpointSpec(ActivationCheckpointing.torch_default)
     compiled = compile_fx(gm, list(example_inputs), config_patches=inductor_config_patches(spec))
     assert callable(compiled)  # ahead-of-time modes return paths or weights; this one code
     return compiled
@@ -243,11 +246,13 @@ class AutoSPBackend:
     every graph this backend compiled.
     """
 
-    def __init__(self, sp_size: int, checkpointing: CheckpointSpec | None = None) -> None:
+    def __init__(self, sp_size: int, checkpointing: ActivationCheckpointSpec | None = None) -> None:
         if sp_size < 1:
             raise ValueError(f"sp_size must be >= 1, got {sp_size}")
         self.sp_size = sp_size
-        self.checkpointing = checkpointing or CheckpointSpec(ActivationCheckpointing.torch_default)
+        self.checkpointing = checkpointing or ActivationCheckpointSpec(
+            ActivationCheckpointing.torch_default
+        )
         self.sdpa_calls_rewritten = 0
 
     def __repr__(self) -> str:

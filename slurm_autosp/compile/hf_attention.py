@@ -24,15 +24,15 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from slurm_autosp.compile.all_to_all import registered_sp_size
-from slurm_autosp.compile.attention_pattern import (
+from slurm_autosp.compile.backend import AutoSPCompileError
+from slurm_autosp.sp.all_to_all import registered_sp_size
+from slurm_autosp.sp.attention_pattern import (
     check_attention_call,
     check_mask_request,
     layer_window,
     window_matters,
 )
-from slurm_autosp.compile.backend import AutoSPCompileError
-from slurm_autosp.compile.document_attention import document_attention
+from slurm_autosp.sp.document_attention import document_attention
 
 SP_ATTENTION = "slurm_autosp_sdpa"
 TILED_ATTENTION = "slurm_autosp_tiled_sdpa"  # the attention of sequence-tiled layers (tiled_layer)

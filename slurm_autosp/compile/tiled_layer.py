@@ -37,14 +37,14 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from slurm_autosp.compile.all_to_all import sp_all_to_all
-from slurm_autosp.compile.attention_pattern import check_attention_call
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.compile.backend import AutoSPBackend, AutoSPCompileError, HeadLayout
-from slurm_autosp.compile.checkpointing import CheckpointSpec
 from slurm_autosp.compile.hf_attention import SP_ATTENTION, TILED_ATTENTION
 from slurm_autosp.compile.layers import decoder_layers
 from slurm_autosp.compile.tiling import sequence_tiles
 from slurm_autosp.config import ActivationCheckpointing
+from slurm_autosp.sp.all_to_all import sp_all_to_all
+from slurm_autosp.sp.attention_pattern import check_attention_call
 
 _HEADS, _SEQ = 1, 2  # of attention's [batch, heads, sequence, head_dim] tensors
 _TOKEN_KWARGS = ("position_ids", "cache_position")  # per-token layer arguments, sliced per tile
@@ -52,7 +52,7 @@ _TOKEN_KWARGS = ("position_ids", "cache_position")  # per-token layer arguments,
 _LOSS_KWARGS = ("labels", "shift_labels", "num_items_in_batch")
 
 
-def tiles_whole_layers(spec: CheckpointSpec) -> bool:
+def tiles_whole_layers(spec: ActivationCheckpointSpec) -> bool:
     """Whether sequence tiling under `spec` tiles whole layers: under `full`, which keeps only a
     layer's input anyway; the other policies keep attention's tensors, and tile only the MLPs."""
     return spec.policy is ActivationCheckpointing.full

@@ -14,7 +14,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from slurm_autosp.compile.inputs import IGNORE_INDEX
 from slurm_autosp.config import ConfigError, DataSource, DocumentBoundaries, JobConfig
 from slurm_autosp.data.prepared import (
     TOKENIZER_DIR,
@@ -27,6 +26,7 @@ from slurm_autosp.data.prepared import (
     tokenizer_hash,
 )
 from slurm_autosp.data.token_file import read_token_file
+from slurm_autosp.sp.inputs import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from slurm_autosp.checkpoint.store import CheckpointError
-from slurm_autosp.compile.loss import loss_scale
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
+from slurm_autosp.sp.loss import loss_scale
 
 
 def deepspeed_config(cfg: JobConfig, offload_optimizer: bool) -> dict[str, Any]:

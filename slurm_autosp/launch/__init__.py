@@ -1,1 +1,2 @@
-"""Everything between the user's command and a running, correctly grouped process group."""
+"""The way into a job: the submitit executor (sbatch or local processes), what every rank
+runs, and following a job from a terminal."""

@@ -18,8 +18,8 @@ from typing import Any
 
 import submitit
 
+from slurm_autosp.cluster.scheduler import Liveness, slurm_job_liveness
 from slurm_autosp.compat import submitit_api
-from slurm_autosp.launch.scheduler import Liveness, slurm_job_liveness
 
 
 class JobFailed(RuntimeError):

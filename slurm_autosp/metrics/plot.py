@@ -7,8 +7,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from slurm_autosp.metrics.memory import MemoryTrace
 from slurm_autosp.metrics.png import Canvas, text_width
+from slurm_autosp.metrics.rank_memory import MemoryTrace
 
 PHASE_COLORS = {
     "data": (228, 228, 228),

@@ -28,15 +28,15 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 
 from slurm_autosp.config import JobConfig, Precision, to_yaml
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
-from slurm_autosp.metrics.memory import (
+from slurm_autosp.metrics.plot import memory_trace_markdown, render_memory_trace
+from slurm_autosp.metrics.png import encode_png
+from slurm_autosp.metrics.rank_memory import (
     MemoryReader,
     MemoryTimeline,
     MemoryTrace,
     dump_memory_snapshot,
     start_memory_history,
 )
-from slurm_autosp.metrics.plot import memory_trace_markdown, render_memory_trace
-from slurm_autosp.metrics.png import encode_png
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

@@ -2,14 +2,14 @@
 
 from slurm_autosp.plan.choose import (
     TrainingChoices,
+    activation_checkpoint_spec_for,
     build_plan,
-    checkpoint_spec_for,
     training_choices,
     zero_stage_for,
 )
 from slurm_autosp.plan.decision import PlanVerdict, plan_verdict
 from slurm_autosp.plan.layer_graph import LayerTrace, SavedTensor, trace_decoder_layer
-from slurm_autosp.plan.memory import MemoryPlan, ModelSize, PolicyMemory, model_size
+from slurm_autosp.plan.memory_plan import MemoryPlan, ModelSize, PolicyMemory, model_size
 from slurm_autosp.plan.policies import AUTO_CANDIDATES
 from slurm_autosp.plan.render import render
 from slurm_autosp.plan.verdict import verdict
@@ -22,7 +22,7 @@ __all__ = [
     "PlanVerdict",
     "PolicyMemory",
     "build_plan",
-    "checkpoint_spec_for",
+    "activation_checkpoint_spec_for",
     "model_size",
     "plan_verdict",
     "render",

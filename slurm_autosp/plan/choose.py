@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 from slurm_autosp.model import compute_dtype
 from slurm_autosp.plan.layer_graph import tiled_layer_trace, trace_decoder_layer
-from slurm_autosp.plan.memory import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
+from slurm_autosp.plan.memory_plan import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
 from slurm_autosp.plan.policies import (
     Rung,
-    checkpoint_candidates,
+    activation_checkpoint_candidates,
     ladder,
     policy_from_plan,
     traced_specs,
@@ -133,7 +133,7 @@ class TrainingChoices:
     """How training runs what the config may leave to the plan."""
 
     zero_stage: int
-    checkpointing: CheckpointSpec
+    checkpointing: ActivationCheckpointSpec
     tile_tokens: int  # tokens per MLP tile; 0: untiled
     offload_activations: bool
     offload_optimizer: bool
@@ -169,23 +169,23 @@ def training_choices(cfg: JobConfig) -> TrainingChoices:
         return choices_from_plan(build_plan(cfg))
     return TrainingChoices(
         zero_stage_for(cfg),
-        checkpoint_spec_for(cfg),
+        activation_checkpoint_spec_for(cfg),
         cfg.compile.tile_tokens or 0,
         bool(cfg.compile.offload_activations),
         bool(cfg.parallel.offload_optimizer),
     )
 
 
-def checkpoint_spec_for(cfg: JobConfig) -> CheckpointSpec:
+def activation_checkpoint_spec_for(cfg: JobConfig) -> ActivationCheckpointSpec:
     """The checkpointing policy training compiles with: the configured one, or, for `auto` and
     a null `sac` budget, the plan's choice. Without a plan: CPU ranks have no GPU to fit, so
     they keep everything (sac budget 1); builder models keep the least (sac budget 0)."""
     if not policy_from_plan(cfg):
-        return checkpoint_candidates(cfg)[0]
+        return activation_checkpoint_candidates(cfg)[0]
     if _has_plan(cfg):
         return build_plan(cfg).configured.spec
     budget = 1.0 if not cfg.cluster.uses_gpus else 0.0
-    return CheckpointSpec(
+    return ActivationCheckpointSpec(
         ActivationCheckpointing.sac,
         budget=budget,
         recompute_all_to_all=cfg.compile.recompute_all_to_all,

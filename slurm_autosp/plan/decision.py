@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from slurm_autosp.checkpoint.estimate import signal_delay_warning
 from slurm_autosp.config import JobConfig
+from slurm_autosp.lifecycle.save_time import signal_delay_warning
 from slurm_autosp.plan.choose import (
     TrainingChoices,
     build_plan,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from slurm_autosp.cluster.compile_cache import private_compile_cache
 from slurm_autosp.compat.torch_api import (
     FakeTensorMode,
     aot_module_simplified,
@@ -26,10 +27,9 @@ from slurm_autosp.compat.torch_api import (
     partition_fn,
     select_decomp_table,
 )
-from slurm_autosp.compile.backend import rewrite_sdpa_for_sp
-from slurm_autosp.compile.checkpointing import (
+from slurm_autosp.compile.activation_checkpointing import (
     ALL_TO_ALL,
-    CheckpointSpec,
+    ActivationCheckpointSpec,
     inductor_config_patches,
     is_attention,
     is_quadratic,
@@ -37,9 +37,9 @@ from slurm_autosp.compile.checkpointing import (
     node_flops,
     tensor_bytes,
 )
+from slurm_autosp.compile.backend import rewrite_sdpa_for_sp
 from slurm_autosp.compile.hf_attention import SP_ATTENTION
 from slurm_autosp.config import ModelConfig
-from slurm_autosp.launch.compile_cache import private_compile_cache
 from slurm_autosp.model import hf_config, hf_decoder_layer_class
 
 
@@ -56,7 +56,7 @@ class SavedTensor:
 class LayerTrace:
     """One decoder layer under one checkpointing policy at one local sequence length."""
 
-    spec: CheckpointSpec
+    spec: ActivationCheckpointSpec
     local_seq: int
     micro_batch: int
     sp_size: int = 1
@@ -209,7 +209,7 @@ def _partitioned_graphs(
     sp_size: int,
     micro_batch: int,
     dtype: torch.dtype,
-    specs: list[CheckpointSpec],
+    specs: list[ActivationCheckpointSpec],
     tiled: bool,
 ) -> tuple[list[tuple[fx.GraphModule, fx.GraphModule]], list[bool]]:
     """Trace the joint graph once; partition a copy of it under each spec."""
@@ -270,7 +270,7 @@ def trace_decoder_layer(
     *,
     local_seq: int,
     sp_size: int,
-    specs: list[CheckpointSpec],
+    specs: list[ActivationCheckpointSpec],
     micro_batch: int = 1,
     dtype: torch.dtype = torch.bfloat16,
     tiled: bool = False,
@@ -304,7 +304,7 @@ def _trace(
     model: ModelConfig,
     local_seq: int,
     sp_size: int,
-    specs: list[CheckpointSpec],
+    specs: list[ActivationCheckpointSpec],
     micro_batch: int,
     dtype: torch.dtype,
     tiled: bool,
@@ -345,7 +345,7 @@ def _trace(
 
 
 def _read_partition(
-    spec: CheckpointSpec,
+    spec: ActivationCheckpointSpec,
     forward: fx.GraphModule,
     backward: fx.GraphModule,
     is_parameter: list[bool],
@@ -408,7 +408,7 @@ def _read_partition(
 
 def tiled_layer_trace(
     model: ModelConfig,
-    spec: CheckpointSpec,
+    spec: ActivationCheckpointSpec,
     whole: LayerTrace,
     untiled: LayerTrace,
     dtype: torch.dtype,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 
@@ -26,15 +26,15 @@ TILE_BYTES = (
 class Rung:
     """One step of the memory ladder."""
 
-    spec: CheckpointSpec
+    spec: ActivationCheckpointSpec
     tiled: bool = False  # the MLP runs in sequence tiles, recomputed tile by tile
     offload: bool = False  # what backward keeps waits in host memory
     offload_optimizer: bool = False  # optimizer state in host memory, stepped there
 
 
-def _sac_candidates(recompute_all_to_all: bool) -> tuple[CheckpointSpec, ...]:
+def _sac_candidates(recompute_all_to_all: bool) -> tuple[ActivationCheckpointSpec, ...]:
     return tuple(
-        CheckpointSpec(
+        ActivationCheckpointSpec(
             ActivationCheckpointing.sac, budget=x, recompute_all_to_all=recompute_all_to_all
         )
         for x in SAC_BUDGETS
@@ -44,15 +44,15 @@ def _sac_candidates(recompute_all_to_all: bool) -> tuple[CheckpointSpec, ...]:
 # What `auto` chooses from, least recomputation first.
 AUTO_CANDIDATES = (
     *_sac_candidates(False),
-    CheckpointSpec(ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True),
-    CheckpointSpec(ActivationCheckpointing.full),
-    CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True),
+    ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True),
+    ActivationCheckpointSpec(ActivationCheckpointing.full),
+    ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True),
 )
 
 
 _LEAST_MEMORY = (
-    CheckpointSpec(ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True),
-    CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True),
+    ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True),
+    ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=True),
 )
 
 
@@ -61,7 +61,7 @@ def ladder(cfg: JobConfig) -> tuple[Rung, ...]:
     as is, then the least-memory policies tiled, tiled with activation offload, tiled with
     optimizer offload (where host memory, not the GPU, bounds activation offload), then both. `compile.tile_tokens`, `compile.offload_activations` and
     `parallel.offload_optimizer` set to a value fix that dimension for every rung."""
-    candidates = checkpoint_candidates(cfg)
+    candidates = activation_checkpoint_candidates(cfg)
     tiling, offload = cfg.compile.tile_tokens, cfg.compile.offload_activations
     optimizer = cfg.parallel.offload_optimizer
     rungs = [Rung(spec) for spec in candidates]
@@ -118,7 +118,7 @@ def policy_from_plan(cfg: JobConfig) -> bool:
     )
 
 
-def checkpoint_candidates(cfg: JobConfig) -> tuple[CheckpointSpec, ...]:
+def activation_checkpoint_candidates(cfg: JobConfig) -> tuple[ActivationCheckpointSpec, ...]:
     """The specs training may compile with, in order of preference (least recomputation
     first): auto's candidates, a null sac budget's, or the one configured."""
     c = cfg.compile
@@ -129,23 +129,27 @@ def checkpoint_candidates(cfg: JobConfig) -> tuple[CheckpointSpec, ...]:
     policy = c.activation_checkpointing
     budget = c.activation_memory_budget if policy is ActivationCheckpointing.sac else 0.0
     assert budget is not None  # a null sac budget is the plan's to choose (policy_from_plan)
-    return (CheckpointSpec(policy, budget=budget, recompute_all_to_all=c.recompute_all_to_all),)
+    return (
+        ActivationCheckpointSpec(
+            policy, budget=budget, recompute_all_to_all=c.recompute_all_to_all
+        ),
+    )
 
 
-def traced_specs(cfg: JobConfig) -> list[CheckpointSpec]:
+def traced_specs(cfg: JobConfig) -> list[ActivationCheckpointSpec]:
     """Every policy of the plan's table, the candidates included, once each."""
     a2a = cfg.compile.recompute_all_to_all
     table = [
-        CheckpointSpec(ActivationCheckpointing.none, recompute_all_to_all=a2a),
-        CheckpointSpec(ActivationCheckpointing.torch_default),
+        ActivationCheckpointSpec(ActivationCheckpointing.none, recompute_all_to_all=a2a),
+        ActivationCheckpointSpec(ActivationCheckpointing.torch_default),
         *_sac_candidates(a2a),
         *AUTO_CANDIDATES,
-        CheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=a2a),
+        ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=a2a),
     ]
-    return list(dict.fromkeys([*table, *checkpoint_candidates(cfg)]))
+    return list(dict.fromkeys([*table, *activation_checkpoint_candidates(cfg)]))
 
 
-def spec_label(spec: CheckpointSpec) -> str:
+def spec_label(spec: ActivationCheckpointSpec) -> str:
     """e.g. "sac (budget 0.5, all-to-all recomputed)"."""
     a2a = (
         "all-to-all recomputed"

@@ -26,8 +26,8 @@ from dataclasses import replace
 
 from slurm_autosp.cli import arguments, config_error, take_flag
 from slurm_autosp.config import ConfigError, JobConfig, load_config, validate
-from slurm_autosp.probe.job import ProbeJob
-from slurm_autosp.submit import submit
+from slurm_autosp.launch.submission import submit
+from slurm_autosp.probe.probe_job import ProbeJob
 
 
 def probe_config(cfg: JobConfig) -> JobConfig:

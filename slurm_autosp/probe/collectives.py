@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from slurm_autosp.cluster.placement import Parallel
 from slurm_autosp.config import JobConfig, Precision
-from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan import model_size
-from slurm_autosp.plan.memory import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
+from slurm_autosp.plan.memory_plan import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.probe.stop import AgreedStop
 from slurm_autosp.probe.timing import BUS_FACTOR, CALLS, Message, nvlink_bandwidth, time_message
 

@@ -24,18 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.compile import (
-    AutoSPBackend,
-    compile_model,
-    prepare_sp_inputs,
-    tile_layers,
-    tile_mlps,
-)
-from slurm_autosp.compile.checkpointing import CheckpointSpec
-from slurm_autosp.compile.offload import ActivationOffload
+from slurm_autosp.compile import AutoSPBackend, compile_model, tile_layers, tile_mlps
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ModelConfig
 from slurm_autosp.model import build_model
 from slurm_autosp.probe.kernels import FAIL, PASS, KernelCheck
+from slurm_autosp.sp import prepare_sp_inputs
+from slurm_autosp.sp.offload import ActivationOffload
 
 FACTOR = 2.0
 FLOOR = 1e-3
@@ -152,7 +147,7 @@ def check_rewrites(device: torch.device, tiny: bool, compiled: bool = True) -> l
         ("offloaded vs resident activations", ActivationCheckpointing.none, 0, True),
     ):
         backend = backends.setdefault(
-            policy, AutoSPBackend(1, CheckpointSpec(policy)) if compiled else None
+            policy, AutoSPBackend(1, ActivationCheckpointSpec(policy)) if compiled else None
         )
         if policy not in baselines:
             baseline = _step(_bf16(reference, device, backend, 0, policy), input_ids)

@@ -95,11 +95,10 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
     """Every row, in the table's order (the bandwidth is measured first: its processes start
     before this one holds any GPU memory)."""
     # After the GPU check: a machine without a GPU is refused in a second, not after these.
-    from slurm_autosp.compile import set_sp_group
-    from slurm_autosp.launch.compile_cache import use_private_compile_cache
-    from slurm_autosp.launch.distributed import DistContext
-    from slurm_autosp.launch.placement import build_parallel
-    from slurm_autosp.plan.memory import GB
+    from slurm_autosp.cluster.compile_cache import use_private_compile_cache
+    from slurm_autosp.cluster.distributed import DistContext
+    from slurm_autosp.cluster.placement import build_parallel
+    from slurm_autosp.plan.memory_plan import GB
     from slurm_autosp.probe.bandwidth import bandwidth_rows
     from slurm_autosp.probe.exactness import check_rewrites
     from slurm_autosp.probe.gpu_measure import (
@@ -112,6 +111,7 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
         predictions,
     )
     from slurm_autosp.probe.kernels import check_kernels
+    from slurm_autosp.sp import set_sp_group
 
     on_gpu = device.type == "cuda"
     scale = TINY_SCALE if tiny else GPU_SCALE

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
+from slurm_autosp.cluster.distributed import DistContext
+from slurm_autosp.cluster.placement import Parallel
 from slurm_autosp.config import JobConfig, load_config
-from slurm_autosp.launch.distributed import DistContext
-from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.plan import TrainingChoices, training_choices
-from slurm_autosp.plan.memory import GB
+from slurm_autosp.plan.memory_plan import GB
 from slurm_autosp.probe.gpu_rows import Row
 from slurm_autosp.probe.prediction import PlanPrediction, predict_memory
 from slurm_autosp.probe.search import Search, longest_fitting

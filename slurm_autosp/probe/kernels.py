@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.compile.kernel_check import (
+from slurm_autosp.sp.kernel_check import (
     CASES,
     GRADIENT_BOUND,
     OUTPUT_BOUND,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan import TrainingChoices, build_plan
-from slurm_autosp.plan.memory import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
+from slurm_autosp.plan.memory_plan import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.plan.policies import Rung
 
 

@@ -22,18 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
+from slurm_autosp.cluster.distributed import DistContext
+from slurm_autosp.cluster.placement import Parallel
 from slurm_autosp.compile import AutoSPBackend, decoder_layers
-from slurm_autosp.compile.offload import ActivationOffload
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.data import build_source
 from slurm_autosp.engine import build_engine
-from slurm_autosp.launch.distributed import DistContext
-from slurm_autosp.launch.placement import Parallel
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
-from slurm_autosp.metrics.memory import MemoryReader
+from slurm_autosp.metrics.rank_memory import MemoryReader
 from slurm_autosp.model import model_vocab_size
 from slurm_autosp.plan import TrainingChoices
 from slurm_autosp.probe.stop import AgreedStop
+from slurm_autosp.sp.offload import ActivationOffload
 from slurm_autosp.train import compile_for_sp, optimizer_step
 
 log = logging.getLogger(__name__)

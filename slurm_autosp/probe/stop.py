@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.checkpoint.signals import StopRequest
+from slurm_autosp.lifecycle.signals import StopRequest
 
 
 class AgreedStop:

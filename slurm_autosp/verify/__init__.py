@@ -7,7 +7,6 @@ why; command: spawning the ranks, the exit status.
 """
 
 from slurm_autosp.verify.command import main, run_verify
-from slurm_autosp.verify.documents import DocumentLayout, choose_layout, verify_layout
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -16,6 +15,7 @@ from slurm_autosp.verify.options import (
     split_arguments,
     verify_seq_len,
 )
+from slurm_autosp.verify.packed_rows import DocumentLayout, choose_layout, verify_layout
 from slurm_autosp.verify.ranks import make_batch, run_rank, shift_labels_per_shard
 from slurm_autosp.verify.report import Report, failures, format_report
 

@@ -45,16 +45,16 @@ import torch
 import torch.multiprocessing as mp
 
 from slurm_autosp.cli import arguments, config_error
+from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 from slurm_autosp.config import ConfigError, JobConfig, load_config
-from slurm_autosp.launch.compile_cache import use_private_compile_cache
 from slurm_autosp.model import refuse_unsupported_attention
-from slurm_autosp.verify.documents import verify_layout
 from slurm_autosp.verify.options import (
     VerifyOptions,
     load_options,
     split_arguments,
     verify_seq_len,
 )
+from slurm_autosp.verify.packed_rows import verify_layout
 from slurm_autosp.verify.ranks import run_rank
 from slurm_autosp.verify.report import Report, failures, format_report
 

@@ -10,23 +10,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from slurm_autosp.compile import (
-    IGNORE_INDEX,
-    AutoSPBackend,
-    compile_model,
-    loss_scale,
-    prepare_sp_inputs,
-    set_sp_group,
-)
+from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import JobConfig, ModelConfig
 from slurm_autosp.model import build_model
-from slurm_autosp.verify.documents import DocumentLayout, verify_layout
+from slurm_autosp.sp import IGNORE_INDEX, loss_scale, prepare_sp_inputs, set_sp_group
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
     shrink_model_config,
     verify_seq_len,
 )
+from slurm_autosp.verify.packed_rows import DocumentLayout, verify_layout
 from slurm_autosp.verify.report import Report
 
 

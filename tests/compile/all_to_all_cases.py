@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.compile import sp_all_to_all, sp_group_context
+from slurm_autosp.sp import sp_all_to_all, sp_group_context
 
 B, H, S, D = 2, 4, 12, 3
 

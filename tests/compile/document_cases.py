@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from sp_cases import VOCAB, step_against, tiny_model
 
-from slurm_autosp.compile import IGNORE_INDEX
+from slurm_autosp.sp import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

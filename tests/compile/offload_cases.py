@@ -26,8 +26,9 @@ from train_cases import (
     take_steps,
 )
 
-from slurm_autosp.compile import compile_model, loss_scale, set_sp_group
-from slurm_autosp.compile.offload import ActivationOffload
+from slurm_autosp.compile import compile_model
+from slurm_autosp.sp import loss_scale, set_sp_group
+from slurm_autosp.sp.offload import ActivationOffload
 from slurm_autosp.verify import make_batch
 
 LAYERS = 2  # tiny_model's default depth

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from sp_cases import backend_for, contiguous_sp_group, tiny_model
 from train_cases import _job_config, _whole_weights, take_steps
 
-from slurm_autosp.compile import compile_model, set_sp_group
+from slurm_autosp.compile import compile_model
+from slurm_autosp.sp import set_sp_group
 
 
 def _build(zero_stage: int, cfg, offload: bool):

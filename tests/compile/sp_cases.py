@@ -16,14 +16,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from slurm_autosp.compile import (
-    IGNORE_INDEX,
-    AutoSPBackend,
-    compile_model,
-    loss_scale,
-    prepare_sp_inputs,
-    set_sp_group,
-)
+from slurm_autosp.compile import AutoSPBackend, compile_model
+from slurm_autosp.sp import IGNORE_INDEX, loss_scale, prepare_sp_inputs, set_sp_group
 
 VOCAB = 256
 _backends: dict[tuple[int, bool], AutoSPBackend] = {}

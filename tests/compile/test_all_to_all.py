@@ -5,7 +5,7 @@ import torch
 from all_to_all_cases import scatter_heads_gather_sequence
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from slurm_autosp.compile import current_sp_group, set_sp_group, sp_all_to_all
+from slurm_autosp.sp import current_sp_group, set_sp_group, sp_all_to_all
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

@@ -9,17 +9,17 @@ from in_process import run_command
 from reference_run import prepared_dataset
 from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig
 
-from slurm_autosp.compile import prepare_sp_inputs
-from slurm_autosp.compile.attention_pattern import (
-    UnsupportedAttention,
-    check_attention_call,
-    check_mask_request,
-)
-from slurm_autosp.compile.chunked_loss import causal_lm_loss
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.model import refuse_unsupported_attention
 from slurm_autosp.plan.__main__ import main as plan_main
 from slurm_autosp.run import main as run_main
+from slurm_autosp.sp import prepare_sp_inputs
+from slurm_autosp.sp.attention_pattern import (
+    UnsupportedAttention,
+    check_attention_call,
+    check_mask_request,
+)
+from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.submit import main as submit_main
 from slurm_autosp.verify import main as verify_main
 

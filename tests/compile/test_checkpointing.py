@@ -11,27 +11,25 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from sp_cases import Case, contiguous_sp_group, make_batch, tiny_model
 
-from slurm_autosp.compile import (
-    AutoSPBackend,
-    compile_model,
-    loss_scale,
-    prepare_sp_inputs,
-    set_sp_group,
+from slurm_autosp.compile import AutoSPBackend, compile_model
+from slurm_autosp.compile.activation_checkpointing import (
+    ActivationCheckpointPass,
+    ActivationCheckpointSpec,
 )
-from slurm_autosp.compile.checkpointing import CheckpointPass, CheckpointSpec
-from slurm_autosp.compile.chunked_loss import chunked_cross_entropy
 from slurm_autosp.config import ActivationCheckpointing, ModelConfig
 from slurm_autosp.plan.layer_graph import trace_decoder_layer
+from slurm_autosp.sp import loss_scale, prepare_sp_inputs, set_sp_group
+from slurm_autosp.sp.chunked_loss import chunked_cross_entropy
 
 TOLERANCE = 1e-5
 SPECS = {
-    "none": CheckpointSpec(ActivationCheckpointing.none),
-    "sac_budget0": CheckpointSpec(ActivationCheckpointing.sac, budget=0.0),
-    "sac_budget0_replay_all_to_all": CheckpointSpec(
+    "none": ActivationCheckpointSpec(ActivationCheckpointing.none),
+    "sac_budget0": ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0),
+    "sac_budget0_replay_all_to_all": ActivationCheckpointSpec(
         ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True
     ),
-    "sac_budget0.5": CheckpointSpec(ActivationCheckpointing.sac, budget=0.5),
-    "full": CheckpointSpec(ActivationCheckpointing.full),
+    "sac_budget0.5": ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5),
+    "full": ActivationCheckpointSpec(ActivationCheckpointing.full),
 }
 # Each policy is one more compile of the model (~1 min on a loaded 2-core machine): the SP=2
 # equivalence test runs these; the others are covered structurally by the traces below.
@@ -115,14 +113,14 @@ def test_sac_sp2_loss_and_gradients_equal_no_checkpointing_and_save_less(pool2):
 @pytest.fixture(scope="module")
 def tiny_traces():
     specs = [
-        CheckpointSpec(ActivationCheckpointing.sac, budget=b, recompute_all_to_all=a)
+        ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=b, recompute_all_to_all=a)
         for b in (0.0, 0.5, 1.0)
         for a in (False, True)
     ]
     specs += [
-        CheckpointSpec(ActivationCheckpointing.none),
-        CheckpointSpec(ActivationCheckpointing.full),
-        CheckpointSpec(ActivationCheckpointing.torch_default),
+        ActivationCheckpointSpec(ActivationCheckpointing.none),
+        ActivationCheckpointSpec(ActivationCheckpointing.full),
+        ActivationCheckpointSpec(ActivationCheckpointing.torch_default),
     ]
     traces = trace_decoder_layer(
         ModelConfig(), local_seq=2048, sp_size=2, specs=specs, dtype=torch.float32
@@ -135,7 +133,10 @@ def test_sac_never_recomputes_attention_nor_saves_an_s_squared_tensor(tiny_trace
         assert trace.quadratic_saved == [], (spec, trace.quadratic_saved)
         if spec.policy is ActivationCheckpointing.sac:
             assert trace.recomputed_attention == 0, spec
-    assert tiny_traces[CheckpointSpec(ActivationCheckpointing.full)].recomputed_attention == 1
+    assert (
+        tiny_traces[ActivationCheckpointSpec(ActivationCheckpointing.full)].recomputed_attention
+        == 1
+    )
 
 
 def test_all_to_all_is_replayed_in_backward_only_when_configured(tiny_traces):
@@ -145,7 +146,9 @@ def test_all_to_all_is_replayed_in_backward_only_when_configured(tiny_traces):
     # replayed at budget 0: q, k, v for attention's backward, the output for o_proj's
     assert (
         tiny_traces[
-            CheckpointSpec(ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True)
+            ActivationCheckpointSpec(
+                ActivationCheckpointing.sac, budget=0.0, recompute_all_to_all=True
+            )
         ].all_to_all_backward
         == 8
     )
@@ -154,15 +157,21 @@ def test_all_to_all_is_replayed_in_backward_only_when_configured(tiny_traces):
 def test_sac_budget_orders_saved_memory_and_budget_1_recomputes_nothing(tiny_traces):
     saved = {s: t.activation_bytes for s, t in tiny_traces.items()}
     budgets = [
-        saved[CheckpointSpec(ActivationCheckpointing.sac, budget=b)] for b in (0.0, 0.5, 1.0)
+        saved[ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=b)]
+        for b in (0.0, 0.5, 1.0)
     ]
     assert budgets == sorted(budgets) and budgets[0] < budgets[-1], budgets
-    assert budgets[-1] == saved[CheckpointSpec(ActivationCheckpointing.none)]
-    assert tiny_traces[CheckpointSpec(ActivationCheckpointing.sac, budget=1.0)].recompute_flops == 0
+    assert budgets[-1] == saved[ActivationCheckpointSpec(ActivationCheckpointing.none)]
+    assert (
+        tiny_traces[
+            ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=1.0)
+        ].recompute_flops
+        == 0
+    )
 
 
 def test_policy_is_part_of_the_inductor_cache_key():
-    uuids = {CheckpointPass(spec).uuid() for spec in SPECS.values()}
+    uuids = {ActivationCheckpointPass(spec).uuid() for spec in SPECS.values()}
     assert len(uuids) == len(SPECS)
 
 

@@ -9,8 +9,8 @@ import torch
 from sp_cases import Case, sp_step
 from torch._dynamo.utils import counters
 
-import slurm_autosp.compile.all_to_all as all_to_all
-from slurm_autosp.compile.checkpointing import code_key
+import slurm_autosp.sp.all_to_all as all_to_all
+from slurm_autosp.compile.activation_checkpointing import code_key
 
 
 def compile_twice(case: Case) -> list[dict]:

@@ -12,20 +12,20 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import slurm_autosp.compile.kernel_check as kernel_check
+import slurm_autosp.sp.kernel_check as kernel_check
 from slurm_autosp.compat.torch_api import (
     FakeTensorMode,
     flash_attention_backward,
     flash_attention_forward,
 )
-from slurm_autosp.compile.document_attention import (
+from slurm_autosp.sp.document_attention import (
     DocumentAttentionError,
     document_attention,
     document_attention_backward,
     varlen_backward,
     varlen_forward,
 )
-from slurm_autosp.compile.kernel_check import (
+from slurm_autosp.sp.kernel_check import (
     GRADIENT_BOUND,
     OUTPUT_BOUND,
     check_document_kernel,

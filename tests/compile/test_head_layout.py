@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from slurm_autosp.compile import AutoSPCompileError, valid_sp_sizes
+from slurm_autosp.compile import AutoSPCompileError
 from slurm_autosp.compile.backend import HeadLayout
+from slurm_autosp.heads import valid_sp_sizes
 
 LAYOUTS = [
     (4, 4, 2),

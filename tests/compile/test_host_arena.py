@@ -4,7 +4,7 @@ it, up to twice what the memory plan counts."""
 
 import torch
 
-from slurm_autosp.compile.host_arena import HostArena
+from slurm_autosp.sp.host_arena import HostArena
 
 MiB = 1 << 20
 

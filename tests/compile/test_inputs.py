@@ -5,9 +5,10 @@ import torch
 from sp_cases import tiny_model
 from torch._dynamo.testing import CompileCounter
 
-from slurm_autosp.compile import IGNORE_INDEX, AutoSPCompileError, prepare_sp_inputs
+from slurm_autosp.compile import AutoSPCompileError
 from slurm_autosp.compile.hf_attention import use_sp_attention
 from slurm_autosp.compile.layers import decoder_layers
+from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs
 
 
 def _shards(sp_size: int, **batch):

@@ -14,7 +14,7 @@ from offload_cases import (
     sp_offload_step,
 )
 
-from slurm_autosp.compile.offload import ActivationOffload
+from slurm_autosp.sp.offload import ActivationOffload
 
 TOLERANCE = 1e-5
 EAGER_LAYERS = 4

@@ -12,11 +12,14 @@ from document_cases import PackedCase, packed_sp_step
 from test_sp_equivalence import assert_matches_reference
 
 from slurm_autosp.compat.torch_api import compile_fx
-from slurm_autosp.compile import IGNORE_INDEX, prepare_sp_inputs
-from slurm_autosp.compile.checkpointing import CheckpointPass, CheckpointSpec
-from slurm_autosp.compile.document_attention import DocumentAttentionError, document_attention
-from slurm_autosp.compile.documents import PackedRowsError
+from slurm_autosp.compile.activation_checkpointing import (
+    ActivationCheckpointPass,
+    ActivationCheckpointSpec,
+)
 from slurm_autosp.config import ActivationCheckpointing
+from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs
+from slurm_autosp.sp.document_attention import DocumentAttentionError, document_attention
+from slurm_autosp.sp.documents import PackedRowsError
 
 TOLERANCE = 1e-5
 ROWS_96 = ((10, 55, 20, 11), (1, 39, 56))  # SP=2: shards of 48; SP=4: of 24
@@ -158,7 +161,9 @@ def test_document_attention_refuses_a_longest_length_the_boundaries_do_not_give(
 def test_sac_keeps_document_attention_and_never_recomputes_it():
     """Under SAC with no budget the op's outputs are saved (tagged MUST_SAVE): the backward
     reads them, never runs the forward again; gradients equal eager ones."""
-    tags = CheckpointPass(CheckpointSpec(ActivationCheckpointing.sac, budget=0.0))
+    tags = ActivationCheckpointPass(
+        ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
+    )
     cu_seqlens = torch.tensor([0, 7, 20, 31, 40], dtype=torch.int32)
 
     def layer(query, key, value):

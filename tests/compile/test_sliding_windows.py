@@ -13,11 +13,11 @@ from sp_cases import Case, sp_step, tiny_model
 from test_packed_documents import ROWS_96
 from test_sp_equivalence import assert_matches_reference
 
-import slurm_autosp.compile.document_attention as document_module
-from slurm_autosp.compile import IGNORE_INDEX, prepare_sp_inputs
-from slurm_autosp.compile.attention_pattern import UnsupportedAttention, layer_window
-from slurm_autosp.compile.document_attention import DocumentAttentionError, document_attention
+import slurm_autosp.sp.document_attention as document_module
 from slurm_autosp.compile.hf_attention import use_sp_attention
+from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs
+from slurm_autosp.sp.attention_pattern import UnsupportedAttention, layer_window
+from slurm_autosp.sp.document_attention import DocumentAttentionError, document_attention
 
 TOLERANCE = 1e-5
 

@@ -22,11 +22,12 @@ from train_cases import (
     take_steps,
 )
 
-from slurm_autosp.compile import AutoSPBackend, compile_model, set_sp_group
-from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.compile import AutoSPBackend, compile_model
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.compile.tiled_layer import SequenceTiledLayer
 from slurm_autosp.compile.tiling import SequenceTiled
 from slurm_autosp.config import ActivationCheckpointing
+from slurm_autosp.sp import set_sp_group
 
 _full_backends: dict[tuple[int, bool], AutoSPBackend] = {}
 _sp_cases_backend_for = sp_cases.backend_for  # before _sp_step_compiles_tiled replaces it
@@ -37,7 +38,7 @@ def backend_for(sp_size: int, per_layer: bool, whole_layers: bool = False) -> Au
     layout and process of our own."""
     if not whole_layers:
         return _sp_cases_backend_for(sp_size, per_layer)
-    spec = CheckpointSpec(ActivationCheckpointing.full)
+    spec = ActivationCheckpointSpec(ActivationCheckpointing.full)
     return _full_backends.setdefault((sp_size, per_layer), AutoSPBackend(sp_size, spec))
 
 

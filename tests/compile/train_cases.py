@@ -15,17 +15,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
 
-from slurm_autosp.compile import (
-    IGNORE_INDEX,
-    compile_model,
-    loss_scale,
-    prepare_sp_inputs,
-    set_sp_group,
-)
-from slurm_autosp.compile.chunked_loss import causal_lm_loss
+from slurm_autosp.cluster.layout import ParallelLayout
+from slurm_autosp.compile import compile_model
 from slurm_autosp.data import TokenFileSource
 from slurm_autosp.evaluate import Evaluator
-from slurm_autosp.launch.layout import ParallelLayout
+from slurm_autosp.sp import IGNORE_INDEX, loss_scale, prepare_sp_inputs, set_sp_group
+from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.verify import make_batch
 
 SEQ = 127  # not divisible by 2 or 4: exercises the SP padding

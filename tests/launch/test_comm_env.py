@@ -4,11 +4,11 @@ import os
 
 import pytest
 
+from slurm_autosp.cluster.comm_env import collective_env, collective_env_settings
+from slurm_autosp.cluster.compile_cache import private_cache_dir
 from slurm_autosp.compat import torch_api
 from slurm_autosp.config import ConfigError, Fabric, Vendor, load_config
-from slurm_autosp.job import collective_env_for
-from slurm_autosp.launch.comm_env import collective_env, collective_env_settings
-from slurm_autosp.launch.compile_cache import private_cache_dir
+from slurm_autosp.launch.job import collective_env_for
 
 RUN_DIR = "/shared/runs/llama70b_128k"
 

@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from slurm_autosp.launch.distributed import (
+from slurm_autosp.cluster.distributed import (
     RENDEZVOUS_PORTS,
     init_distributed,
     rank_device_index,

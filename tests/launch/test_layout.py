@@ -6,13 +6,13 @@ import sys
 import pytest
 import torch.multiprocessing as mp
 
-from slurm_autosp.launch.layout import (
+from slurm_autosp.cluster.layout import (
     LayoutError,
     ParallelLayout,
     build_process_groups,
     derive_parallel_layout,
 )
-from slurm_autosp.launch.topology import ClusterTopology, NodeTopology, topology_from_profile
+from slurm_autosp.cluster.topology import ClusterTopology, NodeTopology, topology_from_profile
 
 # "Fast" as a count, not a clock: Python calls (profiler events) per rank, so the bound holds on
 # a loaded machine and fails for anything that grows faster than the world (measured: 3.0 per

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
+from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 from slurm_autosp.compat import torch_api
-from slurm_autosp.compile.checkpointing import CheckpointSpec
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, ModelConfig
-from slurm_autosp.launch.compile_cache import use_private_compile_cache
 from slurm_autosp.plan.layer_graph import trace_decoder_layer
 
 CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
@@ -75,7 +75,7 @@ def test_the_plans_tracing_uses_the_private_cache_and_leaves_the_environment_as_
 ):
     """Dynamo reads inductor's cache directory while the plan traces a layer; the submitting
     process's environment goes into its job (sbatch exports it), so it is restored after."""
-    model, spec = ModelConfig(), CheckpointSpec(ActivationCheckpointing.none)
+    model, spec = ModelConfig(), ActivationCheckpointSpec(ActivationCheckpointing.none)
 
     def trace(local_seq: int) -> None:
         trace_decoder_layer(

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_autosp.launch.topology import (
+from slurm_autosp.cluster.topology import (
     ClusterTopology,
     LinkMatrix,
     NodeTopology,

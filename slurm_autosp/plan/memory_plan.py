@@ -53,12 +53,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slurm_autosp.compat.torch_api import FakeTensorMode
-from slurm_autosp.compile.checkpointing import CheckpointSpec
-from slurm_autosp.compile.host_arena import SLAB_BYTES
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan.layer_graph import LayerTrace, hf_layer_classes
 from slurm_autosp.plan.policies import Rung, rung_label, tile_tokens_for
+from slurm_autosp.sp.host_arena import SLAB_BYTES
 
 GB = 1e9
 ZERO_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size and allgather_bucket_size
@@ -170,7 +170,7 @@ class PolicyMemory:
     outside: dict[str, float] = field(default_factory=dict)
 
     @property
-    def spec(self) -> CheckpointSpec:
+    def spec(self) -> ActivationCheckpointSpec:
         return self.rung.spec
 
     @property

@@ -19,8 +19,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from slurm_autosp.cluster.scheduler import Liveness, slurm_job_liveness
 from slurm_autosp.config import ConfigError
-from slurm_autosp.launch.scheduler import Liveness, slurm_job_liveness
 
 LOCK = "job.lock"
 SUBMITTING = "submit"  # the backend named by a lock a submission holds until its job is queued

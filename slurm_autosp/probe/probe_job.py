@@ -4,12 +4,12 @@ the job's stop signals as training does (without the checkpoint and the requeue)
 
 from __future__ import annotations
 
-from slurm_autosp.checkpoint.signals import StopRequest
-from slurm_autosp.job import TrainingJob
-from slurm_autosp.launch.distributed import DistContext
-from slurm_autosp.launch.placement import Parallel
-from slurm_autosp.probe.report import ProbeReport
-from slurm_autosp.probe.run import run_probe
+from slurm_autosp.cluster.distributed import DistContext
+from slurm_autosp.cluster.placement import Parallel
+from slurm_autosp.launch.job import TrainingJob
+from slurm_autosp.lifecycle.signals import StopRequest
+from slurm_autosp.probe.findings import ProbeReport
+from slurm_autosp.probe.measure import run_probe
 
 
 class ProbeJob(TrainingJob):

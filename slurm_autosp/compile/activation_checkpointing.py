@@ -3,13 +3,13 @@
 torch's min-cut partitioner splits the joint forward+backward graph into a forward that
 saves some tensors and a backward that recomputes the rest. It honours
 `node.meta["recompute"]`: MUST_SAVE bans a node from recomputation, PREFER_RECOMPUTE forces
-it to be recomputed. `CheckpointPass` writes those tags as an inductor joint-graph pass
+it to be recomputed. `ActivationCheckpointPass` writes those tags as an inductor joint-graph pass
 (`torch._inductor.config.joint_custom_post_pass`), so nothing of torch is patched, and its
 `uuid()` names the policy and the code of our ops, so inductor's and AOTAutograd's compile
 caches key on them.
 
 Policies (`compile.activation_checkpointing`; `auto` is resolved to one of them by the memory
-plan, `slurm_autosp.plan.checkpoint_spec_for`):
+plan, `slurm_autosp.plan.activation_checkpoint_spec_for`):
 - `sac`: attention (the SDPA kernels and packed rows' `document_attention`, whose outputs cost
   O(S^2) FLOPs to recompute) is always kept, never recomputed. The other forward tensors the backward depends on are kept greedily,
   dearest first, by the FLOPs it takes to recompute them (from the layer's inputs and what is
@@ -38,8 +38,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
-import slurm_autosp.compile.all_to_all as all_to_all
-import slurm_autosp.compile.document_attention as document_attention
+import slurm_autosp.sp.all_to_all as all_to_all
+import slurm_autosp.sp.document_attention as document_attention
 from slurm_autosp.compat.torch_api import (
     CustomGraphPass,
     run_and_save_rng_state,
@@ -84,9 +84,9 @@ ATTENTION_BACKWARD_OPS = frozenset(
 
 
 @dataclass(frozen=True)
-class CheckpointSpec:
+class ActivationCheckpointSpec:
     """What the partitioner is told to save; `budget` applies to `sac` only. A resolved policy:
-    `auto` is the memory plan's to turn into one of the others (plan.checkpoint_spec_for)."""
+    `auto` is the memory plan's to turn into one of the others (plan.activation_checkpoint_spec_for)."""
 
     policy: ActivationCheckpointing = ActivationCheckpointing.sac
     budget: float = 0.0  # sac: fraction of the bytes of the tensors backward depends on kept (1: none recomputed)
@@ -285,7 +285,7 @@ def _choose_kept(
     return chosen
 
 
-def tag_joint_graph(graph: fx.Graph, spec: CheckpointSpec) -> dict[str, int]:
+def tag_joint_graph(graph: fx.Graph, spec: ActivationCheckpointSpec) -> dict[str, int]:
     """Write `node.meta["recompute"]` on the forward nodes of `graph`; returns counts by decision.
 
     SAC's candidates are the forward tensors the backward depends on, directly or through a
@@ -351,11 +351,11 @@ def code_key() -> str:
     return digest.hexdigest()[:16]
 
 
-class CheckpointPass(CustomGraphPass):
+class ActivationCheckpointPass(CustomGraphPass):
     """The policy as an inductor joint-graph pass; `uuid()` keys the compile caches on it and
     on our code (`code_key`)."""
 
-    def __init__(self, spec: CheckpointSpec) -> None:
+    def __init__(self, spec: ActivationCheckpointSpec) -> None:
         self.spec = spec
         self.last_counts: dict[str, int] = {}
 
@@ -366,16 +366,16 @@ class CheckpointPass(CustomGraphPass):
         return f"slurm_autosp.checkpointing:{self.spec.key()}:{_CODE_KEY}"
 
     def __repr__(self) -> str:
-        return f"CheckpointPass({self.spec.key()})"
+        return f"ActivationCheckpointPass({self.spec.key()})"
 
 
 _CODE_KEY = code_key()
 
 
-def inductor_config_patches(spec: CheckpointSpec) -> dict[str, Any]:
+def inductor_config_patches(spec: ActivationCheckpointSpec) -> dict[str, Any]:
     """Inductor config under which `compile_fx` applies `spec`; the pass is there under
     torch_default too (it tags nothing), for its cache key."""
-    return {"joint_custom_post_pass": CheckpointPass(spec)}
+    return {"joint_custom_post_pass": ActivationCheckpointPass(spec)}
 
 
 def is_quadratic(shape: tuple[int, ...], local_seq: int, sp_size: int) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from slurm_autosp.compat.torch_api import maybe_mark_dynamic
-from slurm_autosp.compile.documents import (
+from slurm_autosp.sp.documents import (
     PackedRowsError,
     cumulative_lengths,
     first_valid_tokens,

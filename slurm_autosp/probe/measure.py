@@ -11,15 +11,15 @@ import socket
 
 import torch.distributed as dist
 
-from slurm_autosp.checkpoint.signals import StopRequest
+from slurm_autosp.cluster.distributed import DistContext
+from slurm_autosp.cluster.placement import Parallel
 from slurm_autosp.config import JobConfig
-from slurm_autosp.launch.distributed import DistContext
-from slurm_autosp.launch.placement import Parallel
+from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.plan import training_choices
 from slurm_autosp.probe.collectives import time_collectives
+from slurm_autosp.probe.findings import ProbeReport, RankResult, build_report, write_report
 from slurm_autosp.probe.kernels import check_kernels
 from slurm_autosp.probe.prediction import predict_memory
-from slurm_autosp.probe.report import ProbeReport, RankResult, build_report, write_report
 from slurm_autosp.probe.steps import StepMeasurement, measure_steps
 from slurm_autosp.probe.stop import AgreedStop
 

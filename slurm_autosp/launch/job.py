@@ -21,14 +21,14 @@ import submitit
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.checkpoint.lock import RunLock, acquire_lock, release_lock
-from slurm_autosp.checkpoint.signals import StopRequest
+from slurm_autosp.cluster.comm_env import collective_env
+from slurm_autosp.cluster.compile_cache import use_private_compile_cache, users_environment
+from slurm_autosp.cluster.distributed import DistContext, init_distributed
+from slurm_autosp.cluster.placement import Parallel, build_parallel, verify_topology
 from slurm_autosp.config import ConfigError, JobConfig, Vendor
-from slurm_autosp.launch.comm_env import collective_env
-from slurm_autosp.launch.compile_cache import use_private_compile_cache, users_environment
-from slurm_autosp.launch.distributed import DistContext, init_distributed
-from slurm_autosp.launch.placement import Parallel, build_parallel, verify_topology
-from slurm_autosp.launch.run_dir import prepare_run_dir
+from slurm_autosp.lifecycle.lock import RunLock, acquire_lock, release_lock
+from slurm_autosp.lifecycle.run_dir import prepare_run_dir
+from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.train import train
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from slurm_autosp.compile.inputs import IGNORE_INDEX
+from slurm_autosp.sp.inputs import IGNORE_INDEX
 
 LOGIT_TRANSFORMS = (
     "final_logit_softcapping",

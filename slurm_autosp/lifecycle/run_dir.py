@@ -3,12 +3,16 @@ lock, then the resolved config recorded, the earlier submissions' kept."""
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
 from pathlib import Path
 
-from slurm_autosp.checkpoint.lock import RunLock, acquire_lock
-from slurm_autosp.checkpoint.schedule import checkpoint_dir
-from slurm_autosp.checkpoint.store import checkpoint_dir_problem
 from slurm_autosp.config import ConfigError, JobConfig, to_yaml
+from slurm_autosp.lifecycle.lock import RunLock, acquire_lock
+from slurm_autosp.lifecycle.save_schedule import checkpoint_dir
+
+log = logging.getLogger(__name__)
 
 
 def prepare_run_dir(cfg: JobConfig, holder: RunLock, *, force: bool = False) -> None:
@@ -50,3 +54,28 @@ def _keep_previous_config(run_dir: Path) -> None:
             return
         except FileExistsError:
             number += 1
+
+
+def checkpoint_dir_problem(root: Path) -> str:
+    """Why `root` cannot hold this run's checkpoints ("" if it can): it must be a directory we
+    can write, and one other users cannot, since resuming unpickles what DeepSpeed and DCP
+    wrote there. A directory the group can write (teams share runs that way) is warned about."""
+    probe = root / f".write-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        return f"checkpoint directory {root} is not writable ({err.strerror or err})"
+    mode = root.stat().st_mode
+    if mode & stat.S_IWOTH:
+        return (
+            f"checkpoint directory {root} is writable by every user, and resuming loads files from it; "
+            f"chmod o-w {root}"
+        )
+    if mode & stat.S_IWGRP:
+        log.warning(
+            "checkpoint directory %s is writable by its group: anyone in it can change what a resume loads",
+            root,
+        )
+    return ""

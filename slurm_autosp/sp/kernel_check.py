@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.compile.document_attention import document_attention
+from slurm_autosp.sp.document_attention import document_attention
 
 OUTPUT_BOUND = 2e-2
 GRADIENT_BOUND = 4e-2

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+from slurm_autosp.cluster.topology import ClusterTopology
 from slurm_autosp.heads import choices_text, divisors
-from slurm_autosp.launch.topology import ClusterTopology
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -13,9 +13,9 @@ import stat
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+from slurm_autosp.cluster.comm_env import compile_cache_settings
 from slurm_autosp.compat import torch_api
 from slurm_autosp.config import ConfigError
-from slurm_autosp.launch.comm_env import compile_cache_settings
 
 CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.compile.host_arena import ArenaSession, HostArena
+from slurm_autosp.sp.host_arena import ArenaSession, HostArena
 
 
 @dataclass

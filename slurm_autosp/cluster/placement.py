@@ -14,14 +14,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig, Vendor
-from slurm_autosp.launch.layout import (
+from slurm_autosp.cluster.layout import (
     LayoutError,
     ParallelLayout,
     build_process_groups,
     derive_parallel_layout,
 )
-from slurm_autosp.launch.topology import (
+from slurm_autosp.cluster.topology import (
     ClusterTopology,
     NodeTopology,
     TopologyError,
@@ -29,6 +28,7 @@ from slurm_autosp.launch.topology import (
     detect_node_topology,
     topology_from_profile,
 )
+from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig, Vendor
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def expected_topology(c: ClusterConfig) -> ClusterTopology:
     return ClusterTopology(tuple(node(n) for n in range(c.nodes)))
 
 
-def plan_layout(cfg: JobConfig) -> ParallelLayout:
+def layout_for(cfg: JobConfig) -> ParallelLayout:
     """The layout this config gets, or a ConfigError naming the keys to change."""
     try:
         topology = expected_topology(cfg.cluster)
@@ -110,7 +110,7 @@ class Parallel:
 
 
 def build_parallel(cfg: JobConfig) -> Parallel:
-    layout = plan_layout(cfg)
+    layout = layout_for(cfg)
     if layout.cross_domain:
         log.warning(
             "parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)"

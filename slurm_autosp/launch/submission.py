@@ -1,0 +1,100 @@
+"""Submitting a checked config: the dry run's description, or the run taken for the job, the
+job queued (sbatch or local processes) and the run's lock handed to it, then followed or not.
+What the submit command does after loading a config, and what the probe does with its own."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from slurm_autosp.checkpoint.identity import run_settings
+from slurm_autosp.checkpoint.store import refuse_another_runs_checkpoint
+from slurm_autosp.cli import config_error
+from slurm_autosp.cluster.layout import ParallelLayout
+from slurm_autosp.cluster.placement import layout_for
+from slurm_autosp.config import Backend, ConfigError, JobConfig, to_yaml
+from slurm_autosp.data import check_token_file
+from slurm_autosp.launch.executor import (
+    build_executor,
+    resolve_backend,
+    sbatch_script,
+    submitit_dir,
+)
+from slurm_autosp.launch.job import LockClaim, TrainingJob, collective_env_for
+from slurm_autosp.launch.watch import follow, next_steps
+from slurm_autosp.lifecycle.lock import SUBMITTING, RunLock, acquire_lock, release_lock
+from slurm_autosp.lifecycle.run_dir import prepare_run_dir
+from slurm_autosp.lifecycle.save_schedule import checkpoint_dir
+from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
+from slurm_autosp.plan import plan_verdict
+from slurm_autosp.plan.freeze import freeze_choices
+
+
+def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -> str:
+    """What would run, where and how: the script, the config, the layout and the environment;
+    it needs no Slurm, so a cluster job can be planned anywhere."""
+    c = cfg.cluster
+    env = collective_env_for(cfg, inherited={})
+    if backend is Backend.slurm:
+        launch = "# sbatch script (submitit would submit exactly this)\n" + sbatch_script(cfg)
+    else:
+        launch = (
+            f"# local: {c.world_size} processes on this machine through submitit's local executor"
+        )
+    return "\n".join(
+        [
+            launch,
+            "# resolved config",
+            to_yaml(cfg).rstrip(),
+            "# parallel layout",
+            repr(layout),
+            "# environment set on every rank before torch.distributed starts",
+            *(f"{k}={v}" for k, v in sorted(env.items())),
+            f"# dry run: nothing submitted ({c.world_size} ranks, backend {backend.value})",
+        ]
+    )
+
+
+def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJob) -> int:
+    """Check, plan and submit a loaded config: what `main` does after loading it, and what the
+    probe does with its own config (an object, so no value is re-read as text)."""
+    submission = RunLock(str(os.getpid()), SUBMITTING, socket.gethostname())
+    try:
+        refuse_unsupported_attention(cfg)
+        check_token_file(cfg, model_vocab_size(cfg.model))
+        layout = layout_for(cfg)
+        backend = resolve_backend(cfg.cluster.backend)
+        plan = plan_verdict(cfg)
+        freeze_choices(cfg, plan.choices)
+        refuse_another_runs_checkpoint(
+            checkpoint_dir(cfg.run.dir), run_settings(cfg, layout, plan.choices.zero_stage)
+        )
+        if cfg.dry_run:
+            print(describe_dry_run(cfg, backend, layout))
+            print(plan.text)
+            return 0
+        executor = build_executor(cfg, backend)
+        if not plan.fits:
+            raise ConfigError(f"{plan.reason}\n{plan.text}")
+        prepare_run_dir(cfg, submission, force=force)
+    except ConfigError as err:
+        return config_error(err)
+    try:
+        job = executor.submit(job_type(cfg, LockClaim(handed_over_by=submission)))
+    except BaseException:
+        release_lock(cfg.run.dir, submission)
+        raise
+    acquire_lock(  # the lock now names the job, which holds it from its start
+        cfg.run.dir,
+        RunLock(job.job_id, executor.cluster, submission.host),
+        handed_over_by=submission,
+    )
+    print(
+        f"submitted job {job.job_id} ({executor.cluster}, {cfg.cluster.world_size} ranks, {layout!r}); "
+        f"run directory {cfg.run.dir}; per-rank logs in {submitit_dir(cfg.run.dir)}",
+        flush=True,
+    )
+    if cfg.follow is False or (cfg.follow is None and backend is Backend.slurm):
+        print(next_steps(job, cfg.run.dir))
+        return 0
+    return follow(job, cfg.run.dir)
