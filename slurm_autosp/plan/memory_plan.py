@@ -43,7 +43,7 @@ partition on the host; under ZeRO-3 (FSDP2's CPUOffloadPolicy) the fp32 paramete
 shards and Adam's moments, the gathered weights staying on the GPU. Host memory per node (80%
 of `cluster.host_memory_gb` usable) holds offloaded activations and optimizer state together;
 offloaded activations take their exact bytes plus one slab of the offload's host arena
-(compile/host_arena.py: 64 MiB) per rank.
+(sp/host_arena.py: 64 MiB) per rank.
 Per-token terms (activations, logits, communication buffers, working buffers) are linear in
 the local sequence length, so the longest sequence that fits is solved from one trace.
 """

@@ -2,7 +2,7 @@
 windows) on this rank's device: the probe runs it on every rank of the user's nodes before the
 long job, the GPU check on its one GPU. It runs on the rank's device alone, without
 torch.distributed (every rank runs it before the collectives), in seconds: two rows of 256
-tokens (compile/kernel_check.py). On ROCm the kernel is refused (jobs are refused at submit),
+tokens (sp/kernel_check.py). On ROCm the kernel is refused (jobs are refused at submit),
 so its checks are reported refused, not run.
 """
 

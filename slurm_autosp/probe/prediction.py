@@ -4,7 +4,7 @@ memory can be measured.
 The plan is built for CPU ranks too: it has no GPU to fit them to (submit does not plan them),
 but its terms come from the traced layer at the configured width and sequence, so what the
 forward keeps for backward is predicted on every device. The split of `logits_and_loss` and
-`communication` into their parts follows `policy_memory` in plan/memory.py.
+`communication` into their parts follows `policy_memory` in plan/memory_plan.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The job's stop request (SLURM's pre-timeout USR2, SIGTERM from scancel, `timeout` or a
 preemption) as the probe acts on it: between two measurements, every rank at the same one.
 
-The signal handler only records the request (checkpoint/signals.py); here all ranks agree on it
+The signal handler only records the request (lifecycle/signals.py); here all ranks agree on it
 with one small all-reduce, the way training agrees at a step boundary, so that they stop
 before the same measurement and still meet in the gather that writes what was measured.
 A probe is never requeued: it has no checkpoint, and its numbers so far are its result.
