@@ -42,6 +42,7 @@ from slurm_autosp.compile import AutoSPCompileError, decoder_layers
 from slurm_autosp.config import ConfigError, JobConfig
 from slurm_autosp.model import compute_dtype
 from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
+from slurm_autosp.sp import loss_scale
 
 SCHEDULE_FILE = "schedule.pt"
 
@@ -81,8 +82,7 @@ class FSDP2Engine:
         self.optimizer = build_optimizer(model, cfg.train, fused=offload_optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
         self._train = cfg.train
-        # FSDP2 divides the reduce-scattered gradient by its mesh size and sums micro-batches
-        self.loss_scale = float(world)
+        self.loss_scale = loss_scale(world, cfg.train.grad_accum, averages_micro_batches=False)
         self._grad_accum = cfg.train.grad_accum
         self._max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         self._micro_steps = 0  # saves happen at step boundaries, where this is 0 mod grad_accum
