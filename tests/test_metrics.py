@@ -1,24 +1,23 @@
-"""The trace components in one process: PNG encoding, FLOP accounting, CPU memory timelines,
-and a StepTracer driving a small model through traced and untraced steps (1-rank gloo group)."""
+"""The trace components in one process: FLOP accounting, CPU memory timelines, the memory
+trace's figure, and a StepTracer driving a small model through traced and untraced steps (1-rank gloo group)."""
 
+import io
 import json
-import struct
 import threading
 import time
-import zlib
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from matplotlib.colors import to_hex
+from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.config import TraceConfig, load_config
 from slurm_autosp.metrics import StepTracer, memory_dir, tensorboard_dir
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
-from slurm_autosp.metrics.plot import PEAK_MARK, PHASE_COLORS, render_memory_trace
-from slurm_autosp.metrics.png import encode_png
-from slurm_autosp.metrics.rank_memory import MemoryReader, MemoryTimeline
+from slurm_autosp.metrics.plot import PEAK, PEAK_MARK, PHASE_COLORS, memory_trace_figure
+from slurm_autosp.metrics.rank_memory import MemoryReader, MemoryTimeline, MemoryTrace
 
 MIB = 2**20
 
@@ -38,29 +37,6 @@ def tiny_llama(layers=2):
         use_cache=False,
     )
     return LlamaForCausalLM(config)
-
-
-def decode_png(data):
-    """Our own reading of the bytes, chunk by chunk, as a PNG decoder would."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(kind + body), kind
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + length
-    width, height, depth, color, *_ = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
-    assert (depth, color) == (8, 2) and b"IEND" in chunks
-    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(height, 1 + 3 * width)
-    assert (rows[:, 0] == 0).all()  # filter type 0 on every row
-    return rows[:, 1:].reshape(height, width, 3)
-
-
-def test_png_encoder_round_trips_pixels():
-    pixels = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)
-    assert np.array_equal(decode_png(encode_png(pixels)), pixels)
 
 
 def test_flop_count_is_six_n_per_token_plus_causal_attention():
@@ -148,19 +124,36 @@ def test_gpu_memory_is_read_from_the_allocators_nested_counters(monkeypatch):
     assert MemoryReader(torch.device("cuda", 0)).read() == expected == (3 * MIB, 5 * MIB, 7 * MIB)
 
 
-def test_memory_trace_image_shades_phases_and_marks_the_peak():
-    timeline = MemoryTimeline(
-        MemoryReader(torch.device("cpu")), rank=3, step=7, interval_s=0, model=None
+def test_memory_trace_figure_shades_phases_and_marks_the_peak():
+    phases = [
+        ("data", 0.0, 0.002),
+        ("forward", 0.002, 0.010),
+        ("backward", 0.010, 0.020),
+        ("optimizer", 0.020, 0.024),
+    ]
+    times = [0.001, 0.002, 0.006, 0.010, 0.015, 0.020, 0.024]
+    current = [m * MIB for m in (100, 100, 140, 180, 150, 120, 120)]
+    peak = current[:4] + [230 * MIB] + current[5:]  # freed before the sample at 15 ms
+    trace = MemoryTrace(3, 7, "rss", "test", times, current, peak, phases=phases)
+    (ax,) = memory_trace_figure(trace, role="worst_rank").axes
+
+    spans = sorted(
+        (p.get_x(), p.get_x() + p.get_width(), to_hex(p.get_facecolor())) for p in ax.patches
     )
-    timeline.start()
-    for phase in ("data", "forward", "backward", "optimizer"):
-        timeline.phase_start(phase)
-        block = torch.ones(8 * MIB // 4) if phase == "backward" else None
-        del block
-        timeline.phase_end(phase)
-    pixels = render_memory_trace(timeline.stop())
-    colors = {tuple(c) for c in pixels.reshape(-1, 3)}
-    assert {tuple(c) for c in PHASE_COLORS.values()} <= colors and PEAK_MARK in colors
+    assert [color for *_, color in spans] == [PHASE_COLORS[name] for name, *_ in phases]
+    assert [x for *xs, _ in spans for x in xs] == pytest.approx(
+        [1e3 * t for _, *ts in phases for t in ts]
+    )
+    marks = [line for line in ax.lines if to_hex(line.get_color()) == PEAK_MARK]
+    # the vertical line (two points) and the square on the peak, all at 15 ms
+    assert [float(x) for line in marks for x in line.get_xdata()] == pytest.approx([15.0] * 3)
+    (square,) = [line for line in marks if line.get_marker() == "s"]
+    assert list(square.get_ydata()) == [230]
+    assert "230.0 MiB" in [text.get_text() for text in ax.texts]
+    (between,) = [c for c in ax.collections if to_hex(c.get_color()[0]) == PEAK]
+    assert [seg.tolist() for seg in between.get_segments()] == [[[15.0, 150.0], [15.0, 230.0]]]
+    assert ax.get_title(loc="left") == "rank 3 (worst_rank), step 7: peak 230.0 MiB rss in backward"
+    assert "ms" in ax.get_xlabel() and "MiB" in ax.get_ylabel()
 
 
 @pytest.fixture(scope="module")
@@ -225,11 +218,14 @@ def test_step_tracer_writes_scalars_and_traces_only_traced_steps(tmp_path, one_r
     assert "throughput/mfu_pct" not in tags["scalars"]  # CPU: no peak FLOP/s
     assert {"memory_trace/rank_0", "memory_trace/worst_rank"} <= set(tags["images"])
     assert [e.step for e in events.Images("memory_trace/rank_0")] == [2]
-    assert decode_png(events.Images("memory_trace/rank_0")[0].encoded_image_string).shape[2] == 3
+    (image,) = events.Images("memory_trace/rank_0")
+    pixels = imread(io.BytesIO(image.encoded_image_string), format="png")
+    assert pixels.shape == (image.height, image.width, 3) == (380, 960, 3)
     assert sorted(p.name for p in memory_dir(cfg.run.dir).iterdir()) == [
         "step_00000002.json",
         "step_00000002_rank0.png",
     ]
+    assert imread(memory_dir(cfg.run.dir) / "step_00000002_rank0.png").shape[:2] == (380, 960)
 
 
 def test_traced_step_leaves_compiled_layers_alone(tmp_path, one_rank_group):

@@ -3,113 +3,79 @@ marked) and a short markdown text (the peak, where it happened, each phase's num
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.layout_engine import ConstrainedLayoutEngine
 
-from slurm_autosp.metrics.png import Canvas, text_width
 from slurm_autosp.metrics.rank_memory import MemoryTrace
 
 PHASE_COLORS = {
-    "data": (228, 228, 228),
-    "forward": (214, 232, 250),
-    "backward": (253, 226, 200),
-    "optimizer": (214, 240, 212),
+    "data": "#e4e4e4",
+    "forward": "#d6e8fa",
+    "backward": "#fde2c8",
+    "optimizer": "#d6f0d4",
 }
-CURRENT = (31, 78, 160)
-PEAK = (230, 120, 40)
-PEAK_MARK = (200, 20, 20)
-AXIS = (90, 90, 90)
+OTHER_PHASE = "#f0f0f0"
+CURRENT = "#1f4ea0"
+PEAK = "#e67828"
+PEAK_MARK = "#c81414"
 MIB = 2**20
 
-# One time or byte count, or an array of them: the chart maps both to pixels the same way.
-ScalarOrArray = TypeVar("ScalarOrArray", float, np.ndarray)
 
-
-def render_memory_trace(
-    trace: MemoryTrace, role: str = "", width: int = 960, height: int = 380
-) -> np.ndarray:
-    """The trace as an [H, W, 3] uint8 image."""
-    canvas = Canvas(width, height)
-    left, right, top, bottom = 84, width - 16, 44, height - 58
-    end = max(trace.times[-1] if trace.times else 0.0, 1e-6)
+def memory_trace_figure(trace: MemoryTrace, role: str = "") -> Figure:
+    """The trace as a 960 x 380 pixel figure on its own Agg canvas: no pyplot, so nothing is
+    shared between calls or threads, and the caller may save or log it as it likes."""
+    layout = ConstrainedLayoutEngine()
+    figure = Figure(figsize=(9.6, 3.8), dpi=100, layout=layout)
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    times = np.asarray(trace.times) * 1e3
+    current = np.asarray(trace.current, float) / MIB
+    peak = np.asarray(trace.peak, float) / MIB
+    named: set[str] = set()
+    for name, start, stop in trace.phases:
+        ax.axvspan(
+            start * 1e3,
+            stop * 1e3,
+            color=PHASE_COLORS.get(name, OTHER_PHASE),
+            linewidth=0,
+            label=None if name in named else name,
+        )
+        named.add(name)
+    above = peak > current  # an interval's peak above where it ends, drawn where the interval ends
+    ax.vlines(times[above], current[above], peak[above], color=PEAK, label="peak between samples")
+    ax.plot(times, current, color=CURRENT, linewidth=1.5, label=f"{trace.measure} at samples")
+    where = ", no samples"
+    if trace.times:
+        i = trace.peak_index
+        ax.axvline(times[i], color=PEAK_MARK, linewidth=1)
+        ax.plot(times[i], peak[i], "s", color=PEAK_MARK, label="step peak")
+        ax.annotate(
+            f"{peak[i]:.1f} MiB",
+            (times[i], peak[i]),
+            xytext=(6, -4),
+            textcoords="offset points",
+            va="top",
+            color=PEAK_MARK,
+        )
+        where = f" in {trace.phase_at(trace.times[i])[0]}"
     low = min(trace.current, default=0) / MIB
     high = max(trace.peak_bytes, max(trace.current, default=0)) / MIB
     pad = max((high - low) * 0.08, 0.5)
-    low, high = max(low - pad, 0.0), high + pad
-
-    def x(t: ScalarOrArray) -> ScalarOrArray:
-        return left + (right - left) * t / end
-
-    def y(nbytes: ScalarOrArray) -> ScalarOrArray:
-        return bottom - (bottom - top) * (nbytes / MIB - low) / (high - low)
-
-    for name, start, stop in trace.phases:
-        canvas.fill(
-            int(x(start)),
-            top,
-            max(int(x(stop)), int(x(start)) + 1),
-            bottom,
-            PHASE_COLORS.get(name, (240, 240, 240)),
-        )
-    for name, start, stop in trace.phases:
-        label = (
-            name
-            if text_width(name) < x(stop) - x(start) - 4
-            else name[0]
-            if x(stop) - x(start) > 12
-            else ""
-        )
-        canvas.text(int(x(start)) + 3, top + 4, label, AXIS)
-
-    canvas.line(left, top, left, bottom, AXIS)
-    canvas.line(left, bottom, right, bottom, AXIS)
-    decimals = 0 if high - low >= 20 else 1 if high - low >= 2 else 2
-    for frac in (0.0, 0.5, 1.0):
-        value = low + (high - low) * frac
-        ty = int(bottom - (bottom - top) * frac)
-        canvas.line(left - 4, ty, left, ty, AXIS)
-        canvas.text(4, ty - 5, f"{value:.{decimals}f}", AXIS)
-    canvas.text(4, top - 22, "MIB", AXIS)
-    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
-        tx = int(left + (right - left) * frac)
-        canvas.line(tx, bottom, tx, bottom + 4, AXIS)
-        label = f"{end * frac * 1e3:.0f}"
-        canvas.text(tx - text_width(label) // 2, bottom + 8, label, AXIS)
-    canvas.text(right - text_width("MS"), bottom + 22, "MS", AXIS)
-
-    xs, cur, pk = (
-        x(np.asarray(trace.times)),
-        y(np.asarray(trace.current, float)),
-        y(np.asarray(trace.peak, float)),
+    ax.set_ylim(max(low - pad, 0.0), high + pad)
+    ax.set_xlim(0, max(times[-1] if trace.times else 0.0, 1e-3))
+    ax.set_xlabel("ms since step start")
+    ax.set_ylabel(f"MiB {trace.measure}")
+    ax.set_title(
+        f"rank {trace.rank}{f' ({role})' if role else ''}, step {trace.step}: "
+        f"peak {trace.peak_bytes / MIB:.1f} MiB {trace.measure}{where}",
+        loc="left",
     )
-    above = pk < cur  # an interval's peak above where it ends, drawn where the interval ends
-    canvas.segments(xs[above], cur[above], xs[above], pk[above], PEAK)
-    canvas.segments(xs[:-1], cur[:-1], xs[1:], cur[1:], CURRENT, width=2)
-    if trace.times:
-        i = trace.peak_index
-        px = x(trace.times[i])
-        canvas.line(px, top, px, bottom, PEAK_MARK)
-        canvas.fill(
-            int(px) - 3,
-            int(y(trace.peak[i])) - 3,
-            int(px) + 4,
-            int(y(trace.peak[i])) + 4,
-            PEAK_MARK,
-        )
-
-    name, _ = trace.phase_at(trace.times[trace.peak_index] if trace.times else 0.0)
-    title = f"RANK {trace.rank}{f' ({role})' if role else ''}  STEP {trace.step}  PEAK {trace.peak_bytes / MIB:.1f} MIB {trace.measure} IN {name}"
-    canvas.text(left, 10, title, (0, 0, 0))
-    lx, legend_y = left, height - 22
-    for color, label in (
-        (CURRENT, f"{trace.measure} at samples"),
-        (PEAK, "peak between samples"),
-        (PEAK_MARK, "step peak"),
-    ):
-        canvas.fill(lx, legend_y + 2, lx + 14, legend_y + 8, color)
-        lx = canvas.text(lx + 20, legend_y, label, (0, 0, 0)) + 24
-    return canvas.pixels
+    figure.legend(loc="outside lower center", ncols=7, fontsize="small", frameon=False)
+    layout.execute(figure)  # once, not on every draw: it is half of a draw's time
+    figure.set_layout_engine("none")
+    return figure
 
 
 def phase_table(trace: MemoryTrace) -> list[tuple[str, float, float, float, float]]:

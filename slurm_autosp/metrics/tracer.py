@@ -28,8 +28,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 
 from slurm_autosp.config import JobConfig, Precision, to_yaml
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
-from slurm_autosp.metrics.plot import memory_trace_markdown, render_memory_trace
-from slurm_autosp.metrics.png import encode_png
+from slurm_autosp.metrics.plot import memory_trace_figure, memory_trace_markdown
 from slurm_autosp.metrics.rank_memory import (
     MemoryReader,
     MemoryTimeline,
@@ -299,20 +298,11 @@ class StepTracer:
         by_rank = {r: int(b) for r, b in enumerate(peaks.tolist())}
         self.memory_dir.mkdir(parents=True, exist_ok=True)
         for roles, trace in traces:
-            pixels = render_memory_trace(trace, role=", ".join(roles))
-            png = encode_png(pixels)
-            (self.memory_dir / f"step_{step:08d}_rank{trace.rank}.png").write_bytes(png)
-            image = Summary.Image(
-                height=pixels.shape[0],
-                width=pixels.shape[1],
-                colorspace=3,
-                encoded_image_string=png,
-            )
+            figure = memory_trace_figure(trace, role=", ".join(roles))
+            figure.savefig(self.memory_dir / f"step_{step:08d}_rank{trace.rank}.png", format="png")
             for role in roles:
                 tag = f"memory_trace/{role}"
-                writer._get_file_writer().add_summary(
-                    Summary(value=[Summary.Value(tag=tag, image=image)]), step
-                )
+                writer.add_figure(tag, figure, step, close=False)  # not pyplot's: nothing to close
                 writer.add_text(tag, memory_trace_markdown(trace, ", ".join(roles), by_rank), step)
         sidecar = {
             "step": step,
