@@ -14,7 +14,8 @@ import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.config import TraceConfig, load_config
-from slurm_autosp.metrics import StepTracer, memory_dir, tensorboard_dir
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.metrics import StepTracer
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.plot import PEAK_MARK, PHASE_COLORS, render_memory_trace
 from slurm_autosp.metrics.png import encode_png
@@ -212,7 +213,7 @@ def test_step_tracer_writes_scalars_and_traces_only_traced_steps(tmp_path, one_r
     assert seen[2][0] > 0 and "memory-trace" in seen[2][1]  # the traced step, and only it
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
-    events = EventAccumulator(str(tensorboard_dir(cfg.run.dir)))
+    events = EventAccumulator(str(RunDir(cfg.run.dir).tensorboard))
     events.Reload()
     tags = events.Tags()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
@@ -226,7 +227,7 @@ def test_step_tracer_writes_scalars_and_traces_only_traced_steps(tmp_path, one_r
     assert {"memory_trace/rank_0", "memory_trace/worst_rank"} <= set(tags["images"])
     assert [e.step for e in events.Images("memory_trace/rank_0")] == [2]
     assert decode_png(events.Images("memory_trace/rank_0")[0].encoded_image_string).shape[2] == 3
-    assert sorted(p.name for p in memory_dir(cfg.run.dir).iterdir()) == [
+    assert sorted(p.name for p in RunDir(cfg.run.dir).memory_traces.iterdir()) == [
         "step_00000002.json",
         "step_00000002_rank0.png",
     ]
@@ -258,7 +259,8 @@ def test_traced_step_leaves_compiled_layers_alone(tmp_path, one_rank_group):
     run_steps(tracer, model, optimizer, [2, 3])
     tracer.close()
     assert dict(counters["frames"]) == compiled_after_first_step
-    trace = json.loads((memory_dir(cfg.run.dir) / "step_00000002.json").read_text())["traces"][0]
+    traced = RunDir(cfg.run.dir).memory_traces / "step_00000002.json"
+    trace = json.loads(traced.read_text())["traces"][0]
     labels = {label for _, label in trace["marks"]}
     assert {
         "model.embed_tokens forward",
