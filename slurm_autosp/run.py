@@ -18,6 +18,7 @@ from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import ConfigError, JobConfig, load_config
 from slurm_autosp.data import check_token_file
 from slurm_autosp.launch.job import LockClaim, TrainingJob
+from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
 from slurm_autosp.plan import plan_verdict
 from slurm_autosp.plan.freeze import adopt_frozen_choices, freeze_choices
@@ -26,7 +27,7 @@ from slurm_autosp.plan.freeze import adopt_frozen_choices, freeze_choices
 def plan_or_adopt(cfg: JobConfig, restarted: bool) -> None:
     """A requeued start trains with the choices its first start froze into the run's config;
     a first start plans (the same on every rank), refuses a job that does not fit, and freezes."""
-    recorded = cfg.run.dir / "config.yaml"
+    recorded = RunDir(cfg.run.dir).config
     if restarted and recorded.exists():
         adopt_frozen_choices(cfg, load_config([f"cfg={recorded}"]))
         return

@@ -24,17 +24,16 @@ from slurm_autosp.checkpoint.store import (
 from slurm_autosp.cli import config_error, take_flag
 from slurm_autosp.cluster.scheduler import Liveness
 from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.launch.executor import submitit_dir
 from slurm_autosp.launch.watch import follow
 from slurm_autosp.lifecycle.lock import holder_liveness, read_lock
 from slurm_autosp.lifecycle.requeue import recorded_requeues
-from slurm_autosp.lifecycle.save_schedule import checkpoint_dir
+from slurm_autosp.lifecycle.run_dir import RunDir
 
 
 def last_good_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint whose manifest lists every file at its recorded size (checksums
     are verified when a job resumes)."""
-    for candidate in checkpoints_newest_first(checkpoint_dir(run_dir)):
+    for candidate in checkpoints_newest_first(RunDir(run_dir).checkpoints):
         try:
             files = read_manifest(candidate)["files"]
             json.loads((candidate / TRAINER_STATE).read_text())["step"]
@@ -64,20 +63,21 @@ def describe(run_dir: Path) -> list[str]:
         )
     lines += _damaged(run_dir)
     jobs = sorted(
-        {p.name.split("_")[0] for p in submitit_dir(run_dir).glob("*_submitted.pkl")},
+        {p.name.split("_")[0] for p in RunDir(run_dir).submitit.glob("*_submitted.pkl")},
         key=_job_order,
     )
     lines.append(f"jobs: {', '.join(jobs) if jobs else 'none'}")
     lines.append(f"requeues: {len(recorded_requeues(run_dir))}")
     lines.append(_lock_state(run_dir))
-    if (run_dir / "hf").is_dir():
-        lines.append(f"Hugging Face export: {run_dir / 'hf'}")
+    export = RunDir(run_dir).hf_export
+    if export.is_dir():
+        lines.append(f"Hugging Face export: {export}")
     return lines
 
 
 def _damaged(run_dir: Path) -> list[str]:
     """The checkpoints jobs set aside, each with what was wrong, and how to remove them."""
-    damaged = damaged_checkpoints(checkpoint_dir(run_dir))
+    damaged = damaged_checkpoints(RunDir(run_dir).checkpoints)
     if not damaged:
         return []
     lines = [f"damaged checkpoints set aside: {len(damaged)} (kept for you to inspect)"]
@@ -95,7 +95,7 @@ def _damaged(run_dir: Path) -> list[str]:
 
 def _planned_steps(run_dir: Path) -> int | None:
     """train.steps of the run's config, read as a job reads it; None without a readable one."""
-    config = run_dir / "config.yaml"
+    config = RunDir(run_dir).config
     if not config.exists():
         return None
     try:
@@ -132,9 +132,9 @@ def holding_job(run_dir: Path) -> submitit.SlurmJob:
             f"{run_dir}: no SLURM job to follow ({held}); a local job is followed by the "
             "submit that started it"
         )
-    config = run_dir / "config.yaml"
+    config = RunDir(run_dir).config
     world_size = load_config([f"cfg={config}"]).cluster.world_size
-    return submitit.SlurmJob(submitit_dir(run_dir), lock.job_id, tasks=tuple(range(world_size)))
+    return submitit.SlurmJob(RunDir(run_dir).submitit, lock.job_id, tasks=tuple(range(world_size)))
 
 
 def main(argv: list[str] | None = None) -> int:

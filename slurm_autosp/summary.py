@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.metrics.rank_memory import MemoryTrace
-from slurm_autosp.metrics.tracer import memory_dir, tensorboard_dir
 
 MIB = 2**20
 
@@ -30,11 +30,12 @@ def load_scalars(events_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def load_traces(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(memory_dir(run_dir).glob("step_*.json"))]
+    traces = sorted(RunDir(run_dir).memory_traces.glob("step_*.json"))
+    return [json.loads(p.read_text()) for p in traces]
 
 
 def summarize(run_dir: Path, rows: int = 20) -> str:
-    scalars = load_scalars(tensorboard_dir(run_dir))
+    scalars = load_scalars(RunDir(run_dir).tensorboard)
     loss = scalars.get("train/loss", {})
     if not loss:
         return f"{run_dir}: no training steps logged yet"
@@ -76,7 +77,7 @@ def summarize(run_dir: Path, rows: int = 20) -> str:
     traces = load_traces(run_dir)
     out += [
         "",
-        f"memory traces ({memory_dir(run_dir)})"
+        f"memory traces ({RunDir(run_dir).memory_traces})"
         if traces
         else "no memory traces (trace.memory_steps)",
     ]
@@ -95,7 +96,7 @@ def summarize(run_dir: Path, rows: int = 20) -> str:
         shown = ", ".join(f"rank {r} {b / MIB:.1f}" for r, b in peaks[:16])
         more = f" (+{len(peaks) - 16} lower)" if len(peaks) > 16 else ""
         out.append(f"  step {step} peak MiB by rank, highest first: {shown}{more}")
-    snapshots = sorted(p.name for p in memory_dir(run_dir).glob("*.pickle"))
+    snapshots = sorted(p.name for p in RunDir(run_dir).memory_traces.glob("*.pickle"))
     if snapshots:
         out.append(
             "  PyTorch memory snapshots (open in https://pytorch.org/memory_viz): "
@@ -120,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=20, help="most steps in the per-step table")
     args = parser.parse_args(argv)
     run_dir = args.run_dir.resolve()
-    if run_dir.name == "tensorboard":
+    if RunDir(run_dir.parent).tensorboard == run_dir:  # its TensorBoard folder given instead
         run_dir = run_dir.parent
-    if not list(tensorboard_dir(run_dir).glob("events.out.tfevents.*")):
+    if not list(RunDir(run_dir).tensorboard.glob("events.out.tfevents.*")):
         print(
-            f"error: no TensorBoard events in {tensorboard_dir(run_dir)}: give a run directory "
+            f"error: no TensorBoard events in {RunDir(run_dir).tensorboard}: give a run directory "
             "(<output_root>/<run name>) of a run with trace.tensorboard=true",
             file=sys.stderr,
         )

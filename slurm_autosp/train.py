@@ -22,7 +22,8 @@ from slurm_autosp.data import build_source, micro_batch, prepared_tokenizer
 from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.evaluate import build_evaluator
 from slurm_autosp.lifecycle.requeue import requeue_and_exit
-from slurm_autosp.lifecycle.save_schedule import SaveSchedule, checkpoint_dir
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lifecycle.save_schedule import SaveSchedule
 from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
 from slurm_autosp.plan import training_choices
@@ -84,7 +85,7 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
         cfg, parallel.layout, ctx.rank, ctx.device, _vocab_size(engine.module)
     )
     store = CheckpointStore(
-        checkpoint_dir(cfg.run.dir),
+        RunDir(cfg.run.dir).checkpoints,
         ctx.rank,
         ctx.world_size,
         cfg.checkpoint.keep,

@@ -14,7 +14,8 @@ from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.config import TraceConfig, load_config
-from slurm_autosp.metrics import StepTracer, memory_dir, tensorboard_dir
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.metrics import StepTracer
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.plot import PEAK, PEAK_MARK, PHASE_COLORS, memory_trace_figure
 from slurm_autosp.metrics.rank_memory import MemoryReader, MemoryTimeline, MemoryTrace
@@ -205,7 +206,7 @@ def test_step_tracer_writes_scalars_and_traces_only_traced_steps(tmp_path, one_r
     assert seen[2][0] > 0 and "memory-trace" in seen[2][1]  # the traced step, and only it
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
-    events = EventAccumulator(str(tensorboard_dir(cfg.run.dir)))
+    events = EventAccumulator(str(RunDir(cfg.run.dir).tensorboard))
     events.Reload()
     tags = events.Tags()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
@@ -221,11 +222,12 @@ def test_step_tracer_writes_scalars_and_traces_only_traced_steps(tmp_path, one_r
     (image,) = events.Images("memory_trace/rank_0")
     pixels = imread(io.BytesIO(image.encoded_image_string), format="png")
     assert pixels.shape == (image.height, image.width, 3) == (380, 960, 3)
-    assert sorted(p.name for p in memory_dir(cfg.run.dir).iterdir()) == [
+    assert sorted(p.name for p in RunDir(cfg.run.dir).memory_traces.iterdir()) == [
         "step_00000002.json",
         "step_00000002_rank0.png",
     ]
-    assert imread(memory_dir(cfg.run.dir) / "step_00000002_rank0.png").shape[:2] == (380, 960)
+    picture = RunDir(cfg.run.dir).memory_traces / "step_00000002_rank0.png"
+    assert imread(picture).shape[:2] == (380, 960)
 
 
 def test_traced_step_leaves_compiled_layers_alone(tmp_path, one_rank_group):
@@ -254,7 +256,8 @@ def test_traced_step_leaves_compiled_layers_alone(tmp_path, one_rank_group):
     run_steps(tracer, model, optimizer, [2, 3])
     tracer.close()
     assert dict(counters["frames"]) == compiled_after_first_step
-    trace = json.loads((memory_dir(cfg.run.dir) / "step_00000002.json").read_text())["traces"][0]
+    traced = RunDir(cfg.run.dir).memory_traces / "step_00000002.json"
+    trace = json.loads(traced.read_text())["traces"][0]
     labels = {label for _, label in trace["marks"]}
     assert {
         "model.embed_tokens forward",

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from slurm_autosp.checkpoint.export import export_hf, hf_export_dir
+from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.config import ConfigError, ModelConfig, load_config
+from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.model import build_model, refuse_unsupported_attention
 
 
@@ -48,7 +49,7 @@ def test_unknown_model_type_is_named():
 def test_an_export_killed_half_way_leaves_the_previous_model_whole(tmp_path):
     model = build_model(ModelConfig())
     export_hf(model, tmp_path)
-    before = sorted(p.name for p in hf_export_dir(tmp_path).iterdir())
+    before = sorted(p.name for p in RunDir(tmp_path).hf_export.iterdir())
     original = model.save_pretrained
 
     def killed(path, **kwargs):
@@ -59,8 +60,8 @@ def test_an_export_killed_half_way_leaves_the_previous_model_whole(tmp_path):
     model.save_pretrained = killed
     with pytest.raises(KeyboardInterrupt):
         export_hf(model, tmp_path)
-    assert sorted(p.name for p in hf_export_dir(tmp_path).iterdir()) == before
-    assert (hf_export_dir(tmp_path) / "model.safetensors").stat().st_size > 1000
+    assert sorted(p.name for p in RunDir(tmp_path).hf_export.iterdir()) == before
+    assert (RunDir(tmp_path).hf_export / "model.safetensors").stat().st_size > 1000
 
 
 def test_a_pretrained_path_without_a_config_is_named(tmp_path):

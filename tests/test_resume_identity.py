@@ -13,7 +13,7 @@ from slurm_autosp.checkpoint.identity import differences, is_identity, run_setti
 from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import load_config
 from slurm_autosp.lifecycle.lock import RunLock
-from slurm_autosp.lifecycle.run_dir import prepare_run_dir
+from slurm_autosp.lifecycle.run_setup import prepare_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 THIS_PROCESS = RunLock(str(os.getpid()), "local", socket.gethostname())  # a live holder

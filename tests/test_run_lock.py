@@ -14,7 +14,6 @@ from in_process import run_command
 from slurm_autosp.cluster.scheduler import Liveness
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.lifecycle.lock import (
-    LOCK,
     SUBMITTING,
     RunLock,
     acquire_lock,
@@ -22,7 +21,8 @@ from slurm_autosp.lifecycle.lock import (
     read_lock,
     release_lock,
 )
-from slurm_autosp.lifecycle.run_dir import prepare_run_dir
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lifecycle.run_setup import prepare_run_dir
 from slurm_autosp.submit import main as submit_main
 
 HOST = socket.gethostname()
@@ -122,8 +122,9 @@ def test_a_local_job_on_another_host_cannot_be_checked_from_here(tmp_path):
 
 
 def test_a_lock_that_is_not_ours_is_refused_by_name_until_forced(tmp_path):
-    (tmp_path / LOCK).write_text("not json")
-    with pytest.raises(ConfigError, match=rf"{tmp_path / LOCK} is not a lock this tool wrote"):
+    lock = RunDir(tmp_path).lock
+    lock.write_text("not json")
+    with pytest.raises(ConfigError, match=rf"{lock} is not a lock this tool wrote"):
         acquire_lock(tmp_path, local("8"))
     acquire_lock(tmp_path, local("8"), force=True)
     assert read_lock(tmp_path) == local("8")
@@ -139,16 +140,17 @@ def test_the_submission_hands_its_lock_to_the_job_and_requeues_keep_it(tmp_path)
     assert read_lock(tmp_path) == job
     acquire_lock(tmp_path, job)  # the requeued job takes what it holds
     assert read_lock(tmp_path) == job
-    assert [p.name for p in tmp_path.iterdir()] == [LOCK]  # no temporary files left
+    # no temporary files left
+    assert [p.name for p in tmp_path.iterdir()] == [RunDir(tmp_path).lock.name]
 
 
 def test_only_the_holder_releases_the_lock(tmp_path):
     acquire_lock(tmp_path, RunLock("41", "slurm", HOST))
     release_lock(tmp_path, RunLock("42", "slurm", HOST))
     release_lock(tmp_path, local("41"))  # a process whose id is the job's number
-    assert (tmp_path / LOCK).exists()
+    assert RunDir(tmp_path).lock.exists()
     release_lock(tmp_path, RunLock("41", "slurm", "node7"))  # the job, requeued elsewhere
-    assert not (tmp_path / LOCK).exists()
+    assert not RunDir(tmp_path).lock.exists()
 
 
 def test_a_process_whose_id_equals_a_slurm_job_id_does_not_take_its_run(tmp_path, controller_down):
@@ -178,13 +180,13 @@ def test_a_local_job_of_another_host_is_not_this_hosts_process_of_the_same_id(tm
 
 def test_a_takeover_claim_left_by_a_taker_that_died_does_not_block_the_run(tmp_path):
     acquire_lock(tmp_path, local(dead_pid()))
-    stale = (tmp_path / LOCK).stat()
-    claim = tmp_path / f".{LOCK}.takeover.{stale.st_ino}.{stale.st_mtime_ns}"
+    stale = RunDir(tmp_path).lock.stat()
+    claim = RunDir(tmp_path).lock_takeover(stale.st_ino, stale.st_mtime_ns)
     claim.write_text("")
     os.utime(claim, (time.time() - 120, time.time() - 120))
     acquire_lock(tmp_path, local("9"))
     assert read_lock(tmp_path) == local("9")
-    assert [p.name for p in tmp_path.iterdir()] == [LOCK]
+    assert [p.name for p in tmp_path.iterdir()] == [RunDir(tmp_path).lock.name]
 
 
 def _race(run_dir, start, job_id, wins):

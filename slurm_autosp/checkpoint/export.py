@@ -14,12 +14,9 @@ import torch
 from torch import nn
 
 from slurm_autosp.data.prepared import stop_token_ids
+from slurm_autosp.lifecycle.run_dir import RunDir
 
 log = logging.getLogger(__name__)
-
-
-def hf_export_dir(run_dir: Path) -> Path:
-    return run_dir / "hf"
 
 
 def export_hf(
@@ -37,8 +34,8 @@ def export_hf(
     if save_pretrained is None:
         log.info("model %s has no save_pretrained: no Hugging Face export", type(model).__name__)
         return
-    target = hf_export_dir(run_dir)
-    partial, previous = target.with_name(".hf.partial"), target.with_name(".hf.previous")
+    run = RunDir(run_dir)
+    target, partial, previous = run.hf_export, run.hf_export_partial, run.hf_export_previous
     shutil.rmtree(partial, ignore_errors=True)
     save_pretrained(partial, safe_serialization=True, state_dict=weights)
     if tokenizer_dir is not None:

@@ -213,11 +213,13 @@ def collective_env_settings(
     fabric: Fabric | str,
     *,
     user_env: Mapping[str, str],
-    run_dir: str,
+    flight_recorder_prefix: str,
     debug: bool = False,
     node_local_cache_dir: str | None = None,
 ) -> tuple[EnvSetting, ...]:
-    """Every variable we would set, with its reason, before user values are applied."""
+    """Every variable we would set, with its reason, before user values are applied.
+    `flight_recorder_prefix` is the start of each rank's dump file, in the run directory
+    (the caller names it: the run directory's layout is lifecycle's, a floor above)."""
     vendor, fabric = _member(Vendor, vendor, "vendor"), _member(Fabric, fabric, "fabric")
     settings = list(compile_cache_settings(user_env, node_local_cache_dir))
     if vendor is Vendor.none:
@@ -226,7 +228,7 @@ def collective_env_settings(
     settings.append(
         EnvSetting(
             "TORCH_FR_DUMP_TEMP_FILE",
-            os.path.join(run_dir, "flight_recorder", "rank_"),
+            flight_recorder_prefix,
             "where the flight recorder writes each rank's trace on a timeout: the run directory, "
             "so it survives the job",
             aliases=("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",),
@@ -244,7 +246,7 @@ def collective_env(
     fabric: Fabric | str,
     *,
     user_env: Mapping[str, str],
-    run_dir: str,
+    flight_recorder_prefix: str,
     debug: bool = False,
     node_local_cache_dir: str | None = None,
 ) -> dict[str, str]:
@@ -258,7 +260,7 @@ def collective_env(
         vendor,
         fabric,
         user_env=user_env,
-        run_dir=run_dir,
+        flight_recorder_prefix=flight_recorder_prefix,
         debug=debug,
         node_local_cache_dir=node_local_cache_dir,
     ):

@@ -7,20 +7,15 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import submitit
 
 from slurm_autosp.compat import submitit_api
 from slurm_autosp.config import Backend, ClusterConfig, ConfigError, JobConfig
+from slurm_autosp.lifecycle.run_dir import RunDir
 
 SLURM_TOOLS = ("sbatch", "srun")
-
-
-def submitit_dir(run_dir: Path) -> Path:
-    """Where submitit keeps the pickled job, the per-rank logs and results."""
-    return run_dir / "submitit"
 
 
 def slurm_reachable() -> bool:
@@ -45,7 +40,7 @@ def build_executor(cfg: JobConfig, backend: Backend) -> submitit.AutoExecutor:
         _require_slurm_tools()
     else:
         _let_local_jobs_be_cancelled()
-    executor = submitit.AutoExecutor(folder=submitit_dir(cfg.run.dir), cluster=backend.value)
+    executor = submitit.AutoExecutor(folder=RunDir(cfg.run.dir).submitit, cluster=backend.value)
     slurm = {f"slurm_{k}": v for k, v in _slurm_parameters(cfg.cluster).items()}
     executor.update_parameters(**_shared_parameters(cfg), **slurm)
     if backend is Backend.local and cfg.cluster.uses_gpus:
@@ -156,7 +151,7 @@ class _ScriptOnlySlurmExecutor(submitit.SlurmExecutor):
 def sbatch_script(cfg: JobConfig) -> str:
     """The exact script submitit would hand to sbatch (a dry run prints it), rendered by submitit
     from the parameters build_executor gives it, the way AutoExecutor translates them."""
-    slurm = _ScriptOnlySlurmExecutor(submitit_dir(cfg.run.dir))
+    slurm = _ScriptOnlySlurmExecutor(RunDir(cfg.run.dir).submitit)
     slurm.update_parameters(
         **submitit_api.slurm_parameters(slurm, _shared_parameters(cfg)),
         **_slurm_parameters(cfg.cluster),

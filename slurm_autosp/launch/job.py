@@ -26,7 +26,8 @@ from slurm_autosp.cluster.distributed import DistContext, init_distributed
 from slurm_autosp.cluster.placement import Parallel, build_parallel, verify_topology
 from slurm_autosp.config import ConfigError, JobConfig, Vendor
 from slurm_autosp.lifecycle.lock import RunLock, acquire_lock, release_lock
-from slurm_autosp.lifecycle.run_dir import prepare_run_dir
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lifecycle.run_setup import prepare_run_dir
 from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.train import train
 
@@ -127,7 +128,7 @@ def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str
         c.vendor if c.uses_gpus else Vendor.none,
         c.fabric,
         user_env={**users_environment(inherited), **c.env},
-        run_dir=str(cfg.run.dir),
+        flight_recorder_prefix=str(RunDir(cfg.run.dir).flight_recorder_prefix),
         debug=c.debug_collectives,
         node_local_cache_dir=cfg.compile.cache_dir,
     )

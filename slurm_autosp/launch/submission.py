@@ -14,17 +14,12 @@ from slurm_autosp.cluster.layout import ParallelLayout
 from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import Backend, ConfigError, JobConfig, to_yaml
 from slurm_autosp.data import check_token_file
-from slurm_autosp.launch.executor import (
-    build_executor,
-    resolve_backend,
-    sbatch_script,
-    submitit_dir,
-)
+from slurm_autosp.launch.executor import build_executor, resolve_backend, sbatch_script
 from slurm_autosp.launch.job import LockClaim, TrainingJob, collective_env_for
 from slurm_autosp.launch.watch import follow, next_steps
 from slurm_autosp.lifecycle.lock import SUBMITTING, RunLock, acquire_lock, release_lock
-from slurm_autosp.lifecycle.run_dir import prepare_run_dir
-from slurm_autosp.lifecycle.save_schedule import checkpoint_dir
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lifecycle.run_setup import prepare_run_dir
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
 from slurm_autosp.plan import plan_verdict
 from slurm_autosp.plan.freeze import freeze_choices
@@ -67,7 +62,7 @@ def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJo
         plan = plan_verdict(cfg)
         freeze_choices(cfg, plan.choices)
         refuse_another_runs_checkpoint(
-            checkpoint_dir(cfg.run.dir), run_settings(cfg, layout, plan.choices.zero_stage)
+            RunDir(cfg.run.dir).checkpoints, run_settings(cfg, layout, plan.choices.zero_stage)
         )
         if cfg.dry_run:
             print(describe_dry_run(cfg, backend, layout))
@@ -91,7 +86,7 @@ def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJo
     )
     print(
         f"submitted job {job.job_id} ({executor.cluster}, {cfg.cluster.world_size} ranks, {layout!r}); "
-        f"run directory {cfg.run.dir}; per-rank logs in {submitit_dir(cfg.run.dir)}",
+        f"run directory {cfg.run.dir}; per-rank logs in {RunDir(cfg.run.dir).submitit}",
         flush=True,
     )
     if cfg.follow is False or (cfg.follow is None and backend is Backend.slurm):

@@ -20,6 +20,7 @@ import submitit
 
 from slurm_autosp.cluster.scheduler import Liveness, slurm_job_liveness
 from slurm_autosp.compat import submitit_api
+from slurm_autosp.lifecycle.run_dir import RunDir
 
 
 class JobFailed(RuntimeError):
@@ -138,7 +139,7 @@ def next_steps(job: submitit.Job, run_dir: Path) -> str:
 
 
 def tensorboard_command(run_dir: Path) -> str:
-    return f"tensorboard --logdir {shlex.quote(str(run_dir / 'tensorboard'))}"
+    return f"tensorboard --logdir {shlex.quote(str(RunDir(run_dir).tensorboard))}"
 
 
 def follow(job: submitit.Job, run_dir: Path) -> int:

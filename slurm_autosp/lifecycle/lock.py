@@ -21,8 +21,8 @@ from pathlib import Path
 
 from slurm_autosp.cluster.scheduler import Liveness, slurm_job_liveness
 from slurm_autosp.config import ConfigError
+from slurm_autosp.lifecycle.run_dir import RunDir
 
-LOCK = "job.lock"
 SUBMITTING = "submit"  # the backend named by a lock a submission holds until its job is queued
 ABANDONED_CLAIM_S = 60  # a takeover's claim older than this was left by a taker that died
 
@@ -56,14 +56,14 @@ def _read_stamped(run_dir: Path) -> tuple[RunLock, tuple[int, int]] | None:
     """The lock and its file's identity (inode, modification time), read from one open file:
     a takeover removes only the very file it found stale."""
     try:
-        with open(run_dir / LOCK) as f:
+        with open(RunDir(run_dir).lock) as f:
             info = os.fstat(f.fileno())
             return RunLock(**json.loads(f.read())), (info.st_ino, info.st_mtime_ns)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(
-            f"{run_dir / LOCK} is not a lock this tool wrote ({err}); if no job trains this run, "
+            f"{RunDir(run_dir).lock} is not a lock this tool wrote ({err}); if no job trains this run, "
             "remove it or submit with --force"
         ) from err
 
@@ -94,8 +94,8 @@ def acquire_lock(
     """Take the run's lock for `holder`, atomically. Already ours (a requeue), or held by the
     submission `handed_over_by` names: rewritten for `holder`. Held by a job that is gone, or
     `force`: taken over. Otherwise a ConfigError names the holder and what to do."""
-    path = run_dir / LOCK
-    mine = run_dir / f".{LOCK}.{uuid.uuid4().hex}"
+    run = RunDir(run_dir)
+    path, mine = run.lock, run.lock_temporary(uuid.uuid4().hex)
     mine.write_text(json.dumps(asdict(holder)))
     try:
         while True:
@@ -134,7 +134,7 @@ def _take_over(run_dir: Path, stale: tuple[RunLock, tuple[int, int]], mine: Path
     late can never remove the lock another has just taken. A claim left by a taker that died
     is removed once it is a minute old."""
     ino, mtime_ns = stale[1]
-    claim = run_dir / f".{LOCK}.takeover.{ino}.{mtime_ns}"
+    claim = RunDir(run_dir).lock_takeover(ino, mtime_ns)
     try:
         os.link(mine, claim)
     except FileExistsError:
@@ -148,7 +148,7 @@ def _take_over(run_dir: Path, stale: tuple[RunLock, tuple[int, int]], mine: Path
     try:
         os.utime(claim)  # its age is the claim's, not that of the file it links
         if _read_stamped(run_dir) == stale:
-            (run_dir / LOCK).unlink()
+            RunDir(run_dir).lock.unlink()
     except ConfigError:
         pass  # no longer the stale lock: whatever it is now, the loop reads it again
     finally:
@@ -175,4 +175,4 @@ def release_lock(run_dir: Path, holder: RunLock) -> None:
     except ConfigError:
         return
     if lock is not None and lock.same_holder(holder):
-        (run_dir / LOCK).unlink(missing_ok=True)
+        RunDir(run_dir).lock.unlink(missing_ok=True)

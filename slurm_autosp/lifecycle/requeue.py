@@ -18,16 +18,15 @@ import submitit
 import torch.distributed as dist
 
 from slurm_autosp.compat import submitit_api
+from slurm_autosp.lifecycle.run_dir import RunDir
 
 log = logging.getLogger(__name__)
-
-REQUEUES = "requeues.jsonl"
 
 
 def recorded_requeues(run_dir: Path) -> list[dict[str, str | int]]:
     """Every requeue of the run, oldest first; unreadable lines are skipped."""
     try:
-        lines = (run_dir / REQUEUES).read_text().splitlines()
+        lines = RunDir(run_dir).requeues.read_text().splitlines()
     except FileNotFoundError:
         return []
     records = []
@@ -52,7 +51,7 @@ def _record(run_dir: Path, job_id: str, restart: int) -> None:
         "restart": restart,
         "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    with open(run_dir / REQUEUES, "a") as f:
+    with open(RunDir(run_dir).requeues, "a") as f:
         f.write(json.dumps(line) + "\n")
 
 

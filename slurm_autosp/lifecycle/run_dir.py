@@ -1,56 +1,113 @@
-"""The run directory a job trains into: its checkpoint directory checked, taken under the run's
-lock, then the resolved config recorded, the earlier submissions' kept."""
+"""What a run directory holds, named in one place: `status`, `summary`, a resumed job and a
+user's own scripts find a run's files by these names, so no other module spells them. Also
+how earlier configs are kept, and the check that the checkpoint directory is safe to use."""
 
 from __future__ import annotations
 
 import logging
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
-
-from slurm_autosp.config import ConfigError, JobConfig, to_yaml
-from slurm_autosp.lifecycle.lock import RunLock, acquire_lock
-from slurm_autosp.lifecycle.save_schedule import checkpoint_dir
 
 log = logging.getLogger(__name__)
 
 
-def prepare_run_dir(cfg: JobConfig, holder: RunLock, *, force: bool = False) -> None:
-    """Create the run directory and its checkpoint directory (refused where we cannot write it
-    or every user can: before the job waits in the queue, not when it starts), take its lock
-    for `holder` (refused while another live job trains the run: nothing of that run is
-    touched), then record the config this submission runs with."""
-    run_dir = cfg.run.dir
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if problem := checkpoint_dir_problem(checkpoint_dir(run_dir)):
-            raise ConfigError(
-                f"run.output_root={cfg.run.output_root}: {problem}; choose a writable run.output_root "
-                "on shared storage"
-            )
-        acquire_lock(run_dir, holder, force=force, what=f"run.name={cfg.run.name}: {run_dir}")
-        _keep_previous_config(run_dir)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    except OSError as err:
-        raise ConfigError(
-            f"run.output_root={cfg.run.output_root}: cannot write the run directory {run_dir} ({err}); "
-            "choose a writable run.output_root on shared storage"
-        ) from err
+@dataclass(frozen=True)
+class RunDir:
+    """The paths under a run's directory, `<run.output_root>/<run.name>`."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        """The resolved config the latest submission runs with (the plan's choices frozen in)."""
+        return self.root / "config.yaml"
+
+    @property
+    def earlier_configs(self) -> Path:
+        """The configs earlier submissions ran with, one file each, never overwritten."""
+        return self.root / "configs"
+
+    def earlier_config(self, number: int) -> Path:
+        """The config the `number`th submission (from 1) ran with, once a later one replaced it."""
+        return self.earlier_configs / f"config.{number:04d}.yaml"
+
+    @property
+    def submitit(self) -> Path:
+        """submitit's folder: the pickled job, each rank's log and result."""
+        return self.root / "submitit"
+
+    @property
+    def checkpoints(self) -> Path:
+        """The checkpoint store's folder (its step_N, latest and damaged_step_N are its own)."""
+        return self.root / "checkpoints"
+
+    @property
+    def hf_export(self) -> Path:
+        """The trained weights and tokenizer in Hugging Face format."""
+        return self.root / "hf"
+
+    @property
+    def hf_export_partial(self) -> Path:
+        """An export being written, renamed to `hf_export` once complete."""
+        return self.root / ".hf.partial"
+
+    @property
+    def hf_export_previous(self) -> Path:
+        """The export being replaced, while the new one is renamed into place."""
+        return self.root / ".hf.previous"
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard's event files: the run's scalars and texts (the probe's too)."""
+        return self.root / "tensorboard"
+
+    @property
+    def memory_traces(self) -> Path:
+        """Memory traces (JSON, PNG) and PyTorch memory snapshots, next to the event files."""
+        return self.tensorboard / "memory"
+
+    @property
+    def flight_recorder_prefix(self) -> Path:
+        """What the NCCL flight recorder's per-rank dump files start with (rank number follows)."""
+        return self.root / "flight_recorder" / "rank_"
+
+    @property
+    def lock(self) -> Path:
+        """The run's lock: which job trains the run (lifecycle.lock)."""
+        return self.root / "job.lock"
+
+    def lock_temporary(self, token: str) -> Path:
+        """A complete lock file, written aside and then hard-linked into place as `lock`."""
+        return self.root / f".{self.lock.name}.{token}"
+
+    def lock_takeover(self, inode: int, mtime_ns: int) -> Path:
+        """The claim of one taker of a stale lock, named by the stale file's identity."""
+        return self.root / f".{self.lock.name}.takeover.{inode}.{mtime_ns}"
+
+    @property
+    def requeues(self) -> Path:
+        """A JSON line per requeue of the run."""
+        return self.root / "requeues.jsonl"
+
+    @property
+    def probe_report(self) -> Path:
+        """The probe's findings (a probe has a run directory of its own)."""
+        return self.root / "probe.json"
 
 
-def _keep_previous_config(run_dir: Path) -> None:
+def keep_previous_config(run: RunDir) -> None:
     """A resubmission may change settings a checkpoint allows to change: the config each earlier
     submission ran with stays as configs/config.NNNN.yaml (in submission order), never overwritten."""
-    previous = run_dir / "config.yaml"
-    if not previous.exists():
+    if not run.config.exists():
         return
-    kept = run_dir / "configs"
-    kept.mkdir(exist_ok=True)
-    number = len(list(kept.glob("config.*.yaml"))) + 1
+    run.earlier_configs.mkdir(exist_ok=True)
+    number = len(list(run.earlier_configs.glob("config.*.yaml"))) + 1
     while True:
         try:
-            with open(kept / f"config.{number:04d}.yaml", "x") as f:
-                f.write(previous.read_text())
+            with open(run.earlier_config(number), "x") as f:
+                f.write(run.config.read_text())
             return
         except FileExistsError:
             number += 1

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from slurm_autosp.config import CheckpointConfig
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
 
 
 class SaveSchedule:

@@ -3,13 +3,6 @@ memory over ranks), run text (config, layout, environment) and memory traces of 
 and ranks. `StepTracer` is what the training loop uses; `python -m slurm_autosp.summary RUN_DIR`
 summarises a run in the terminal."""
 
-from slurm_autosp.metrics.tracer import (
-    UNTIMED,
-    PhaseClock,
-    Phases,
-    StepTracer,
-    memory_dir,
-    tensorboard_dir,
-)
+from slurm_autosp.metrics.tracer import UNTIMED, PhaseClock, Phases, StepTracer
 
-__all__ = ["UNTIMED", "PhaseClock", "Phases", "StepTracer", "memory_dir", "tensorboard_dir"]
+__all__ = ["UNTIMED", "PhaseClock", "Phases", "StepTracer"]

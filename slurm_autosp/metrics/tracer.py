@@ -19,7 +19,6 @@ import sys
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from slurm_autosp.config import JobConfig, Precision, to_yaml
+from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.plot import memory_trace_figure, memory_trace_markdown
 from slurm_autosp.metrics.rank_memory import (
@@ -43,15 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MIB = 2**20
 _STATS = ("peak", "peak_reserved", "data", "forward_backward", "optimizer")
-
-
-def tensorboard_dir(run_dir: Path) -> Path:
-    return run_dir / "tensorboard"
-
-
-def memory_dir(run_dir: Path) -> Path:
-    """Memory traces (JSON, PNG) and PyTorch memory snapshots, next to the event files."""
-    return tensorboard_dir(run_dir) / "memory"
 
 
 class Phases(Protocol):
@@ -154,7 +145,7 @@ class StepTracer:
             cfg.trace.peak_tflops_per_gpu, device, cfg.precision is Precision.bf16
         )
         self.tokens_per_step = cfg.global_batch * cfg.data.seq_len
-        self.memory_dir = memory_dir(cfg.run.dir)
+        self.memory_dir = RunDir(cfg.run.dir).memory_traces
         self.worst_rank = 0  # by peak memory, as of the last step: all ranks agree
         self._last: _StepRecord | None = None
         self.writer: SummaryWriter | None = None
@@ -164,7 +155,7 @@ class StepTracer:
             # A resumed run may have logged steps past its checkpoint before it stopped:
             # purge_step makes TensorBoard drop those, so curves have no duplicate steps.
             purge = first_step + 1 if first_step else None
-            self.writer = SummaryWriter(str(tensorboard_dir(cfg.run.dir)), purge_step=purge)
+            self.writer = SummaryWriter(str(RunDir(cfg.run.dir).tensorboard), purge_step=purge)
             self._write_run_text(self.writer, first_step, layout)
 
     def note(self, tag: str, markdown: str, step: int) -> None:

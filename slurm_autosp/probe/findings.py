@@ -17,7 +17,7 @@ from typing import Any
 from torch.utils.tensorboard import SummaryWriter
 
 from slurm_autosp.config import JobConfig
-from slurm_autosp.metrics import tensorboard_dir
+from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.plan import TrainingChoices
 from slurm_autosp.plan.policies import spec_label
 from slurm_autosp.probe.collectives import CollectiveTiming
@@ -361,9 +361,9 @@ def to_json(report: ProbeReport) -> dict[str, Any]:
 def write_report(report: ProbeReport, run_dir: Path, tensorboard: bool) -> str:
     """Write probe.json (and TensorBoard when enabled); return the table for the log."""
     table = render_table(report)
-    (run_dir / "probe.json").write_text(json.dumps(to_json(report), indent=1))
+    RunDir(run_dir).probe_report.write_text(json.dumps(to_json(report), indent=1))
     if tensorboard:
-        writer = SummaryWriter(str(tensorboard_dir(run_dir)))
+        writer = SummaryWriter(str(RunDir(run_dir).tensorboard))
         writer.add_text("probe/report", "```\n" + table + "\n```")
         if report.step_seconds is not None and report.tokens_per_s is not None:
             writer.add_scalar("probe/step_s", report.step_seconds)

@@ -1,6 +1,7 @@
 """launch.comm_env: NCCL/RCCL variables per vendor and fabric, user values always winning."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -9,12 +10,16 @@ from slurm_autosp.cluster.compile_cache import private_cache_dir
 from slurm_autosp.compat import torch_api
 from slurm_autosp.config import ConfigError, Fabric, Vendor, load_config
 from slurm_autosp.launch.job import collective_env_for
+from slurm_autosp.lifecycle.run_dir import RunDir
 
 RUN_DIR = "/shared/runs/llama70b_128k"
+FLIGHT_RECORDER = str(RunDir(Path(RUN_DIR)).flight_recorder_prefix)
 
 
 def env(vendor="nvidia", fabric="infiniband", user_env=None, **kwargs):
-    return collective_env(vendor, fabric, user_env=user_env or {}, run_dir=RUN_DIR, **kwargs)
+    return collective_env(
+        vendor, fabric, user_env=user_env or {}, flight_recorder_prefix=FLIGHT_RECORDER, **kwargs
+    )
 
 
 def test_efa_selects_the_efa_provider_without_cuda_sync_memops():
@@ -117,7 +122,7 @@ def test_every_variable_says_why():
     for vendor in Vendor:
         for fabric in Fabric:
             for s in collective_env_settings(
-                vendor, fabric, user_env={}, run_dir=RUN_DIR, debug=True
+                vendor, fabric, user_env={}, flight_recorder_prefix=FLIGHT_RECORDER, debug=True
             ):
                 assert len(s.why) > 20, s.name
 
