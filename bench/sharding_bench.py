@@ -130,8 +130,7 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     import torch
     import torch.distributed as dist
 
-    from slurm_autosp.cluster.distributed import DistContext
-    from slurm_autosp.cluster.placement import build_parallel
+    from slurm_autosp.cluster.parallel_dims import build_parallel_dims
     from slurm_autosp.config import load_config
     from slurm_autosp.data import build_source
     from slurm_autosp.plan import activation_checkpoint_spec_for
@@ -169,11 +168,7 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
             "train.seed=0",
         ]
     )
-    ctx, parallel, source = (
-        DistContext(rank, WORLD, rank, device),
-        build_parallel(cfg),
-        build_source(cfg),
-    )
+    dims, source = build_parallel_dims(cfg, local_rank=rank, device=device), build_source(cfg)
 
     def say(message: str) -> None:
         if rank == 0:
@@ -191,7 +186,7 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     engine = build_engine(cfg, device, stage)
     built = time.perf_counter()
     say(f"{type(engine).__name__} built in {built - start:.1f} s; compiling (first step)")
-    backend = compile_for_sp(engine.module, cfg, parallel, activation_checkpoint_spec_for(cfg))
+    backend = compile_for_sp(engine.module, cfg, dims, activation_checkpoint_spec_for(cfg))
     held: dict[str, int] = {}
     real_step = engine.step
 
@@ -204,7 +199,7 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     times, losses, compiled = [], [], 0.0
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
-        losses.append(optimizer_step(engine, cfg, ctx, parallel, source, step))
+        losses.append(optimizer_step(engine, cfg, dims, source, step))
         times.append(time.perf_counter() - t0)
         if step == 0:
             assert backend is not None

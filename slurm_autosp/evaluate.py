@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.cluster.layout import ParallelLayout
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig
 from slurm_autosp.data import SampleSource, open_eval_source
 from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs
@@ -47,9 +47,7 @@ class Evaluator:
     samples: int
     every: int  # steps between evaluations; 0: only after the last step
     last_step: int
-    layout: ParallelLayout
-    rank: int
-    device: torch.device
+    dims: ParallelDims
     micro_batch: int
     chunk_tokens: int
 
@@ -62,12 +60,13 @@ class Evaluator:
         was_training = module.training
         module.train(False)
         # The count is 1: each forward returns its label sum; the mean is taken once, at the end.
-        one = torch.ones((), dtype=torch.int64, device=self.device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        device = self.dims.device
+        one = torch.ones((), dtype=torch.int64, device=device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         labels = 0
         try:
             with torch.no_grad():
-                for first in range(0, self.samples, self.layout.dp_size * self.micro_batch):
+                for first in range(0, self.samples, self.dims.dp_size * self.micro_batch):
                     batch = self._shard(first)
                     loss = causal_lm_loss(
                         model, batch.model_kwargs(one), chunk_tokens=self.chunk_tokens
@@ -76,7 +75,7 @@ class Evaluator:
                     labels += batch.valid_labels
         finally:
             module.train(was_training)
-        labels_seen = torch.tensor(labels, dtype=torch.float64, device=self.device)
+        labels_seen = torch.tensor(labels, dtype=torch.float64, device=device)
         totals = torch.stack([loss_sum, labels_seen])
         # every SP rank holds a part of each sequence's labels: sum over the whole world
         dist.all_reduce(totals)
@@ -85,7 +84,8 @@ class Evaluator:
 
     def _shard(self, first: int) -> SPBatch:
         """This rank's shard of its micro-batch of the round starting at sample `first`."""
-        start = first + self.layout.dp_rank(self.rank) * self.micro_batch
+        dims = self.dims
+        start = first + dims.dp_rank * self.micro_batch
         ids, labels, documents = [], [], []
         for index in range(start, start + self.micro_batch):
             sample = self.source.sample(index % self.samples)
@@ -95,16 +95,16 @@ class Evaluator:
             if sample.document_ids is not None:  # data.documents=masked
                 documents.append(sample.document_ids)
         return prepare_sp_inputs(
-            torch.stack(ids).to(self.device),
-            torch.stack(labels).to(self.device),
-            sp_rank=self.layout.sp_rank(self.rank),
-            sp_size=self.layout.sp_size,
-            document_ids=torch.stack(documents).to(self.device) if documents else None,
+            torch.stack(ids).to(dims.device),
+            torch.stack(labels).to(dims.device),
+            sp_rank=dims.sp_rank,
+            sp_size=dims.sp_size,
+            document_ids=torch.stack(documents).to(dims.device) if documents else None,
         )
 
     def report(self, step: int, result: EvalResult, writer: SummaryWriter | None) -> None:
         """Rank 0: one log line, and eval/loss, eval/perplexity in TensorBoard."""
-        if self.rank != 0:
+        if self.dims.rank != 0:
             return
         log.info(
             "eval at step %d | loss %.4f | perplexity %.2f | %d samples, %d tokens",
@@ -119,13 +119,7 @@ class Evaluator:
             writer.add_scalar("eval/perplexity", result.perplexity, step)
 
 
-def build_evaluator(
-    cfg: JobConfig,
-    layout: ParallelLayout,
-    rank: int,
-    device: torch.device,
-    vocab_size: int | None,
-) -> Evaluator | None:
+def build_evaluator(cfg: JobConfig, dims: ParallelDims, vocab_size: int | None) -> Evaluator | None:
     """None when the run has no held-out data or train.eval_samples=0. At most
     `train.eval_samples` samples: a smaller held-out set is evaluated whole."""
     source = open_eval_source(cfg, vocab_size)
@@ -136,9 +130,7 @@ def build_evaluator(
         samples=min(cfg.train.eval_samples, source.num_samples),
         every=cfg.train.eval_every,
         last_step=cfg.train.steps,
-        layout=layout,
-        rank=rank,
-        device=device,
+        dims=dims,
         micro_batch=cfg.train.micro_batch,
         chunk_tokens=cfg.compile.loss_chunk_tokens,
     )

@@ -13,8 +13,7 @@ import torch.distributed as dist
 from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState, damage_report
-from slurm_autosp.cluster.distributed import DistContext
-from slurm_autosp.cluster.placement import Parallel
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.compile import AutoSPBackend, compile_model, decoder_layers, tile_mlps
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import JobConfig
@@ -43,7 +42,7 @@ class TrainResult:
 def compile_for_sp(
     model: torch.nn.Module,
     cfg: JobConfig,
-    parallel: Parallel,
+    dims: ParallelDims,
     spec: ActivationCheckpointSpec,
     tile_tokens: int = 0,
     backend: AutoSPBackend | None = None,
@@ -56,49 +55,45 @@ def compile_for_sp(
         if tile_tokens:
             tile_mlps(model, tile_tokens)
         return None
-    backend = backend or AutoSPBackend(cfg.parallel.sp_size, spec)
+    backend = backend or AutoSPBackend(dims.sp_size, spec)
     log.info("AutoSP: %r%s", backend, f", MLP tiles of {tile_tokens} tokens" if tile_tokens else "")
-    set_sp_group(parallel.sp_group)
+    set_sp_group(dims.sp_group)
     compile_model(model, backend, per_layer=cfg.compile.per_layer, tile_tokens=tile_tokens)
     return backend
 
 
-def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> TrainResult:
+def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
     choices = training_choices(cfg)
     torch.manual_seed(cfg.train.seed)
-    engine = build_engine(cfg, ctx.device, choices.zero_stage, choices.offload_optimizer)
+    engine = build_engine(cfg, dims.device, choices.zero_stage, choices.offload_optimizer)
     log.info(
         "engine: %s (loss factor %g%s)",
         engine.name,
         engine.loss_scale,
         "; optimizer state in host memory" if choices.offload_optimizer else "",
     )
-    backend = compile_for_sp(
-        engine.module, cfg, parallel, choices.checkpointing, choices.tile_tokens
-    )
+    backend = compile_for_sp(engine.module, cfg, dims, choices.checkpointing, choices.tile_tokens)
     offload = None
     if choices.offload_activations:
-        offload = ActivationOffload(ctx.device, layers=len(decoder_layers(engine.module)))
+        offload = ActivationOffload(dims.device, layers=len(decoder_layers(engine.module)))
         log.info("activation offload: what backward keeps waits in host memory")
     source = build_source(cfg, _vocab_size(engine.module))
-    evaluator = build_evaluator(
-        cfg, parallel.layout, ctx.rank, ctx.device, _vocab_size(engine.module)
-    )
+    evaluator = build_evaluator(cfg, dims, _vocab_size(engine.module))
     store = CheckpointStore(
         RunDir(cfg.run.dir).checkpoints,
-        ctx.rank,
-        ctx.world_size,
+        dims.rank,
+        dims.world_size,
         cfg.checkpoint.keep,
         cfg.checkpoint.remove_damaged,
     )
     store.check_writable()
-    settings = run_settings(cfg, parallel.layout, choices.zero_stage)
+    settings = run_settings(cfg, dims.layout, choices.zero_stage)
     resumed = store.load_latest(engine, settings)
     # the store checked it is samples_consumed / global_batch
     first_step = resumed.step if resumed else 0
     schedule = SaveSchedule(cfg.checkpoint)
     tracer = StepTracer(
-        cfg, ctx.rank, ctx.world_size, ctx.device, engine.module, first_step, parallel.layout
+        cfg, dims.rank, dims.world_size, dims.device, engine.module, first_step, dims.layout
     )
     if store.set_aside:
         tracer.note("run/damaged_checkpoints", damage_report(store.set_aside), first_step)
@@ -107,7 +102,7 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
         for step in range(first_step, cfg.train.steps):
             lr = engine.lr()
             with tracer.step(step + 1) as phases:
-                loss = optimizer_step(engine, cfg, ctx, parallel, source, step, phases, offload)
+                loss = optimizer_step(engine, cfg, dims, source, step, phases, offload)
             if backend is not None and step == first_step:
                 backend.require_sdpa_found()
             losses.append(loss)
@@ -115,20 +110,20 @@ def train(cfg: JobConfig, ctx: DistContext, parallel: Parallel, stop: StopReques
             tracer.log_step(done, loss, lr, engine.grad_norm())
             if evaluator is not None and evaluator.due(done):
                 evaluator.report(done, evaluator.evaluate(engine), tracer.writer)
-            save_due, stop_now = _agree(ctx, schedule.due(done), stop.requested)
+            save_due, stop_now = _agree(dims, schedule.due(done), stop.requested)
             if save_due or stop_now or done == cfg.train.steps:
-                store.save(engine, _trainer_state(cfg, ctx, parallel, engine, done, settings))
+                store.save(engine, _trainer_state(cfg, dims, engine, done, settings))
                 schedule.saved()
             if stop_now:
                 log.info(
                     "stopping at step %d on %s", done, stop.signal_name or "another rank's signal"
                 )
                 tracer.close()
-                requeue_and_exit(cfg.run.dir, ctx.rank, cfg.cluster.max_requeues)
+                requeue_and_exit(cfg.run.dir, dims.rank, cfg.cluster.max_requeues)
     finally:
         tracer.close()
     weights = engine.full_state_dict()
-    if ctx.rank == 0:
+    if dims.rank == 0:
         export_hf(engine.module, cfg.run.dir, weights, prepared_tokenizer(cfg))
     return TrainResult(first_step=first_step, losses=losses)
 
@@ -142,8 +137,7 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 def _trainer_state(
     cfg: JobConfig,
-    ctx: DistContext,
-    parallel: Parallel,
+    dims: ParallelDims,
     engine: TrainEngine,
     done: int,
     settings: dict[str, Any],
@@ -151,16 +145,16 @@ def _trainer_state(
     return TrainerState(
         step=done,
         samples_consumed=done * cfg.global_batch,
-        world_size=ctx.world_size,
-        layout=repr(parallel.layout),
+        world_size=dims.world_size,
+        layout=repr(dims.layout),
         engine=engine.name,
         settings=settings,
     )
 
 
-def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> tuple[bool, bool]:
+def _agree(dims: ParallelDims, save_due: bool, stop_requested: bool) -> tuple[bool, bool]:
     """Any rank's reason to save or stop is every rank's: they must act at the same step."""
-    flags = torch.tensor([int(save_due), int(stop_requested)], device=ctx.device)
+    flags = torch.tensor([int(save_due), int(stop_requested)], device=dims.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0]), bool(flags[1])
 
@@ -168,8 +162,7 @@ def _agree(ctx: DistContext, save_due: bool, stop_requested: bool) -> tuple[bool
 def optimizer_step(
     engine: TrainEngine,
     cfg: JobConfig,
-    ctx: DistContext,
-    parallel: Parallel,
+    dims: ParallelDims,
     source: Any,
     step: int,
     phases: Phases = UNTIMED,
@@ -183,26 +176,24 @@ def optimizer_step(
     gradient reduction (`engine.loss_scale`). `phases` times data / forward / backward / optimizer (and, on traced
     steps, marks them on the memory timeline). With `offload`, what each forward keeps for backward waits in host memory.
     """
-    layout = parallel.layout
     with phases("data"):
         samples = [
-            micro_batch(source, cfg, step, m, layout.dp_rank(ctx.rank))
-            for m in range(cfg.train.grad_accum)
+            micro_batch(source, cfg, step, m, dims.dp_rank) for m in range(cfg.train.grad_accum)
         ]
         batches = [
             prepare_sp_inputs(
-                s.input_ids.to(ctx.device),
-                None if s.labels is None else s.labels.to(ctx.device),
-                sp_rank=layout.sp_rank(ctx.rank),
-                sp_size=layout.sp_size,
-                document_ids=None if s.document_ids is None else s.document_ids.to(ctx.device),
+                s.input_ids.to(dims.device),
+                None if s.labels is None else s.labels.to(dims.device),
+                sp_rank=dims.sp_rank,
+                sp_size=dims.sp_size,
+                document_ids=None if s.document_ids is None else s.document_ids.to(dims.device),
             )
             for s in samples
         ]
-        valid = torch.tensor(sum(b.valid_labels for b in batches), device=ctx.device)
+        valid = torch.tensor(sum(b.valid_labels for b in batches), device=dims.device)
         dist.all_reduce(valid)
     num_items = valid.clamp(min=1)
-    step_loss = torch.zeros((), device=ctx.device)
+    step_loss = torch.zeros((), device=dims.device)
     for batch in batches:
         with phases("forward"), offload.saving() if offload else nullcontext():
             loss = causal_lm_loss(

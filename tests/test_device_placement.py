@@ -10,8 +10,7 @@ import pytest
 import torch
 from device_check import names_devices
 
-from slurm_autosp.cluster.distributed import DistContext
-from slurm_autosp.cluster.placement import build_parallel
+from slurm_autosp.cluster.parallel_dims import build_parallel_dims
 from slurm_autosp.config import load_config
 from slurm_autosp.data import write_token_file
 from slurm_autosp.lifecycle.signals import StopRequest
@@ -41,9 +40,9 @@ def test_train_evaluate_save_and_export_name_the_device_of_every_tensor(
         ]
     )
     cfg.run.dir.mkdir(parents=True)
-    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    dims = build_parallel_dims(cfg, local_rank=0, device=torch.device("cpu"))
     with names_devices() as unnamed:
-        result = train(cfg, ctx, build_parallel(cfg), StopRequest())
+        result = train(cfg, dims, StopRequest())
     assert len(result.losses) == 2
     assert (cfg.run.dir / "hf" / "model.safetensors").exists()
     assert unnamed == [], f"tensors made without naming their device: {sorted(set(unnamed))}"

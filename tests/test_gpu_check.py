@@ -187,8 +187,7 @@ def test_a_policys_rows_search_on_through_out_of_memory_errors(tmp_path, cpu_ran
     """A model that runs out of memory above 700 tokens (oom_model.build_short, the stand-in for
     the GPU's memory): both lengths fit, the search doubles to 1,024, runs out, and goes on
     through a rebuilt engine to 640 fitting and 704 not."""
-    from slurm_autosp.cluster.distributed import DistContext
-    from slurm_autosp.cluster.placement import build_parallel
+    from slurm_autosp.cluster.parallel_dims import build_parallel_dims
 
     shipped = yaml.safe_load((REPO / TINY_SCALE.config).read_text())
     shipped["model"]["builder"] = "oom_model:build_short"
@@ -198,10 +197,8 @@ def test_a_policys_rows_search_on_through_out_of_memory_errors(tmp_path, cpu_ran
     target = Target(CPU, "none", 0.0, compiled=False, out=tmp_path)
     cfg = check_config(scale, target, "none", 256)
     assert cfg.model.builder == "oom_model:build_short"
-    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=CPU)
-    rows = policy_rows(
-        scale, target, "none", ctx, build_parallel(cfg), {("none", 256): None, ("none", 512): None}
-    )
+    dims = build_parallel_dims(cfg, local_rank=0, device=CPU)
+    rows = policy_rows(scale, target, "none", dims, {("none", 256): None, ("none", 512): None})
     longest = rows[-1]
     assert 640 <= oom_model.SHORT_FIT < 704
     assert longest.measured == "640 tokens fit, 704 ran out of memory", longest

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import os
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,16 +19,9 @@ from slurm_autosp.config import is_user_port
 RENDEZVOUS_PORTS = range(20000, 32768)
 
 
-@dataclass(frozen=True)
-class DistContext:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-
-def init_distributed(use_gpus: bool, timeout_min: float) -> DistContext:
-    """Join the job's process group: NCCL (RCCL on ROCm builds) on GPUs, gloo on CPU.
+def init_distributed(use_gpus: bool, timeout_min: float) -> tuple[int, torch.device]:
+    """Join the job's process group: NCCL (RCCL on ROCm builds) on GPUs, gloo on CPU; return
+    this rank's local rank and device (its rank is torch.distributed's from here on).
 
     The rendezvous is the job's first host on `rendezvous_port`, so every rank of a job, and
     no other job, meets there.
@@ -61,9 +53,7 @@ def init_distributed(use_gpus: bool, timeout_min: float) -> DistContext:
             f"(e.g. one in {RENDEZVOUS_PORTS.start}-{RENDEZVOUS_PORTS.stop - 1}) and resubmit"
         ) from e
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
-    return DistContext(
-        rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device=device
-    )
+    return env.local_rank, device
 
 
 def rank_device_index(local_rank: int, local_world_size: int, visible: int) -> int:

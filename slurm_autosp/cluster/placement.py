@@ -8,16 +8,11 @@ profile against what each node detects: ranks then agree on the groups by constr
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
 from slurm_autosp.cluster.layout import (
     LayoutError,
     ParallelLayout,
-    build_process_groups,
     derive_parallel_layout,
 )
 from slurm_autosp.cluster.topology import (
@@ -29,8 +24,6 @@ from slurm_autosp.cluster.topology import (
     topology_from_profile,
 )
 from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig, Vendor
-
-log = logging.getLogger(__name__)
 
 
 class TopologyMismatch(RuntimeError):
@@ -98,22 +91,3 @@ def verify_topology(cfg: JobConfig, local_rank: int) -> None:
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise TopologyMismatch(verdict[0])
-
-
-@dataclass(frozen=True)
-class Parallel:
-    """The layout and this rank's process groups: what the compiler and the loop use."""
-
-    layout: ParallelLayout
-    sp_group: ProcessGroup
-    dp_group: ProcessGroup
-
-
-def build_parallel(cfg: JobConfig) -> Parallel:
-    layout = layout_for(cfg)
-    if layout.cross_domain:
-        log.warning(
-            "parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)"
-        )
-    sp_group, dp_group = build_process_groups(layout)
-    return Parallel(layout, sp_group, dp_group)

@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 from slurm_autosp.cluster.comm_env import collective_env
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache, users_environment
-from slurm_autosp.cluster.distributed import DistContext, init_distributed
-from slurm_autosp.cluster.placement import Parallel, build_parallel, verify_topology
+from slurm_autosp.cluster.parallel_dims import ParallelDims, init_parallel_dims
 from slurm_autosp.config import ConfigError, JobConfig, Vendor
 from slurm_autosp.lifecycle.lock import RunLock, acquire_lock, release_lock
 from slurm_autosp.lifecycle.run_dir import RunDir
@@ -67,32 +66,34 @@ class TrainingJob:
         rank = job_env.global_rank
         _configure_process(cfg, rank)
         applied = _apply_collective_env(cfg)
-        ctx = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)
         try:
-            refusal = _claim_run(cfg, job_env, self.claim) if ctx.rank == 0 else None
-            shared = [refusal]
-            dist.broadcast_object_list(shared, src=0)  # every rank exits when rank 0 refuses
-            if shared[0] is not None:
-                raise ConfigError(shared[0])
-            verify_topology(cfg, ctx.local_rank)
-            parallel = build_parallel(cfg)
-            if ctx.rank == 0:
-                log.info("%s", parallel.layout)
+            dims = init_parallel_dims(cfg, lambda rank: self._claim(job_env, rank))
+            if dims.rank == 0:
+                log.info("%s", dims.layout)
                 log.info(
                     "collective environment: %s",
                     " ".join(f"{k}={v}" for k, v in sorted(applied.items())),
                 )
-            result = self.work(ctx, parallel, stop)
-            if ctx.rank == 0:
+            result = self.work(dims, stop)
+            if dims.rank == 0:
                 release_lock(cfg.run.dir, _holder(job_env))
             return result
         finally:
-            torch.distributed.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
-    def work(self, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> Any:
+    def _claim(self, job_env: submitit.JobEnvironment, rank: int) -> None:
+        """Rank 0 takes the run's lock; every rank exits when it refuses."""
+        refusal = _claim_run(self.cfg, job_env, self.claim) if rank == 0 else None
+        shared = [refusal]
+        dist.broadcast_object_list(shared, src=0)
+        if shared[0] is not None:
+            raise ConfigError(shared[0])
+
+    def work(self, dims: ParallelDims, stop: StopRequest) -> Any:
         """What the job does once the process group, the run and the layout are set: train.
         A subclass does other work on the same path (the probe)."""
-        return train(self.cfg, ctx, parallel, stop)
+        return train(self.cfg, dims, stop)
 
 
 def _claim_run(cfg: JobConfig, job_env: submitit.JobEnvironment, claim: LockClaim) -> str | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.cluster.placement import Parallel
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.model import hf_config
 from slurm_autosp.plan import model_size
@@ -103,26 +103,23 @@ def nominal_bandwidth(cfg: JobConfig, group: str, device: torch.device) -> tuple
 
 def time_collectives(
     cfg: JobConfig,
-    parallel: Parallel,
-    device: torch.device,
-    rank: int,
+    dims: ParallelDims,
     zero_stage: int,
     stop: AgreedStop | None = None,
 ) -> list[CollectiveTiming]:
     """Time every message of `step_messages` on this rank's group (every rank takes part); an
     agreed stop request ends the timing between two messages."""
-    layout = parallel.layout
     groups = {
-        "sp": (parallel.sp_group, layout.dp_rank(rank), layout.sp_size),
-        "dp": (parallel.dp_group, layout.sp_rank(rank), layout.dp_size),
+        "sp": (dims.sp_group, dims.dp_rank, dims.sp_size),
+        "dp": (dims.dp_group, dims.sp_rank, dims.dp_size),
     }
     timings: list[CollectiveTiming] = []
     for m in step_messages(cfg, zero_stage):
         if stop is not None and stop.requested(f"{len(timings)} collectives timed"):
             break
         group, index, size = groups[m.group]
-        nbytes, seconds, latency = time_message(m, group, device)
-        nominal, source = nominal_bandwidth(cfg, m.group, device)
+        nbytes, seconds, latency = time_message(m, group, dims.device)
+        nominal, source = nominal_bandwidth(cfg, m.group, dims.device)
         timings.append(
             CollectiveTiming(
                 m.collective,

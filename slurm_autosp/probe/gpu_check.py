@@ -96,8 +96,7 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
     before this one holds any GPU memory)."""
     # After the GPU check: a machine without a GPU is refused in a second, not after these.
     from slurm_autosp.cluster.compile_cache import use_private_compile_cache
-    from slurm_autosp.cluster.distributed import DistContext
-    from slurm_autosp.cluster.placement import build_parallel
+    from slurm_autosp.cluster.parallel_dims import build_parallel_dims
     from slurm_autosp.plan.memory_plan import GB
     from slurm_autosp.probe.bandwidth import bandwidth_rows
     from slurm_autosp.probe.exactness import check_rewrites
@@ -131,18 +130,17 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
     rows: list[Row] = []
     with one_rank(device):
         cfg = check_config(scale, target, next(iter(POLICIES)), scale.lengths[0])
-        parallel = build_parallel(cfg)
-        ctx = DistContext(rank=0, world_size=1, local_rank=0, device=device)
+        dims = build_parallel_dims(cfg, local_rank=0, device=device)
         start = time.perf_counter()
         planned = predictions(scale, target)  # before anything compiles: it resets Dynamo
-        set_sp_group(parallel.sp_group)
+        set_sp_group(dims.sp_group)
         checks = check_kernels(device) + check_rewrites(device, tiny, compiled=not eager)
         rows += [exactness_row(c) for c in checks]
         _section("exactness", start, rows)
         torch.compiler.reset()  # the checks' small models' graphs: no part of the policies' limits
         for policy in POLICIES:
             start = time.perf_counter()
-            measured = policy_rows(scale, target, policy, ctx, parallel, planned)
+            measured = policy_rows(scale, target, policy, dims, planned)
             rows += measured
             _section(policy, start, measured)
     return rows + bandwidth

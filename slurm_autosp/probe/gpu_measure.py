@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from slurm_autosp.cluster.distributed import DistContext
-from slurm_autosp.cluster.placement import Parallel
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig, load_config
 from slurm_autosp.plan import TrainingChoices, training_choices
 from slurm_autosp.plan.memory_plan import GB
@@ -189,17 +188,17 @@ def longest_row(policy: str, search: Search, scale: Scale) -> Row:
 class _Model:
     """The policy's model, compiled once; rebuilt on the same graphs after running out of memory."""
 
-    def __init__(self, cfg: JobConfig, ctx: DistContext, parallel: Parallel):
-        self.cfg, self.ctx, self.parallel = cfg, ctx, parallel
+    def __init__(self, cfg: JobConfig, dims: ParallelDims):
+        self.cfg, self.dims = cfg, dims
         self.choices: TrainingChoices = training_choices(cfg)
-        self.steps = ProbeSteps(cfg, ctx, parallel, self.choices)
+        self.steps = ProbeSteps(cfg, dims, self.choices)
 
     def measure(self, cfg: JobConfig, steps: int) -> StepMeasurement:
         m = self.steps.measure(cfg, steps)
         if m.oom:
             backend = self.steps.backend
             self.steps.close()
-            self.steps = ProbeSteps(self.cfg, self.ctx, self.parallel, self.choices, backend)
+            self.steps = ProbeSteps(self.cfg, self.dims, self.choices, backend)
         return m
 
     def close(self) -> None:
@@ -210,12 +209,11 @@ def policy_rows(
     scale: Scale,
     target: Target,
     policy: str,
-    ctx: DistContext,
-    parallel: Parallel,
+    dims: ParallelDims,
     planned: dict[tuple[str, int], PlanPrediction | None],
 ) -> list[Row]:
     gpu_bytes = target.memory_gb * GB
-    model = _Model(check_config(scale, target, policy, scale.lengths[0]), ctx, parallel)
+    model = _Model(check_config(scale, target, policy, scale.lengths[0]), dims)
     rows: list[Row] = []
     fit: list[int] = []
     oom: list[int] = []
@@ -224,7 +222,7 @@ def policy_rows(
             m = model.measure(check_config(scale, target, policy, length), scale.steps)
             rows += [
                 plan_row(policy, length, m, planned[policy, length], gpu_bytes),
-                step_row(policy, length, m, ctx.world_size),
+                step_row(policy, length, m, dims.world_size),
             ]
             (oom if m.oom else fit).append(length)
 

@@ -11,8 +11,7 @@ import socket
 
 import torch.distributed as dist
 
-from slurm_autosp.cluster.distributed import DistContext
-from slurm_autosp.cluster.placement import Parallel
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig
 from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.plan import training_choices
@@ -24,28 +23,26 @@ from slurm_autosp.probe.steps import StepMeasurement, measure_steps
 from slurm_autosp.probe.stop import AgreedStop
 
 
-def run_probe(
-    cfg: JobConfig, ctx: DistContext, parallel: Parallel, request: StopRequest
-) -> ProbeReport | None:
+def run_probe(cfg: JobConfig, dims: ParallelDims, request: StopRequest) -> ProbeReport | None:
     """The report on rank 0, None on the others. Rank 0 takes the plan's prediction first (it
     traces a layer: seconds), so that a stopped probe exits without it; the collectives run
     before the model holds any memory."""
     choices = training_choices(cfg)
-    prediction = predict_memory(cfg, choices) if ctx.rank == 0 else None
-    stop = AgreedStop(request, ctx.device)
-    kernels = check_kernels(ctx.device)
-    collectives = time_collectives(cfg, parallel, ctx.device, ctx.rank, choices.zero_stage, stop)
+    prediction = predict_memory(cfg, choices) if dims.rank == 0 else None
+    stop = AgreedStop(request, dims.device)
+    kernels = check_kernels(dims.device)
+    collectives = time_collectives(cfg, dims, choices.zero_stage, stop)
     steps = (
         StepMeasurement.not_run(stop.reason)
         if stop.reason
-        else measure_steps(cfg, ctx, parallel, choices, stop)
+        else measure_steps(cfg, dims, choices, stop)
     )
-    mine = RankResult(ctx.rank, socket.gethostname(), kernels, collectives, steps)
-    gathered: list[RankResult | None] = [None] * ctx.world_size
+    mine = RankResult(dims.rank, socket.gethostname(), kernels, collectives, steps)
+    gathered: list[RankResult | None] = [None] * dims.world_size
     dist.all_gather_object(gathered, mine)
-    if ctx.rank != 0:
+    if dims.rank != 0:
         return None
     ranks = [r for r in gathered if r is not None]
-    report = build_report(cfg, choices, ranks, prediction, ctx.device.type == "cuda")
+    report = build_report(cfg, choices, ranks, prediction, dims.device.type == "cuda")
     print(write_report(report, cfg.run.dir, cfg.trace.tensorboard), flush=True)
     return report

@@ -4,8 +4,7 @@ the job's stop signals as training does (without the checkpoint and the requeue)
 
 from __future__ import annotations
 
-from slurm_autosp.cluster.distributed import DistContext
-from slurm_autosp.cluster.placement import Parallel
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.launch.job import TrainingJob
 from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.probe.findings import ProbeReport
@@ -13,5 +12,5 @@ from slurm_autosp.probe.measure import run_probe
 
 
 class ProbeJob(TrainingJob):
-    def work(self, ctx: DistContext, parallel: Parallel, stop: StopRequest) -> ProbeReport | None:
-        return run_probe(self.cfg, ctx, parallel, stop)
+    def work(self, dims: ParallelDims, stop: StopRequest) -> ProbeReport | None:
+        return run_probe(self.cfg, dims, stop)

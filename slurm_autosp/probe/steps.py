@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.cluster.distributed import DistContext
-from slurm_autosp.cluster.placement import Parallel
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.compile import AutoSPBackend, decoder_layers
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.data import build_source
@@ -130,32 +129,31 @@ class ProbeSteps:
     def __init__(
         self,
         cfg: JobConfig,
-        ctx: DistContext,
-        parallel: Parallel,
+        dims: ParallelDims,
         choices: TrainingChoices,
         backend: AutoSPBackend | None = None,
     ):
         """`backend`: an earlier ProbeSteps' (same config), whose compiled graphs it reuses."""
-        self.ctx, self.parallel = ctx, parallel
+        self.dims = dims
         torch.manual_seed(cfg.train.seed)
-        self.engine = build_engine(cfg, ctx.device, choices.zero_stage, choices.offload_optimizer)
+        self.engine = build_engine(cfg, dims.device, choices.zero_stage, choices.offload_optimizer)
         self.backend = compile_for_sp(
             self.engine.module,
             cfg,
-            parallel,
+            dims,
             choices.checkpointing,
             choices.tile_tokens,
             backend,
         )
         self.offload = (
-            ActivationOffload(ctx.device, layers=len(decoder_layers(self.engine.module)))
+            ActivationOffload(dims.device, layers=len(decoder_layers(self.engine.module)))
             if choices.offload_activations
             else None
         )
         self.peak, self.peak_source = peak_tflops(
-            cfg.trace.peak_tflops_per_gpu, ctx.device, cfg.precision is Precision.bf16
+            cfg.trace.peak_tflops_per_gpu, dims.device, cfg.precision is Precision.bf16
         )
-        self.memory = MemoryReader(ctx.device)
+        self.memory = MemoryReader(dims.device)
         self.held = SavedBytes(
             {p.untyped_storage().data_ptr() for p in self.engine.module.parameters()}
         )
@@ -166,7 +164,7 @@ class ProbeSteps:
     ) -> StepMeasurement:
         """`steps` optimizer steps at `cfg.data.seq_len`; an out-of-memory error or an agreed
         stop request ends them."""
-        ctx, memory = self.ctx, self.memory
+        dims, memory = self.dims, self.memory
         source = build_source(cfg, model_vocab_size(cfg.model))
         flops = count_flops(self.engine.module, cfg.data.seq_len, cfg.global_batch)
         seconds: list[float] = []
@@ -182,17 +180,17 @@ class ProbeSteps:
             if step == 1:
                 start_bytes = memory.read()[0]
                 memory.reset_peak()
-            _synchronize(ctx.device)
+            _synchronize(dims.device)
             begin = time.perf_counter()
             try:
                 with self.held.counting():
                     loss = optimizer_step(
-                        self.engine, cfg, ctx, self.parallel, source, step, offload=self.offload
+                        self.engine, cfg, dims, source, step, offload=self.offload
                     )
-                _synchronize(ctx.device)
+                _synchronize(dims.device)
             except torch.OutOfMemoryError as err:
                 oom = self._out_of_memory(step + 1, err)
-                log.error("probe: rank %d ran %s", ctx.rank, oom.describe())
+                log.error("probe: rank %d ran %s", dims.rank, oom.describe())
                 break
             seconds.append(time.perf_counter() - begin)
             losses.append(loss)
@@ -227,19 +225,18 @@ class ProbeSteps:
         self.engine.close()
         del self.engine
         gc.collect()
-        if self.ctx.device.type == "cuda":
+        if self.dims.device.type == "cuda":
             torch.cuda.empty_cache()
 
 
 def measure_steps(
     cfg: JobConfig,
-    ctx: DistContext,
-    parallel: Parallel,
+    dims: ParallelDims,
     choices: TrainingChoices,
     stop: AgreedStop | None = None,
 ) -> StepMeasurement:
     """`probe.steps` optimizer steps as training runs them."""
-    steps = ProbeSteps(cfg, ctx, parallel, choices)
+    steps = ProbeSteps(cfg, dims, choices)
     try:
         return steps.measure(cfg, cfg.probe.steps, stop)
     finally:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
 
 from slurm_autosp.cluster.layout import ParallelLayout
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.compile import compile_model
 from slurm_autosp.data import TokenFileSource
 from slurm_autosp.evaluate import Evaluator
@@ -25,6 +26,7 @@ from slurm_autosp.verify import make_batch
 
 SEQ = 127  # not divisible by 2 or 4: exercises the SP padding
 LOSS_CHUNK = 24  # tokens per cross-entropy chunk in the engine steps: several chunks per rank
+_dp_groups: dict[int, dist.ProcessGroup] = {}
 
 
 def _shift(labels: torch.Tensor) -> torch.Tensor:
@@ -435,13 +437,27 @@ def fsdp2_held_bytes() -> dict:
 EVAL_SEQ = 61  # odd: the SP padding
 
 
+def contiguous_dims(sp_size: int) -> ParallelDims:
+    """This rank's dims on CPU over contiguous SP groups (contiguous_sp_group's), the DP groups
+    across them, as the job builds them for one node (every rank creates every group, once)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = ParallelLayout.from_sp_groups(
+        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size))
+    )
+    if sp_size not in _dp_groups:
+        groups = [dist.new_group(list(ranks)) for ranks in layout.dp_groups]
+        _dp_groups[sp_size] = groups[layout.sp_rank(rank)]
+    sp_group = contiguous_sp_group(sp_size)
+    return ParallelDims(rank, rank, torch.device("cpu"), layout, sp_group, _dp_groups[sp_size])
+
+
 def held_out_eval(
     path: str, sp_size: int, tile_tokens: int, micro_batch: int, samples: int
 ) -> dict | None:
     """Evaluator over the AutoSP-compiled model (MLPs tiled by `tile_tokens`) on SP x DP ranks,
     after a training forward and backward (the graphs then run again without grad), against
     the single-device loss of the same held-out samples; None on ranks other than 0."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     source = TokenFileSource(path, EVAL_SEQ, VOCAB)
     model = tiny_model("llama", 2)
     compile_model(model, backend_for(sp_size, True), per_layer=True, tile_tokens=tile_tokens)
@@ -450,17 +466,12 @@ def held_out_eval(
         source.sample(0).input_ids[None], sp_rank=rank % sp_size, sp_size=sp_size
     )
     causal_lm_loss(model, shard.model_kwargs(torch.tensor(1)), chunk_tokens=LOSS_CHUNK).backward()
-    layout = ParallelLayout.from_sp_groups(
-        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size))
-    )
     evaluator = Evaluator(
         source=source,
         samples=samples,
         every=0,
         last_step=1,
-        layout=layout,
-        rank=rank,
-        device=torch.device("cpu"),
+        dims=contiguous_dims(sp_size),
         micro_batch=micro_batch,
         chunk_tokens=LOSS_CHUNK,
     )

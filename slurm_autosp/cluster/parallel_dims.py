@@ -1,0 +1,83 @@
+"""One rank's parallel dimensions: where it sits in the job's SP x DP layout, its device and its
+process groups, in one value built once at job start. Everything a rank does by its place
+(which shard of a sequence it keeps, which samples it reads, which group it talks to) reads
+it from here, so no two readers can disagree on it. The job-wide `ParallelLayout` stays the
+rank-free value that submit derives before any rank exists."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from slurm_autosp.cluster.distributed import init_distributed
+from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
+from slurm_autosp.cluster.placement import layout_for, verify_topology
+from slurm_autosp.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """This rank in the job's layout: what the compiler, the training step, evaluation and the
+    probe read its rank, sizes, shard and groups from."""
+
+    rank: int
+    local_rank: int  # among the ranks of its node: the one that probes the node's GPUs is 0
+    device: torch.device
+    layout: ParallelLayout
+    sp_group: ProcessGroup  # the ranks sharing this rank's sequences: the all-to-alls
+    dp_group: ProcessGroup  # the ranks holding the same shard: the gradient reduction
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def sp_size(self) -> int:
+        return self.layout.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+    @property
+    def sp_rank(self) -> int:
+        """Which shard of each sequence this rank keeps."""
+        return self.layout.sp_rank(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel replica this rank is: which samples it reads."""
+        return self.layout.dp_rank(self.rank)
+
+
+def build_parallel_dims(cfg: JobConfig, local_rank: int, device: torch.device) -> ParallelDims:
+    """This rank's dims over the process group it has joined: the layout the config gets and
+    its SP and DP groups. Every rank of the group calls it (each builds every group)."""
+    layout = layout_for(cfg)
+    if layout.cross_domain:
+        log.warning(
+            "parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)"
+        )
+    sp_group, dp_group = build_process_groups(layout)
+    return ParallelDims(dist.get_rank(), local_rank, device, layout, sp_group, dp_group)
+
+
+def init_parallel_dims(cfg: JobConfig, on_join: Callable[[int], None]) -> ParallelDims:
+    """Join the job's process group, check the nodes against the cluster profile, then build
+    this rank's dims.
+
+    `on_join(rank)` runs on every rank as soon as the group is up, before any node is probed
+    or group built: the job claims its run there, so a start it refuses (by raising) goes no
+    further. The process group stays up on error: the caller tears it down.
+    """
+    local_rank, device = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)
+    on_join(dist.get_rank())
+    verify_topology(cfg, local_rank)
+    return build_parallel_dims(cfg, local_rank, device)
