@@ -13,28 +13,22 @@ from __future__ import annotations
 import os
 import sys
 
+from slurm_autosp.admission import Admission, admit
 from slurm_autosp.cli import arguments, config_error, take_flag
-from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import ConfigError, JobConfig, load_config
-from slurm_autosp.data import check_token_file
 from slurm_autosp.launch.job import LockClaim, TrainingJob
 from slurm_autosp.lifecycle.run_dir import RunDir
-from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
-from slurm_autosp.plan import plan_verdict
-from slurm_autosp.plan.freeze import adopt_frozen_choices, freeze_choices
 
 
-def plan_or_adopt(cfg: JobConfig, restarted: bool) -> None:
-    """A requeued start trains with the choices its first start froze into the run's config;
-    a first start plans (the same on every rank), refuses a job that does not fit, and freezes."""
+def admit_start(cfg: JobConfig, restarted: bool) -> Admission:
+    """Submit's checks, on every rank. A requeued start trains with the choices its first
+    start froze into the run's config; a first start plans (the same on every rank), refuses a
+    job that does not fit, and freezes."""
     recorded = RunDir(cfg.run.dir).config
-    if restarted and recorded.exists():
-        adopt_frozen_choices(cfg, load_config([f"cfg={recorded}"]))
-        return
-    plan = plan_verdict(cfg)
-    if not plan.fits:
-        raise ConfigError(f"{plan.reason}\n{plan.text}")
-    freeze_choices(cfg, plan.choices)
+    adopted = load_config([f"cfg={recorded}"]) if restarted and recorded.exists() else None
+    admission = admit(cfg, recorded=adopted)
+    admission.refuse_unless_fits()
+    return admission
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,10 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     restarted = os.environ.get("SLURM_RESTART_COUNT", "0") != "0"
     try:
         cfg = load_config(argv)
-        refuse_unsupported_attention(cfg)
-        check_token_file(cfg, model_vocab_size(cfg.model))
-        layout_for(cfg)
-        plan_or_adopt(cfg, restarted)
+        admit_start(cfg, restarted)
         TrainingJob(cfg, LockClaim(force=force, record_config=not restarted))()
     except ConfigError as err:
         return config_error(err)

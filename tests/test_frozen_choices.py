@@ -12,7 +12,7 @@ from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSp
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
 from slurm_autosp.plan import TrainingChoices, plan_verdict, training_choices
 from slurm_autosp.plan.freeze import FROZEN_KEYS, freeze_choices
-from slurm_autosp.run import plan_or_adopt
+from slurm_autosp.run import admit_start
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
     first.run.dir.mkdir(parents=True)
     (first.run.dir / "config.yaml").write_text(to_yaml(first))
     requeued = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
-    plan_or_adopt(requeued, restarted=True)
+    admit_start(requeued, restarted=True)
     assert training_choices(requeued) == TrainingChoices(
         3, ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True, True
     )
@@ -80,7 +80,7 @@ def test_a_first_start_plans_and_refuses_a_job_that_does_not_fit(tmp_path):
     with pytest.raises(
         ConfigError, match=r"the job does not fit its GPUs: needs [\d.]+ GB per GPU under ZeRO-1"
     ):
-        plan_or_adopt(cfg, restarted=False)
+        admit_start(cfg, restarted=False)
 
 
 def test_run_refuses_a_job_that_does_not_fit_on_every_rank_before_anything_is_written(tmp_path):

@@ -1,7 +1,7 @@
 """The dependency order holds, one floor a package where packages depend on each other:
 config -> cluster -> run lifecycle -> SP runtime -> compiler -> data and model -> training
-state -> engines -> memory plan -> train -> launch -> the commands (each package's __main__ is
-a command). No module imports one of a later layer, or another package of its own layer, at
+state -> engines -> memory plan -> admission -> train -> launch -> the commands (each
+package's __main__ is a command). No module imports one of a later layer, or another package of its own layer, at
 the top or inside a function: no two packages import each other."""
 
 import ast
@@ -21,6 +21,7 @@ LAYERS = [
     {"checkpoint"},
     {"engine"},
     {"plan"},
+    {"admission"},
     {"evaluate"},
     {"train"},
     {"launch"},

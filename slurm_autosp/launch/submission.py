@@ -7,22 +7,18 @@ from __future__ import annotations
 import os
 import socket
 
+from slurm_autosp.admission import admit
 from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.store import refuse_another_runs_checkpoint
 from slurm_autosp.cli import config_error
 from slurm_autosp.cluster.layout import ParallelLayout
-from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import Backend, ConfigError, JobConfig, to_yaml
-from slurm_autosp.data import check_token_file
 from slurm_autosp.launch.executor import build_executor, resolve_backend, sbatch_script
 from slurm_autosp.launch.job import LockClaim, TrainingJob, collective_env_for
 from slurm_autosp.launch.watch import follow, next_steps
 from slurm_autosp.lifecycle.lock import SUBMITTING, RunLock, acquire_lock, release_lock
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.run_setup import prepare_run_dir
-from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
-from slurm_autosp.plan import plan_verdict
-from slurm_autosp.plan.freeze import freeze_choices
 
 
 def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -> str:
@@ -51,26 +47,24 @@ def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -
 
 
 def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJob) -> int:
-    """Check, plan and submit a loaded config: what `main` does after loading it, and what the
-    probe does with its own config (an object, so no value is re-read as text)."""
+    """Admit (every check before queueing, see `slurm_autosp.admission`) and submit a loaded
+    config: what `main` does after loading it, and what the probe does with its own config
+    (an object, so no value is re-read as text)."""
     submission = RunLock(str(os.getpid()), SUBMITTING, socket.gethostname())
     try:
-        refuse_unsupported_attention(cfg)
-        check_token_file(cfg, model_vocab_size(cfg.model))
-        layout = layout_for(cfg)
+        admission = admit(cfg)
+        layout = admission.layout
         backend = resolve_backend(cfg.cluster.backend)
-        plan = plan_verdict(cfg)
-        freeze_choices(cfg, plan.choices)
         refuse_another_runs_checkpoint(
-            RunDir(cfg.run.dir).checkpoints, run_settings(cfg, layout, plan.choices.zero_stage)
+            RunDir(cfg.run.dir).checkpoints,
+            run_settings(cfg, layout, admission.plan.choices.zero_stage),
         )
-        if cfg.dry_run:
+        if cfg.dry_run:  # the plan is printed even when the job does not fit
             print(describe_dry_run(cfg, backend, layout))
-            print(plan.text)
+            print(admission.plan.text)
             return 0
         executor = build_executor(cfg, backend)
-        if not plan.fits:
-            raise ConfigError(f"{plan.reason}\n{plan.text}")
+        admission.refuse_unless_fits()
         prepare_run_dir(cfg, submission, force=force)
     except ConfigError as err:
         return config_error(err)

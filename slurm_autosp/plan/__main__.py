@@ -17,24 +17,26 @@ import logging
 import sys
 import warnings
 
+from slurm_autosp.admission import admit_model
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.model import refuse_unsupported_attention
+from slurm_autosp.plan import build_plan, render, verdict
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Whether the job fits: only the model's admission applies (a plan means nothing for a
+    model AutoSP computes wrongly); absent data or another run's checkpoint do not change the
+    answer, so they are left to submit."""
     argv = arguments(argv, __doc__)
     if argv is None:
         return 0
     try:
         cfg = load_config(argv)
-        refuse_unsupported_attention(cfg)
+        admit_model(cfg)
     except ConfigError as err:
         return config_error(err)
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
-    from slurm_autosp.plan import build_plan, render, verdict
-
     if not cfg.cluster.uses_gpus:
         cfg.cluster.gpus_per_node = cfg.cluster.ranks_per_node  # plan as if each rank had a GPU
         print(

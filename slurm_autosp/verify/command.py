@@ -44,10 +44,10 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from slurm_autosp.admission import admit_model
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 from slurm_autosp.config import ConfigError, JobConfig, load_config
-from slurm_autosp.model import refuse_unsupported_attention
 from slurm_autosp.verify.options import (
     VerifyOptions,
     load_options,
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         job_args, verify_args = split_arguments(argv)
         options = load_options(verify_args)
         cfg = load_config(job_args)
-        refuse_unsupported_attention(cfg)  # as submit would
-        refuse_unsupported_attention(cfg, verify_seq_len(cfg.parallel.sp_size, options))
+        admit_model(cfg)  # as submit would
+        admit_model(cfg, verify_seq_len(cfg.parallel.sp_size, options))  # and what verify runs
         verify_layout(cfg.parallel.sp_size, options)  # refuses a layout that cannot be had
         use_private_compile_cache(cfg.compile.cache_dir)  # the ranks inherit it
     except ConfigError as err:

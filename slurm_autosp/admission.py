@@ -1,0 +1,77 @@
+"""Admission: every check a job passes before it is queued or started, composed once, in one
+order, for every command. Each check lives with what it is about (the attention refusal with
+the model, the token-file check with the data, the layout with the cluster, the verdict with
+the plan); here they are only put together, so submit, the probe (through submit), a
+hand-submitted rank (`run`), `plan` and `verify` cannot drift apart in what they refuse.
+
+Stages, for the commands that need only a part:
+  admit_model: the model computes exactly under AutoSP (plan, verify, and everything below);
+  admit_data:  the token data reads and fits the model's vocabulary;
+  admit:       both, the layout, then the plan's verdict with its choices frozen into the
+               config (or, on a requeue, the choices the run's first start froze, adopted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slurm_autosp.cluster.layout import ParallelLayout
+from slurm_autosp.cluster.placement import layout_for
+from slurm_autosp.config import ConfigError, JobConfig
+from slurm_autosp.data import check_token_file
+from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
+from slurm_autosp.plan import PlanVerdict, plan_verdict, training_choices
+from slurm_autosp.plan.freeze import adopt_frozen_choices, freeze_choices
+
+ADOPTED = (
+    "memory plan: not planned again: a requeued start trains with the choices its first start "
+    "froze into the run's config"
+)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A config that passed every check before queueing: `cfg` with the plan's choices frozen
+    into it (every rank and every requeue trains with them), the layout it gets, and the plan's
+    verdict. Whether it fits stays a verdict, not a refusal, so a dry run can print a plan that
+    does not fit; `refuse_unless_fits` is the refusal."""
+
+    cfg: JobConfig
+    layout: ParallelLayout
+    plan: PlanVerdict
+
+    def refuse_unless_fits(self) -> None:
+        """Refuse a job that does not fit, with why and the plan as printed."""
+        if not self.plan.fits:
+            raise ConfigError(f"{self.plan.reason}\n{self.plan.text}")
+
+
+def admit_model(cfg: JobConfig, seq_len: int | None = None) -> None:
+    """The model trains exactly under AutoSP at `seq_len` (default data.seq_len): what every
+    command refuses first, since no other answer means anything for a model computed wrongly."""
+    refuse_unsupported_attention(cfg, seq_len)
+
+
+def admit_data(cfg: JobConfig) -> None:
+    """The data the job reads is there and fits the vocabulary of the model actually trained,
+    checked here rather than after the job's wait in the queue."""
+    check_token_file(cfg, model_vocab_size(cfg.model))
+
+
+def admit(cfg: JobConfig, recorded: JobConfig | None = None) -> Admission:
+    """Every check before a job is queued or started, each once, in order: the model, the
+    data, the layout, then the plan, whose choices are frozen into `cfg`. Raises ConfigError.
+
+    `recorded` is the config the run's first start wrote (a requeued hand-submitted start):
+    its frozen choices are adopted and nothing is planned, so a requeue is never refused by a
+    plan that changed since (code, torch or the plan's figures)."""
+    admit_model(cfg)
+    admit_data(cfg)
+    layout = layout_for(cfg)
+    if recorded is not None:
+        adopt_frozen_choices(cfg, recorded)
+        # the adopted choices are concrete, so reading them back plans nothing
+        return Admission(cfg, layout, PlanVerdict(ADOPTED, True, "", training_choices(cfg)))
+    plan = plan_verdict(cfg)
+    freeze_choices(cfg, plan.choices)
+    return Admission(cfg, layout, plan)

@@ -1,0 +1,113 @@
+"""One admission path: submit, the probe (through submit) and a hand-submitted rank (`run`)
+refuse a bad config with admission's own message, before anything is written; `plan` and
+`verify` refuse with its model stage and leave the queueing checks to submit; a requeued
+start adopts what its first start froze and is not refused by a plan that changed."""
+
+from pathlib import Path
+
+import pytest
+from in_process import run_command
+
+import slurm_autosp.plan.choose as choose
+from slurm_autosp.admission import admit
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
+from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
+from slurm_autosp.plan import TrainingChoices
+from slurm_autosp.plan.__main__ import main as plan_main
+from slurm_autosp.probe.__main__ import main as probe_main
+from slurm_autosp.run import admit_start
+from slurm_autosp.run import main as run_main
+from slurm_autosp.submit import main as submit_main
+from slurm_autosp.verify import main as verify_main
+
+TINY = "cfg=configs/tiny_cpu.yaml"
+LLAMA8B = "cfg=configs/llama8b_32k.yaml"
+
+
+def bad_config(case: str, tmp_path: Path) -> list[str]:
+    """A config refused by one stage of admission: the model, the data, the layout."""
+    if case == "attention":
+        return [TINY, "model.model_type=llama4_text", "model.extra.attention_chunk_size=16"]
+    if case == "data":
+        junk = tmp_path / "tokens.bin"
+        junk.write_text("not tokens")
+        return [TINY, "data.source=tokens", f"data.path={junk}"]
+    return ["cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16"]  # beyond an NVLink domain
+
+
+def admission_refusal(args: list[str]) -> str:
+    with pytest.raises(ConfigError) as refused:
+        admit(load_config(args))
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("case", ["attention", "data", "layout"])
+@pytest.mark.parametrize(
+    "main", [submit_main, probe_main, run_main], ids=["submit", "probe", "run"]
+)
+def test_every_queueing_command_refuses_with_admissions_message(case, main, tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)  # run sets it; restored after
+    runs = tmp_path / "runs"
+    args = [*bad_config(case, tmp_path), f"run.output_root={runs}"]
+    expected = admission_refusal(args)
+    proc = run_command(main, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: {expected}\n" in proc.stderr, proc.stderr
+    assert not runs.exists(), "nothing may be written for a refused job"
+
+
+@pytest.mark.parametrize("main", [plan_main, verify_main], ids=["plan", "verify"])
+def test_plan_and_verify_refuse_a_model_with_admissions_message(main, tmp_path):
+    args = bad_config("attention", tmp_path)
+    proc = run_command(main, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: {admission_refusal(args)}\n" in proc.stderr, proc.stderr
+
+
+def test_plan_answers_whether_a_job_fits_leaving_its_data_to_submit(tmp_path):
+    args = bad_config("data", tmp_path)
+    admission_refusal(args)  # submit refuses it
+    proc = run_command(plan_main, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: fits" in proc.stdout
+
+
+def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refused(
+    tmp_path, monkeypatch
+):
+    """The GPUs shrank since the first start (a plan that changed): a first start is refused
+    as submit would refuse it; a requeue trains with what was frozen, planning nothing."""
+    shrunk = [LLAMA8B, f"run.output_root={tmp_path}", "cluster.gpu_memory_gb=1"]
+    with pytest.raises(ConfigError, match="the job does not fit its GPUs") as refused:
+        admit_start(load_config(shrunk), restarted=False)
+    first_start = admit(load_config(shrunk))
+    with pytest.raises(ConfigError) as submitted:
+        first_start.refuse_unless_fits()
+    assert str(refused.value) == str(submitted.value)
+
+    first = load_config(
+        [
+            LLAMA8B,
+            f"run.output_root={tmp_path}",
+            "parallel.zero_stage=3",
+            "compile.activation_checkpointing=sac",
+            "compile.activation_memory_budget=0.5",
+            "compile.tile_tokens=1024",
+            "compile.offload_activations=true",
+            "parallel.offload_optimizer=true",
+        ]
+    )
+    first.run.dir.mkdir(parents=True)
+    (first.run.dir / "config.yaml").write_text(to_yaml(first))
+
+    def planned_again(cfg):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(choose, "build_plan", planned_again)
+    requeued = admit_start(load_config(shrunk), restarted=True)
+    frozen = TrainingChoices(
+        3, ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True, True
+    )
+    assert requeued.plan.fits and requeued.plan.choices == frozen
+    assert (requeued.cfg.parallel.zero_stage, requeued.cfg.compile.tile_tokens) == (3, 1024)
