@@ -19,7 +19,7 @@ two ranks where they differ):
 - O(S^2) saved: saved tensors with one dim >= S and another >= S/P;
 - a2a in bw: all_to_all_single calls during backward (all layers);
 - recompute: FLOPs the backward recomputes over the layer's forward+backward FLOPs (from the
-  partitioned graphs of one layer at this shape: slurm_autosp.plan.layer_graph);
+  partitioned graphs of one layer at this shape: slurm_autosp.memory_plan.layer_graph);
 - attn recomputed: SDPA forward kernels in the layer's backward graph;
 - step: median wall time of forward+backward over the timed steps (the slower rank);
 - loss / grad err: relative to `none` in the same run (loss; worst max|g - g_none| / max|g_none|).
@@ -274,7 +274,11 @@ def layer_trace(policy: str, seq: int):
 
     from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing
-    from slurm_autosp.plan.layer_graph import forget_traces, tiled_layer_trace, trace_decoder_layer
+    from slurm_autosp.memory_plan.layer_graph import (
+        forget_traces,
+        tiled_layer_trace,
+        trace_decoder_layer,
+    )
 
     forget_traces()  # DeepSpeed's rows trace under its own min-cut
     spec, whole_layers = _spec(policy), _whole_layers(policy)

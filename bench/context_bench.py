@@ -168,7 +168,7 @@ def plan_prediction(mode: str, seq: int, tile: int) -> dict:
 
     from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing
-    from slurm_autosp.plan.layer_graph import tiled_layer_trace, trace_decoder_layer
+    from slurm_autosp.memory_plan.layer_graph import tiled_layer_trace, trace_decoder_layer
 
     local = seq // SP
     tiled = "tiled" in mode.split("_")  # not "untiled"

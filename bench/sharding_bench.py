@@ -133,7 +133,7 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     from slurm_autosp.cluster.parallel_dims import build_parallel_dims
     from slurm_autosp.config import load_config
     from slurm_autosp.data import build_source
-    from slurm_autosp.plan import activation_checkpoint_spec_for
+    from slurm_autosp.memory_plan import activation_checkpoint_spec_for
     from slurm_autosp.train import build_engine, compile_for_sp, optimizer_step
 
     deepspeed.utils.logger.setLevel("WARNING")

@@ -8,20 +8,24 @@ Stages, for the commands that need only a part:
   admit_model: the model computes exactly under AutoSP (plan, verify, and everything below);
   admit_data:  the token data reads and fits the model's vocabulary;
   admit:       both, the layout, then the plan's verdict with its choices frozen into the
-               config (or, on a requeue, the choices the run's first start froze, adopted).
+               config (or, on a requeue, the choices the run's first start froze, adopted),
+               and the checkpoint the job would resume from is this run's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slurm_autosp.checkpoint.identity import run_settings
+from slurm_autosp.checkpoint.store import refuse_another_runs_checkpoint
 from slurm_autosp.cluster.layout import ParallelLayout
 from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import ConfigError, JobConfig
 from slurm_autosp.data import check_token_file
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.memory_plan import PlanVerdict, plan_verdict, training_choices
+from slurm_autosp.memory_plan.freeze import adopt_frozen_choices, freeze_choices
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
-from slurm_autosp.plan import PlanVerdict, plan_verdict, training_choices
-from slurm_autosp.plan.freeze import adopt_frozen_choices, freeze_choices
 
 ADOPTED = (
     "memory plan: not planned again: a requeued start trains with the choices its first start "
@@ -60,7 +64,9 @@ def admit_data(cfg: JobConfig) -> None:
 
 def admit(cfg: JobConfig, recorded: JobConfig | None = None) -> Admission:
     """Every check before a job is queued or started, each once, in order: the model, the
-    data, the layout, then the plan, whose choices are frozen into `cfg`. Raises ConfigError.
+    data, the layout, the plan, whose choices are frozen into `cfg`, then the checkpoint the
+    job would resume from (another run's is refused here, not after the wait in the queue).
+    Raises ConfigError.
 
     `recorded` is the config the run's first start wrote (a requeued hand-submitted start):
     its frozen choices are adopted and nothing is planned, so a requeue is never refused by a
@@ -71,7 +77,11 @@ def admit(cfg: JobConfig, recorded: JobConfig | None = None) -> Admission:
     if recorded is not None:
         adopt_frozen_choices(cfg, recorded)
         # the adopted choices are concrete, so reading them back plans nothing
-        return Admission(cfg, layout, PlanVerdict(ADOPTED, True, "", training_choices(cfg)))
-    plan = plan_verdict(cfg)
-    freeze_choices(cfg, plan.choices)
+        plan = PlanVerdict(ADOPTED, True, "", training_choices(cfg))
+    else:
+        plan = plan_verdict(cfg)
+        freeze_choices(cfg, plan.choices)
+    refuse_another_runs_checkpoint(
+        RunDir(cfg.run.dir).checkpoints, run_settings(cfg, layout, plan.choices.zero_stage)
+    )
     return Admission(cfg, layout, plan)

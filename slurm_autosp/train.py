@@ -24,8 +24,8 @@ from slurm_autosp.lifecycle.requeue import requeue_and_exit
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_schedule import SaveSchedule
 from slurm_autosp.lifecycle.signals import StopRequest
+from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
-from slurm_autosp.plan import training_choices
 from slurm_autosp.sp import prepare_sp_inputs, set_sp_group
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.sp.offload import ActivationOffload

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from in_process import run_command
 
-import slurm_autosp.plan.choose as choose
+import slurm_autosp.memory_plan.choose as choose
 from slurm_autosp.admission import admit
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
-from slurm_autosp.plan import TrainingChoices
-from slurm_autosp.plan.__main__ import main as plan_main
+from slurm_autosp.memory_plan import TrainingChoices
+from slurm_autosp.plan import main as plan_main
 from slurm_autosp.probe.__main__ import main as probe_main
 from slurm_autosp.run import admit_start
 from slurm_autosp.run import main as run_main

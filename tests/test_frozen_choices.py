@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import slurm_autosp.plan.choose as choose
+import slurm_autosp.memory_plan.choose as choose
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
-from slurm_autosp.plan import TrainingChoices, plan_verdict, training_choices
-from slurm_autosp.plan.freeze import FROZEN_KEYS, freeze_choices
+from slurm_autosp.memory_plan import TrainingChoices, plan_verdict, training_choices
+from slurm_autosp.memory_plan.freeze import FROZEN_KEYS, freeze_choices
 from slurm_autosp.run import admit_start
 
 REPO = Path(__file__).resolve().parents[1]

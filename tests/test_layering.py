@@ -20,13 +20,13 @@ LAYERS = [
     {"data", "model", "optim", "metrics"},
     {"checkpoint"},
     {"engine"},
-    {"plan"},
+    {"memory_plan"},
     {"admission"},
     {"evaluate"},
     {"train"},
     {"launch"},
     {"probe"},
-    {"submit", "run", "status", "summary", "verify"},
+    {"submit", "run", "plan", "status", "summary", "verify"},
 ]
 LAYER = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

@@ -9,16 +9,16 @@ import pytest
 
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.engine.deepspeed_zero1 import deepspeed_config
-from slurm_autosp.plan import build_plan, render
-from slurm_autosp.plan.choose import choices_from_plan
-from slurm_autosp.plan.freeze import FROZEN_KEYS, freeze_choices
-from slurm_autosp.plan.memory_plan import FRAGMENTATION, GB, HOST_USABLE
-from slurm_autosp.plan.offload_cost import (
+from slurm_autosp.memory_plan import build_plan, render
+from slurm_autosp.memory_plan.choose import choices_from_plan
+from slurm_autosp.memory_plan.freeze import FROZEN_KEYS, freeze_choices
+from slurm_autosp.memory_plan.offload_cost import (
     ADAM_BYTES_PER_PARAMETER,
     HOST_MEMORY_GB_PER_S,
     optimizer_offload_cost,
 )
-from slurm_autosp.plan.policies import Rung, ladder
+from slurm_autosp.memory_plan.policies import Rung, ladder
+from slurm_autosp.memory_plan.terms import FRAGMENTATION, GB, HOST_USABLE
 from slurm_autosp.sp.host_arena import SLAB_BYTES
 
 # Llama-3.1-8B on one node of 8 x 80 GB with 2 TB of host memory: 4.9M tokens is past what the

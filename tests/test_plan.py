@@ -11,7 +11,7 @@ from slurm_helpers import REPO
 
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, load_config
-from slurm_autosp.plan import (
+from slurm_autosp.memory_plan import (
     AUTO_CANDIDATES,
     activation_checkpoint_spec_for,
     build_plan,
@@ -20,15 +20,15 @@ from slurm_autosp.plan import (
     verdict,
     zero_stage_for,
 )
-from slurm_autosp.plan.__main__ import main as plan_main
-from slurm_autosp.plan.memory_plan import (
+from slurm_autosp.memory_plan.policies import Rung, ladder, spec_label, tile_tokens_for
+from slurm_autosp.memory_plan.terms import (
     attention_backward_per_token,
     communicators,
     model_size,
     outside_allocator,
     policy_memory,
 )
-from slurm_autosp.plan.policies import Rung, ladder, spec_label, tile_tokens_for
+from slurm_autosp.plan import main as plan_main
 from slurm_autosp.sp.host_arena import SLAB_BYTES
 
 TERMS = (
@@ -437,7 +437,7 @@ def test_predicted_activation_memory_is_within_15_percent_of_measured_on_cpu(
     """Measured: the resident set grows by what the forward keeps for backward (glibc returns
     freed blocks of 64 KiB or more at once with MALLOC_MMAP_THRESHOLD_). Predicted: the plan's
     activations and final-norm/loss inputs, from the partitioned joint graph of one layer."""
-    from slurm_autosp.plan.layer_graph import trace_decoder_layer
+    from slurm_autosp.memory_plan.layer_graph import trace_decoder_layer
 
     cfg = load_config(["model.num_hidden_layers=4"])
     hidden, layers = cfg.model.hidden_size, cfg.model.num_hidden_layers

@@ -17,7 +17,7 @@ from in_process import run_command
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.plan import training_choices
+from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.probe.__main__ import main as probe_main
 from slurm_autosp.probe.__main__ import probe_config
 from slurm_autosp.probe.findings import RankResult, build_report, write_report

@@ -9,7 +9,7 @@ it to be recomputed. `ActivationCheckpointPass` writes those tags as an inductor
 caches key on them.
 
 Policies (`compile.activation_checkpointing`; `auto` is resolved to one of them by the memory
-plan, `slurm_autosp.plan.activation_checkpoint_spec_for`):
+plan, `slurm_autosp.memory_plan.activation_checkpoint_spec_for`):
 - `sac`: attention (the SDPA kernels and packed rows' `document_attention`, whose outputs cost
   O(S^2) FLOPs to recompute) is always kept, never recomputed. The other forward tensors the backward depends on are kept greedily,
   dearest first, by the FLOPs it takes to recompute them (from the layer's inputs and what is

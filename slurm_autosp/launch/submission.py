@@ -8,8 +8,6 @@ import os
 import socket
 
 from slurm_autosp.admission import admit
-from slurm_autosp.checkpoint.identity import run_settings
-from slurm_autosp.checkpoint.store import refuse_another_runs_checkpoint
 from slurm_autosp.cli import config_error
 from slurm_autosp.cluster.layout import ParallelLayout
 from slurm_autosp.config import Backend, ConfigError, JobConfig, to_yaml
@@ -55,10 +53,6 @@ def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJo
         admission = admit(cfg)
         layout = admission.layout
         backend = resolve_backend(cfg.cluster.backend)
-        refuse_another_runs_checkpoint(
-            RunDir(cfg.run.dir).checkpoints,
-            run_settings(cfg, layout, admission.plan.choices.zero_stage),
-        )
         if cfg.dry_run:  # the plan is printed even when the job does not fit
             print(describe_dry_run(cfg, backend, layout))
             print(admission.plan.text)

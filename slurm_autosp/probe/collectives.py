@@ -10,9 +10,9 @@ import torch
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig, Precision
+from slurm_autosp.memory_plan import model_size
+from slurm_autosp.memory_plan.terms import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.model import hf_config
-from slurm_autosp.plan import model_size
-from slurm_autosp.plan.memory_plan import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.probe.stop import AgreedStop
 from slurm_autosp.probe.timing import BUS_FACTOR, CALLS, Message, nvlink_bandwidth, time_message
 

@@ -18,8 +18,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 from slurm_autosp.config import JobConfig
 from slurm_autosp.lifecycle.run_dir import RunDir
-from slurm_autosp.plan import TrainingChoices
-from slurm_autosp.plan.policies import spec_label
+from slurm_autosp.memory_plan import TrainingChoices
+from slurm_autosp.memory_plan.policies import spec_label
 from slurm_autosp.probe.collectives import CollectiveTiming
 from slurm_autosp.probe.kernels import KernelCheck, KernelSummary, kernels_verdict, summarise
 from slurm_autosp.probe.prediction import PlanPrediction

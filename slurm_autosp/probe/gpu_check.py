@@ -97,7 +97,7 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
     # After the GPU check: a machine without a GPU is refused in a second, not after these.
     from slurm_autosp.cluster.compile_cache import use_private_compile_cache
     from slurm_autosp.cluster.parallel_dims import build_parallel_dims
-    from slurm_autosp.plan.memory_plan import GB
+    from slurm_autosp.memory_plan.terms import GB
     from slurm_autosp.probe.bandwidth import bandwidth_rows
     from slurm_autosp.probe.exactness import check_rewrites
     from slurm_autosp.probe.gpu_measure import (

@@ -15,8 +15,8 @@ import torch
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig, load_config
-from slurm_autosp.plan import TrainingChoices, training_choices
-from slurm_autosp.plan.memory_plan import GB
+from slurm_autosp.memory_plan import TrainingChoices, training_choices
+from slurm_autosp.memory_plan.terms import GB
 from slurm_autosp.probe.gpu_rows import Row
 from slurm_autosp.probe.prediction import PlanPrediction, predict_memory
 from slurm_autosp.probe.search import Search, longest_fitting

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig
 from slurm_autosp.lifecycle.signals import StopRequest
-from slurm_autosp.plan import training_choices
+from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.probe.collectives import time_collectives
 from slurm_autosp.probe.findings import ProbeReport, RankResult, build_report, write_report
 from slurm_autosp.probe.kernels import check_kernels

@@ -4,7 +4,7 @@ memory can be measured.
 The plan is built for CPU ranks too: it has no GPU to fit them to (submit does not plan them),
 but its terms come from the traced layer at the configured width and sequence, so what the
 forward keeps for backward is predicted on every device. The split of `logits_and_loss` and
-`communication` into their parts follows `policy_memory` in plan/memory_plan.py.
+`communication` into their parts follows `policy_memory` in memory_plan/terms.py.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slurm_autosp.config import JobConfig, Precision
+from slurm_autosp.memory_plan import TrainingChoices, build_plan
+from slurm_autosp.memory_plan.policies import Rung
+from slurm_autosp.memory_plan.terms import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.model import hf_config
-from slurm_autosp.plan import TrainingChoices, build_plan
-from slurm_autosp.plan.memory_plan import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
-from slurm_autosp.plan.policies import Rung
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from slurm_autosp.compile import AutoSPBackend, decoder_layers
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.data import build_source
 from slurm_autosp.engine import build_engine
+from slurm_autosp.memory_plan import TrainingChoices
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.rank_memory import MemoryReader
 from slurm_autosp.model import model_vocab_size
-from slurm_autosp.plan import TrainingChoices
 from slurm_autosp.probe.stop import AgreedStop
 from slurm_autosp.sp.offload import ActivationOffload
 from slurm_autosp.train import compile_for_sp, optimizer_step

@@ -11,7 +11,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig
 
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.model import refuse_unsupported_attention
-from slurm_autosp.plan.__main__ import main as plan_main
+from slurm_autosp.plan import main as plan_main
 from slurm_autosp.run import main as run_main
 from slurm_autosp.sp import prepare_sp_inputs
 from slurm_autosp.sp.attention_pattern import (

@@ -17,7 +17,7 @@ from slurm_autosp.compile.activation_checkpointing import (
     ActivationCheckpointSpec,
 )
 from slurm_autosp.config import ActivationCheckpointing, ModelConfig
-from slurm_autosp.plan.layer_graph import trace_decoder_layer
+from slurm_autosp.memory_plan.layer_graph import trace_decoder_layer
 from slurm_autosp.sp import loss_scale, prepare_sp_inputs, set_sp_group
 from slurm_autosp.sp.chunked_loss import chunked_cross_entropy
 

@@ -11,7 +11,7 @@ from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 from slurm_autosp.compat import torch_api
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, ModelConfig
-from slurm_autosp.plan.layer_graph import trace_decoder_layer
+from slurm_autosp.memory_plan.layer_graph import trace_decoder_layer
 
 CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
-from slurm_autosp.model import compute_dtype
-from slurm_autosp.plan.layer_graph import tiled_layer_trace, trace_decoder_layer
-from slurm_autosp.plan.memory_plan import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
-from slurm_autosp.plan.policies import (
+from slurm_autosp.memory_plan.layer_graph import tiled_layer_trace, trace_decoder_layer
+from slurm_autosp.memory_plan.policies import (
     Rung,
     activation_checkpoint_candidates,
     ladder,
     policy_from_plan,
     traced_specs,
 )
+from slurm_autosp.memory_plan.terms import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
+from slurm_autosp.model import compute_dtype
 
 
 def _choose_rung(

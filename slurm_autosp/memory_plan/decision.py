@@ -7,14 +7,14 @@ from typing import NamedTuple
 
 from slurm_autosp.config import JobConfig
 from slurm_autosp.lifecycle.save_time import signal_delay_warning
-from slurm_autosp.plan.choose import (
+from slurm_autosp.memory_plan.choose import (
     TrainingChoices,
     build_plan,
     choices_from_plan,
     training_choices,
 )
-from slurm_autosp.plan.render import render
-from slurm_autosp.plan.verdict import verdict
+from slurm_autosp.memory_plan.render import render
+from slurm_autosp.memory_plan.verdict import verdict
 
 
 class PlanVerdict(NamedTuple):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 from slurm_autosp.heads import valid_sp_sizes
+from slurm_autosp.memory_plan.choose import whole_model_graph
+from slurm_autosp.memory_plan.terms import GB, HOST_USABLE, MemoryPlan, PolicyMemory
 from slurm_autosp.model import hf_config
-from slurm_autosp.plan.choose import whole_model_graph
-from slurm_autosp.plan.memory_plan import GB, HOST_USABLE, MemoryPlan, PolicyMemory
 
 
 def biggest_term(memory: PolicyMemory) -> tuple[str, float]:

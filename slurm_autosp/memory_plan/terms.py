@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 from slurm_autosp.compat.torch_api import FakeTensorMode
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
+from slurm_autosp.memory_plan.layer_graph import LayerTrace, hf_layer_classes
+from slurm_autosp.memory_plan.policies import Rung, rung_label, tile_tokens_for
 from slurm_autosp.model import hf_config
-from slurm_autosp.plan.layer_graph import LayerTrace, hf_layer_classes
-from slurm_autosp.plan.policies import Rung, rung_label, tile_tokens_for
 from slurm_autosp.sp.host_arena import SLAB_BYTES
 
 GB = 1e9

@@ -20,7 +20,7 @@ import warnings
 from slurm_autosp.admission import admit_model
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.plan import build_plan, render, verdict
+from slurm_autosp.memory_plan import build_plan, render, verdict
 
 
 def main(argv: list[str] | None = None) -> int:

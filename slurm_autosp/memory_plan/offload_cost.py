@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slurm_autosp.config import JobConfig
+from slurm_autosp.memory_plan.terms import GB, MemoryPlan, bytes_per_element
 from slurm_autosp.model import hf_config
-from slurm_autosp.plan.memory_plan import GB, MemoryPlan, bytes_per_element
 
 HOST_MEMORY_GB_PER_S = 200.0
 ADAM_BYTES_PER_PARAMETER = 28

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
+from slurm_autosp.memory_plan.offload_cost import REFERENCE_MFU, optimizer_offload_cost, peak_tflops
+from slurm_autosp.memory_plan.terms import FRAGMENTATION, GB, MemoryPlan
+from slurm_autosp.memory_plan.verdict import verdict
 from slurm_autosp.model import hf_config
-from slurm_autosp.plan.memory_plan import FRAGMENTATION, GB, MemoryPlan
-from slurm_autosp.plan.offload_cost import REFERENCE_MFU, optimizer_offload_cost, peak_tflops
-from slurm_autosp.plan.verdict import verdict
 
 ENGINES = {1: "DeepSpeed", 3: "FSDP2"}
 

@@ -6,7 +6,7 @@ different policy, tiling or offload would change the memory the job was admitted
 from __future__ import annotations
 
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
-from slurm_autosp.plan.choose import TrainingChoices
+from slurm_autosp.memory_plan.choose import TrainingChoices
 
 # The keys the plan may decide; `adopt_frozen_choices` copies exactly these.
 FROZEN_KEYS = (
