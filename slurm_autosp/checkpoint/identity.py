@@ -7,8 +7,8 @@ data prepared again at the same path is other data) and the position in it, the 
 global batch, the precision and the engine whose format its state is in. Other keys may change
 between submissions and the resumed job names them: steps, the learning-rate schedule,
 checkpoint cadence, traces, the cluster's time limit, and the world size and SP x DP layout
-(with the micro-batch and gradient accumulation that keep the global batch), which the engines'
-checkpoints reshard to; the store refuses another layout only to a model with dropout.
+with the micro-batch and gradient accumulation that keep the global batch: the engines'
+checkpoints reshard, and only a model with dropout is refused another layout (store.py).
 """
 
 from __future__ import annotations

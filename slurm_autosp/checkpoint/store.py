@@ -314,12 +314,10 @@ class CheckpointStore:
             )
         if self.rank == 0:
             log.info(
-                "resuming on another layout: checkpoint %s was written on %d ranks (%s), this job "
-                "runs %s; every rank restores rank 0's RNG state",
+                "resuming on another layout: checkpoint %s was written on %s; every rank restores "
+                "rank 0's RNG state",
                 candidate,
-                state.world_size,
                 state.layout,
-                layout,
             )
         return True
 
