@@ -52,15 +52,16 @@ def settings(engine_name, *overrides):
     return run_settings(cfg, layout_for(cfg), STAGES[engine_name])
 
 
-def state(step, engine_name, world_size=1, samples_per_step=1):
+def state(step, engine_name, samples_per_step=1):
     """A checkpoint's trainer state, written by the fixture's job (its global batch is 1)."""
+    written = settings(engine_name)
     return TrainerState(
         step=step,
         samples_consumed=step * samples_per_step,
-        world_size=world_size,
-        layout="",
+        world_size=1,
+        layout=written["parallel.layout"],
         engine=engine_name,
-        settings=settings(engine_name),
+        settings=written,
     )
 
 
@@ -155,11 +156,91 @@ def test_checkpoint_without_manifest_is_never_used(tmp_path, engine):
     assert store.load_latest(engine, settings(engine.name)) == state(1, engine.name)
 
 
-def test_checkpoint_from_another_world_size_is_refused(tmp_path, engine):
+# SP=2 x DP=2 (compiled: AutoSP), one sample a micro-batch: global batch 2
+FOUR_RANKS = ("cluster.tasks_per_node=4", "parallel.sp_size=2", "compile.enabled=true")
+
+
+def test_another_world_size_and_layout_resume_at_the_same_global_batch_and_are_logged(
+    tmp_path, engine, caplog
+):
+    """Written by 4 ranks as SP=2 x DP=2, resumed by this one-rank job with grad_accum 2 (the
+    engines' formats reshard: tests/compile/test_reshard.py); the RNG state is rank 0's."""
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
-    store.save(engine, state(1, engine.name, world_size=4))
-    with pytest.raises(CheckpointError, match="written by 4 ranks but this job has 1"):
+    written = settings(engine.name, *FOUR_RANKS)
+    saved = TrainerState(2, 4, 4, written["parallel.layout"], engine.name, written)
+    random.seed(5)
+    store.save(engine, saved)
+    expected = random.random()
+    random.seed(9)
+    with caplog.at_level("INFO"):
+        assert store.load_latest(engine, settings(engine.name, "train.grad_accum=2")) == saved
+    assert random.random() == expected
+    for change in [
+        "resuming with changed settings: cluster.tasks_per_node 4 -> 1; cluster.world_size 4 -> 1;",
+        "; parallel.layout ParallelLayout(world_size 4 = sp 2 x dp 2;",
+        "; parallel.sp_size 2 -> 1; train.grad_accum 1 -> 2",
+    ]:
+        assert change in caplog.text
+    assert "resuming on another layout: checkpoint" in caplog.text
+
+
+def test_another_global_batch_is_refused_naming_what_changed_it(tmp_path, engine):
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    written = settings(engine.name, *FOUR_RANKS)
+    store.save(engine, TrainerState(2, 4, 4, written["parallel.layout"], engine.name, written))
+    with pytest.raises(CheckpointError) as refused:
         store.load_latest(engine, settings(engine.name))
+    message = str(refused.value)
+    for line in [
+        "cluster.world_size: 4 in the checkpoint, 1 now (set by cluster.nodes x ranks per node)",
+        "parallel.sp_size: 2 in the checkpoint, 1 now",
+        "train.global_batch: 2 in the checkpoint, 1 now (set by train.micro_batch x train.grad_accum",
+    ]:
+        assert line in message
+    assert "train.grad_accum:" not in message  # unchanged: not what changed the global batch
+    assert "(parallel.sp_size=2)" in message
+
+
+def test_another_layout_is_refused_to_a_model_with_dropout_naming_it(tmp_path, single_rank_group):
+    """Each rank draws its dropout masks over its own rows and shard: another layout would not
+    take the run's steps. On its own layout the run resumes (each rank its own RNG state)."""
+    torch.manual_seed(0)
+    dropout = ("model.extra={attention_dropout: 0.1}",)
+    engine = build_engine(job_config(1, *dropout), torch.device("cpu"), 1)
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    written = settings(engine.name, *FOUR_RANKS, *dropout)
+    store.save(engine, TrainerState(2, 4, 4, written["parallel.layout"], engine.name, written))
+    with pytest.raises(CheckpointError, match=r"trains with dropout \(attention_dropout=0\.1\)"):
+        store.load_latest(engine, settings(engine.name, "train.grad_accum=2", *dropout))
+    own = settings(engine.name, *dropout)
+    store.save(engine, TrainerState(3, 3, 1, own["parallel.layout"], engine.name, own))
+    assert store.load_latest(engine, own).step == 3
+
+
+def test_a_zero1_checkpoint_in_deepspeeds_own_format_resumes_on_as_many_ranks_only(
+    tmp_path, single_rank_group, monkeypatch
+):
+    """Written by DeepSpeed's save_checkpoint, before engine.zero1_checkpoint's format: it
+    resumes as before on the world size that wrote it, and another is refused naming both."""
+    torch.manual_seed(0)
+    engine = build_engine(job_config(1), torch.device("cpu"), 1)
+    own_format = engine._engine.save_checkpoint
+    monkeypatch.setattr(
+        engine, "save", lambda path: own_format(str(path.parent), tag=path.name, save_latest=False)
+    )
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    before = params(engine)
+    store.save(engine, state(1, engine.name))
+    perturb(engine)
+    assert store.load_latest(engine, settings(engine.name)) == state(1, engine.name)
+    assert all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
+    saved = tmp_path / "step_00000001" / "engine"
+    (optimizer,) = saved.glob("*optim_states.pt")
+    shutil.copy(optimizer, saved / optimizer.name.replace("rank_0_", "rank_1_"))  # as 2 ranks write
+    with pytest.raises(
+        CheckpointError, match="by 2 ranks, and loads on 2 ranks only; this job has 1"
+    ):
+        engine.load(saved)
 
 
 def test_checkpoint_from_another_engine_is_refused(tmp_path, engine):
@@ -376,14 +457,11 @@ def test_checkpoint_of_another_run_is_refused_naming_every_key_that_differs(tmp_
     assert not all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
 
 
-def test_checkpoint_of_another_zero_stage_or_layout_is_refused(tmp_path, engine):
+def test_checkpoint_of_another_zero_stage_is_refused(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     store.save(engine, state(1, engine.name))
-    other = dict(
-        settings(engine.name),
-        **{"parallel.zero_stage": 4 - STAGES[engine.name], "parallel.layout": "other"},
-    )
-    with pytest.raises(CheckpointError, match=r"(?s)parallel\.layout: .*parallel\.zero_stage: "):
+    other = dict(settings(engine.name), **{"parallel.zero_stage": 4 - STAGES[engine.name]})
+    with pytest.raises(CheckpointError, match=r"parallel\.zero_stage: "):
         store.load_latest(engine, other)
 
 

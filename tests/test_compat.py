@@ -8,12 +8,14 @@ import os
 import deepspeed.ops
 import pytest
 import submitit
+import torch
 import torch._inductor.runtime.cache_dir_utils as inductor_cache_dir_utils
 from deepspeed.accelerator import get_accelerator
 from deepspeed.comm.torch import build_shm_op
 
 from slurm_autosp.compat import deepspeed_api, submitit_api, torch_api
-from slurm_autosp.config import load_config
+from slurm_autosp.config import Precision, load_config
+from slurm_autosp.engine import build_engine
 from slurm_autosp.launch.executor import sbatch_script
 
 
@@ -82,6 +84,35 @@ def test_deepspeed_builds_no_shared_memory_op_once_skipped(monkeypatch):
     monkeypatch.setitem(deepspeed.ops.__compatible_ops__, builder.NAME, True)
     deepspeed_api.skip_shared_memory_comm_build()
     assert build_shm_op() is None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_deepspeed_zero1_links_each_parameter_to_its_piece_of_the_flat_fp32_partition(
+    precision, single_rank_group, tmp_path
+):
+    """What ZeroPartition reads of DeepSpeed's ZeRO optimizer (fp32) and BF16_Optimizer (bf16):
+    on one rank every parameter is one whole piece of its group's flat partition, in order;
+    update_lp_params copies the masters into the module's weights; and DeepSpeed's own
+    checkpoint names its optimizer files as own_format_ranks counts them."""
+    cfg = load_config(["cluster.tasks_per_node=1", "model.num_hidden_layers=1"])
+    cfg.train.precision = Precision(precision)  # bf16 on CPU ranks: tests only
+    engine = build_engine(cfg, torch.device("cpu"), zero_stage=1)
+    partition = deepspeed_api.ZeroPartition(engine._engine.optimizer)
+    (flat,) = partition.flat_partitions()
+    assert flat.dtype == torch.float32 and partition.optimizer.param_groups[0]["params"] == [flat]
+    offset = 0
+    for param in engine.module.parameters():
+        piece = deepspeed_api.Fragment(group=0, start=0, numel=param.numel(), offset=offset)
+        assert partition.fragment(param) == piece
+        offset += param.numel()
+    assert flat.numel() >= offset
+    with torch.no_grad():
+        flat.fill_(0.5)
+    partition.update_lp_params()
+    assert all(torch.all(p == 0.5) for p in engine.module.parameters())
+    engine._engine.save_checkpoint(str(tmp_path), tag="own", save_latest=False)
+    assert partition.own_format_ranks(tmp_path / "own") == 1
+    engine.close()
 
 
 def test_flash_varlen_ops_take_the_arguments_document_attention_passes():

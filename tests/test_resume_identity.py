@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 from submitit.core.utils import pickle_load
+from torch import nn
 
-from slurm_autosp.checkpoint.identity import differences, is_identity, run_settings
+from slurm_autosp.checkpoint.identity import differences, dropout_of, is_identity, run_settings
 from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import load_config
 from slurm_autosp.lifecycle.lock import RunLock
@@ -32,14 +33,9 @@ THIS_PROCESS = RunLock(str(os.getpid()), "local", socket.gethostname())  # a liv
         "data.shuffle",
         "data.blend./data/web",
         "train.seed",
-        "train.micro_batch",
-        "train.grad_accum",
         "train.global_batch",
         "train.precision",
-        "parallel.sp_size",
         "parallel.zero_stage",
-        "parallel.layout",
-        "cluster.world_size",
     ],
 )
 def test_keys_that_define_the_run_are_its_identity(key):
@@ -63,6 +59,12 @@ def test_keys_that_define_the_run_are_its_identity(key):
         "cluster.nvlink_domain_size",
         "compile.activation_checkpointing",
         "run.output_root",
+        # the checkpoints reshard; the global batch, an identity key, holds the data position
+        "train.micro_batch",
+        "train.grad_accum",
+        "parallel.sp_size",
+        "parallel.layout",
+        "cluster.world_size",
     ],
 )
 def test_keys_a_resumed_run_may_change_are_not(key):
@@ -86,6 +88,14 @@ def test_settings_are_flat_json_with_what_the_run_derives():
 def test_a_key_one_side_lacks_differs_only_when_the_other_sets_it():
     assert differences({"model.extra.a": None}, {}) == []
     assert [str(d) for d in differences({}, {"model.extra.a": 1})] == ["model.extra.a null -> 1"]
+
+
+def test_dropout_is_found_in_the_config_and_in_modules():
+    """What refuses a resume on another layout (tests/test_checkpoint_store.py)."""
+    assert dropout_of(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0))) == []
+    assert dropout_of(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))) == [
+        "1 dropout modules, the first 1"
+    ]
 
 
 def test_each_submission_keeps_its_config(tmp_path):

@@ -4,9 +4,11 @@ Every checkpoint records the config it was written with, resolved and flat (`run
 key -> JSON value). A job may resume it only while the keys that make the run what it is
 (`is_identity`) are unchanged: the model, the data (its paths, and what the files there hold:
 data prepared again at the same path is other data) and the position in it, the seed, the
-batch, and the world layout and engine its state is sharded for. Other keys (steps, the
-learning-rate schedule, checkpoint cadence, traces, the cluster's time limit, ...) may change
-between submissions; the resumed job names them.
+global batch, the precision and the engine whose format its state is in. Other keys may change
+between submissions and the resumed job names them: steps, the learning-rate schedule,
+checkpoint cadence, traces, the cluster's time limit, and the world size and SP x DP layout
+with the micro-batch and gradient accumulation that keep the global batch: the engines'
+checkpoints reshard, and only a model with dropout is refused another layout (store.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+from torch import nn
 
 from slurm_autosp.cluster.layout import ParallelLayout
 from slurm_autosp.config import JobConfig
@@ -33,21 +36,17 @@ IDENTITY_KEYS = frozenset(
         "data.contents",
         "data.tokenizer",
         "train.seed",
-        "train.micro_batch",
-        "train.grad_accum",
         "train.global_batch",
         "train.precision",
-        "parallel.sp_size",
         "parallel.zero_stage",
-        "parallel.layout",
-        "cluster.world_size",
     }
 )
+# what the global batch is made of: each may change while it stays, and is named beside it when not
+BATCH_KEYS = ("train.micro_batch", "train.grad_accum", "cluster.world_size", "parallel.sp_size")
 # keys no config sets directly, and what sets them
 DERIVED = {
     "train.global_batch": "train.micro_batch x train.grad_accum x data-parallel ranks",
     "cluster.world_size": "cluster.nodes x ranks per node",
-    "parallel.layout": "cluster.* and parallel.sp_size",
     "data.contents": "the files at data.path or data.blend: prepared again since?",
     "data.tokenizer": "the tokenizer data.path or data.blend was prepared with",
 }
@@ -102,21 +101,51 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Differen
 
 
 def refused(
-    saved: dict[str, Any], current: dict[str, Any], layout: bool = True
+    saved: dict[str, Any], current: dict[str, Any]
 ) -> tuple[list[Difference], list[Difference]]:
     """(the identity keys that differ, every key that differs) between a checkpoint's settings
-    and a job's. A derived key the checkpoint does not record is not compared: the checkpoint
-    predates its recording. `layout`: compare parallel.layout (submit leaves it to the job,
-    whose nodes decide it)."""
+    and a job's; with the global batch, the keys of BATCH_KEYS that changed it. A derived key
+    the checkpoint does not record is not compared: the checkpoint predates its recording."""
     changed = differences(saved, current)
-    identity = [
-        d
-        for d in changed
-        if is_identity(d.key)
-        and (d.key in saved or d.key not in DERIVED)
-        and (layout or d.key != "parallel.layout")
-    ]
+    recorded = [d for d in changed if d.key in saved or d.key not in DERIVED]
+    identity = [d for d in recorded if is_identity(d.key)]
+    if any(d.key == "train.global_batch" for d in identity):
+        identity = sorted(
+            [*identity, *(d for d in recorded if d.key in BATCH_KEYS)], key=lambda d: d.key
+        )
     return identity, changed
+
+
+DROPOUT_MODULES = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
+def dropout_of(model: nn.Module) -> list[str]:
+    """Where `model` draws random numbers in training, named: its config's dropout fields above
+    0 (Hugging Face's attention_dropout, hidden_dropout, resid_pdrop, ...) and its dropout modules
+    with p above 0. Empty for the default Llama."""
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    fields: dict[str, Any] = to_dict() if callable(to_dict) else {}
+    found = [
+        f"{key}={value}"
+        for key, value in sorted(fields.items())
+        if ("dropout" in key or "pdrop" in key)
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and value > 0
+    ]
+    modules = [
+        name for name, m in model.named_modules() if isinstance(m, DROPOUT_MODULES) and m.p > 0
+    ]
+    if modules:
+        found.append(f"{len(modules)} dropout modules, the first {modules[0]}")
+    return found
 
 
 def refusal(checkpoint: Path, refused: list[Difference], run_name: str) -> str:

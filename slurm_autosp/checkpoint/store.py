@@ -1,7 +1,8 @@
 """Atomic checkpoints on shared storage, and finding the newest good one to resume from.
 
-A save writes everything under a temporary name (the engine's state in its own format:
-DeepSpeed's model and ZeRO-1 shards, or FSDP2's per-rank shards; each rank's RNG state; the
+A save writes everything under a temporary name (the engine's state in its own format, which
+resumes on any world size and SP x DP layout: ZeRO-1's per-parameter pieces, engine/
+zero1_checkpoint.py, or FSDP2's torch distributed checkpoint; each rank's RNG state; the
 trainer state), checksums it in parallel across ranks, writes the
 manifest, and only then renames the directory into place and moves the `latest` pointer. A
 save that dies half-way leaves a `.partial` directory that is never resumed from; the last
@@ -29,8 +30,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from slurm_autosp.checkpoint.identity import refusal, refused
+from slurm_autosp.checkpoint.identity import dropout_of, refusal, refused
 from slurm_autosp.checkpoint.manifest import (
     FileRecord,
     ShareCheck,
@@ -60,9 +62,11 @@ class CheckpointError(RuntimeError):
 
 class EngineState(Protocol):
     """What a checkpoint needs of an engine (engine.base.TrainEngine has it): its name, recorded
-    so that a checkpoint resumes only under the engine that wrote it, and its own format."""
+    so that a checkpoint resumes only under the engine that wrote it, its model, and its own
+    format."""
 
     name: str
+    module: nn.Module
 
     def save(self, path: Path) -> None: ...
 
@@ -201,12 +205,7 @@ class CheckpointStore:
                 continue
             state = TrainerState.read(candidate)
             self._check_same_run(candidate, state, settings)
-            if state.world_size != self.world_size:
-                raise CheckpointError(
-                    f"checkpoint {candidate} was written by {state.world_size} ranks but this job has "
-                    f"{self.world_size}; resume with the same cluster.nodes and GPUs per node, or "
-                    "start a new run (run.name=...)"
-                )
+            relaid = self._check_relaid(candidate, state, settings, engine.module)
             if state.engine != engine.name:
                 raise CheckpointError(
                     f"checkpoint {candidate} was written by the {state.engine} engine but this job uses "
@@ -214,8 +213,9 @@ class CheckpointStore:
                     "a new run (run.name=...)"
                 )
             engine.load(candidate / ENGINE_TAG)
+            rng_of = 0 if relaid else self.rank
             _set_rng_state(
-                torch.load(candidate / "rng" / f"rank_{self.rank:05d}.pt", weights_only=True)
+                torch.load(candidate / "rng" / f"rank_{rng_of:05d}.pt", weights_only=True)
             )
             self._verified.add(candidate)
             if self.rank == 0:
@@ -287,6 +287,39 @@ class CheckpointStore:
                 f"would continue at sample {state.step * global_batch}: resume with the batch it was written "
                 f"with, or start a new run with another run.name"
             )
+
+    def _check_relaid(
+        self, candidate: Path, state: TrainerState, settings: dict[str, Any], model: nn.Module
+    ) -> bool:
+        """Whether `candidate` was written on another world size or SP x DP layout (logged).
+
+        The engines' formats reshard, and the data position is a global sample index that
+        `micro_batch` maps to the same global batch in any layout. What does not carry over is
+        each rank's RNG state: no saved rank did a rank's work in another layout, so every rank
+        restores rank 0's (every rank of a run starts from the same seed). Training draws from
+        these generators for dropout only, whose masks each rank draws over its own rows and
+        sequence shard: a model with dropout is refused another layout, which could not take
+        the steps the run would have taken."""
+        layout = settings.get("parallel.layout")
+        if state.world_size == self.world_size and state.layout == layout:
+            return False
+        dropout = dropout_of(model)
+        if dropout:
+            raise CheckpointError(
+                f"checkpoint {candidate} was written on {state.world_size} ranks ({state.layout}); "
+                f"this job runs {layout}. The model trains with dropout ({'; '.join(dropout)}), "
+                "whose random masks each rank draws for its own rows and sequence shard, so another "
+                "layout cannot continue the run exactly: resume it on the cluster.nodes, GPUs per "
+                "node and parallel.sp_size it was written with, or start a new run with another run.name"
+            )
+        if self.rank == 0:
+            log.info(
+                "resuming on another layout: checkpoint %s was written on %s; every rank restores "
+                "rank 0's RNG state",
+                candidate,
+                state.layout,
+            )
+        return True
 
     def _verify(self, candidate: Path) -> list[str]:
         """What is wrong with `candidate` on any rank (empty: it verifies); a file any rank
@@ -383,8 +416,7 @@ def refuse_another_runs_checkpoint(root: Path, settings: dict[str, Any]) -> None
     """Before a job is queued: the checkpoint it would resume from, the newest whose save
     finished (its manifest written; the job verifies the files), must be of the run `settings`
     describe. Otherwise the job would be refused only at its start, after its wait in the
-    queue. A checkpoint that cannot be read is refused here as the job would refuse it. The
-    layout is left to the job, whose nodes decide it."""
+    queue. A checkpoint that cannot be read is refused here as the job would refuse it."""
     try:
         for candidate in checkpoints_newest_first(root):
             try:
@@ -398,7 +430,7 @@ def refuse_another_runs_checkpoint(root: Path, settings: dict[str, Any]) -> None
                 raise
             if state.settings is None:
                 return  # written before settings were recorded: the job warns
-            identity, _ = refused(state.settings, settings, layout=False)
+            identity, _ = refused(state.settings, settings)
             if identity:
                 raise ConfigError(refusal(candidate, identity, settings["run.name"]))
             return

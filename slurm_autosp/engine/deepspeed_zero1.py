@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO-1: optimizer state sharded over all ranks, sequence-parallel ones included;
-every rank holds the whole model. The engine for models that fit one GPU whole."""
+every rank holds the whole model. The engine for models that fit one GPU whole. Its checkpoint
+is engine.zero1_checkpoint's, which resumes on any world size and layout."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slurm_autosp.checkpoint.store import CheckpointError
 from slurm_autosp.config import JobConfig, Precision
+from slurm_autosp.engine import zero1_checkpoint
 from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
 from slurm_autosp.sp.loss import loss_scale
 
@@ -66,7 +69,7 @@ class ZeRO1Engine:
     def __init__(self, model: nn.Module, cfg: JobConfig, offload_optimizer: bool = False):
         import deepspeed
 
-        from slurm_autosp.compat.deepspeed_api import skip_shared_memory_comm_build
+        from slurm_autosp.compat.deepspeed_api import ZeroPartition, skip_shared_memory_comm_build
 
         skip_shared_memory_comm_build()
         optimizer = build_optimizer(model, cfg.train, fused=offload_optimizer)
@@ -77,6 +80,7 @@ class ZeRO1Engine:
             config=deepspeed_config(cfg, offload_optimizer),
         )
         self.module = self._engine.module
+        self._partition = ZeroPartition(self._engine.optimizer)
         self._train = cfg.train
         self.loss_scale = loss_scale(cfg.cluster.world_size, cfg.train.grad_accum)
 
@@ -96,13 +100,29 @@ class ZeRO1Engine:
         return float(self._engine.get_global_grad_norm() or 0.0)
 
     def save(self, path: Path) -> None:
-        self._engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
+        zero1_checkpoint.save(path, self.module, self._partition, self._engine.lr_scheduler)
 
     def load(self, path: Path) -> None:
+        if zero1_checkpoint.is_saved(path):
+            zero1_checkpoint.load(path, self.module, self._partition, self._engine.lr_scheduler)
+        else:
+            self._load_own_format(path)
+        apply_hyperparameters(self._engine.optimizer, self._engine.lr_scheduler, self._train)
+
+    def _load_own_format(self, path: Path) -> None:
+        """A checkpoint in DeepSpeed's own format, written before zero1_checkpoint's: one flat
+        optimizer slice a rank, so it loads on as many ranks as wrote it."""
+        written_by = self._partition.own_format_ranks(path)
+        if written_by != dist.get_world_size():
+            raise CheckpointError(
+                f"checkpoint {path} is in DeepSpeed's own format (written before checkpoints "
+                f"resumed on another layout) by {written_by} ranks, and loads on {written_by} "
+                f"ranks only; this job has {dist.get_world_size()}: resume it with the "
+                "cluster.nodes and GPUs per node it was written with"
+            )
         _, client_state = self._engine.load_checkpoint(str(path.parent), tag=path.name)
         if client_state is None:
             raise CheckpointError(f"DeepSpeed could not load its checkpoint {path}")
-        apply_hyperparameters(self._engine.optimizer, self._engine.lr_scheduler, self._train)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return None

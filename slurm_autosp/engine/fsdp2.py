@@ -113,7 +113,9 @@ class FSDP2Engine:
         return self._grad_norm
 
     def save(self, path: Path) -> None:
-        """Each rank writes its own shards (torch distributed checkpoint), rank 0 the schedule."""
+        """Each rank writes its own shards (torch distributed checkpoint), rank 0 the schedule.
+        The checkpoint records each tensor's whole shape, and `load` reads every rank's slice
+        of it: another world size or layout resumes it."""
         model_state, optim_state = get_state_dict(self.module, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
         if dist.get_rank() == 0:

@@ -1,0 +1,173 @@
+"""ZeRO-1's checkpoint in a format that records no world size or SP x DP layout, so a run
+resumes on another one.
+
+DeepSpeed's own checkpoint keeps each rank's flat slice of the fp32 master weights and Adam's
+moments as it is, cut where that world size cuts the flattened model: it loads on as many ranks
+only. Here each slice is cut back into the parameters it covers, by name:
+
+    module.pt            rank 0: the module's weights and buffers (every rank holds them whole)
+    fragments/rank_N.pt  rank N's piece of each parameter it holds: the fp32 master weights and
+                         each optimizer state tensor (Adam's exp_avg, exp_avg_sq)
+    fragments.json       rank 0: which rank's file holds which range of which flattened parameter
+    optimizer.pt         rank 0: the optimizer's scalar state (Adam's step) and param groups
+    schedule.pt          rank 0: the LR schedule
+
+On load every rank fills its own partition from the saved pieces that overlap it, opening only
+their files and, mapped (mmap), reading only their bytes; the module's trained weights then
+follow from the masters as after every step (cast to the module's dtype and all-gathered), and
+its buffers and frozen weights come from module.pt. Resident or offloaded, fp32 or bf16
+(DeepSpeed's BF16_Optimizer), the pieces are the same, so those may differ between save and load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slurm_autosp.checkpoint.store import CheckpointError
+
+if TYPE_CHECKING:
+    from slurm_autosp.compat.deepspeed_api import Fragment, ZeroPartition
+
+MODULE_FILE = "module.pt"
+FRAGMENTS_DIR = "fragments"
+INDEX_FILE = "fragments.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULE_FILE = "schedule.pt"
+MASTER = "master"  # a piece's fp32 master weights, beside its optimizer state tensors
+
+
+def save(
+    path: Path,
+    module: nn.Module,
+    partition: ZeroPartition,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Collective: every rank writes its pieces under `path`; rank 0 the rest and the index."""
+    rank = dist.get_rank()
+    (path / FRAGMENTS_DIR).mkdir(parents=True, exist_ok=True)
+    optimizer, flats = partition.optimizer, partition.flat_partitions()
+    keys = _state_keys(optimizer, flats)
+    pieces: dict[str, dict[str, torch.Tensor]] = {}
+    held: list[tuple[str, int, int]] = []
+    for name, fragment in _fragments(module, partition):
+        flat = flats[fragment.group]
+        sources = {MASTER: flat, **{key: optimizer.state[flat][key] for key in keys}}
+        # copies: a view would save its whole flat partition
+        pieces[name] = {
+            key: tensor.detach().narrow(0, fragment.offset, fragment.numel).to("cpu", copy=True)
+            for key, tensor in sources.items()
+        }
+        held.append((name, fragment.start, fragment.numel))
+    torch.save(pieces, _rank_file(path, rank))
+    every: list[list[tuple[str, int, int]]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, held)
+    if rank != 0:
+        return
+    torch.save(module.state_dict(), path / MODULE_FILE)
+    state = optimizer.state_dict()
+    scalars = {i: {k: v for k, v in s.items() if k not in keys} for i, s in state["state"].items()}
+    torch.save({"state": scalars, "param_groups": state["param_groups"]}, path / OPTIMIZER_FILE)
+    torch.save(scheduler.state_dict(), path / SCHEDULE_FILE)
+    parameters: dict[str, list[tuple[int, int, int]]] = {}
+    for saved_by, ranges in enumerate(every):
+        for name, start, numel in ranges:
+            parameters.setdefault(name, []).append((saved_by, start, numel))
+    index = {"ranks": len(every), "state": keys, "parameters": parameters}
+    (path / INDEX_FILE).write_text(json.dumps(index))
+
+
+def load(
+    path: Path,
+    module: nn.Module,
+    partition: ZeroPartition,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Collective: restore what `save` wrote, on any number of ranks, into a freshly built
+    engine (the optimizer's state is created here, as its first step would)."""
+    index = json.loads((path / INDEX_FILE).read_text())
+    optimizer, flats = partition.optimizer, partition.flat_partitions()
+    states = [{key: torch.zeros_like(flat) for key in index["state"]} for flat in flats]
+    files: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for name, fragment in _fragments(module, partition):
+            targets = {MASTER: flats[fragment.group], **states[fragment.group]}
+            filled = 0
+            for saved_by, start, numel in index["parameters"].get(name, []):
+                first = max(start, fragment.start)
+                count = min(start + numel, fragment.start + fragment.numel) - first
+                if count <= 0:
+                    continue
+                if saved_by not in files:
+                    files[saved_by] = torch.load(
+                        _rank_file(path, saved_by), mmap=True, weights_only=True, map_location="cpu"
+                    )
+                piece = files[saved_by][name]
+                for key, target in targets.items():
+                    target.narrow(0, fragment.offset + first - fragment.start, count).copy_(
+                        piece[key].narrow(0, first - start, count)
+                    )
+                filled += count
+            if filled != fragment.numel:
+                raise CheckpointError(
+                    f"checkpoint {path} holds {filled} of the {fragment.numel} elements of {name} "
+                    f"(from {fragment.start} of the flattened parameter) this rank's optimizer "
+                    "partition needs: it was written for another model"
+                )
+    saved = torch.load(path / OPTIMIZER_FILE, weights_only=True)
+    optimizer.load_state_dict(
+        {
+            "state": {i: {**saved["state"].get(i, {}), **s} for i, s in enumerate(states) if s},
+            "param_groups": saved["param_groups"],
+        }
+    )
+    partition.update_lp_params()
+    _load_untrained(module, path / MODULE_FILE)
+    scheduler.load_state_dict(torch.load(path / SCHEDULE_FILE, weights_only=True))
+
+
+def is_saved(path: Path) -> bool:
+    """Whether `path` holds this format (not DeepSpeed's own, written before it)."""
+    return (path / INDEX_FILE).is_file()
+
+
+def _state_keys(optimizer: torch.optim.Optimizer, flats: list[torch.Tensor]) -> list[str]:
+    """The optimizer's state tensors shaped like its flat partitions (none before its first
+    step); scalar state (Adam's step) is the same on every rank."""
+    state = optimizer.state.get(flats[0], {})
+    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flats[0].shape)
+
+
+def _fragments(module: nn.Module, partition: ZeroPartition) -> Iterator[tuple[str, Fragment]]:
+    for name, param in module.named_parameters():
+        fragment = partition.fragment(param)
+        if fragment is not None:
+            yield name, fragment
+
+
+def _load_untrained(module: nn.Module, file: Path) -> None:
+    """The buffers and frozen weights, which the optimizer does not hold (mapped: only their
+    bytes are read)."""
+    saved: dict[str, Any] = torch.load(file, mmap=True, weights_only=True, map_location="cpu")
+    current = module.state_dict(keep_vars=True)
+    missing = sorted(current.keys() - saved.keys())
+    if missing:
+        raise CheckpointError(f"{file} lacks {', '.join(missing[:5])}: written for another model")
+    module.load_state_dict(
+        {
+            name: saved[name]
+            for name, value in current.items()
+            if not (isinstance(value, nn.Parameter) and value.requires_grad)
+        },
+        strict=False,
+    )
+
+
+def _rank_file(path: Path, rank: int) -> Path:
+    return path / FRAGMENTS_DIR / f"rank_{rank:05d}.pt"
