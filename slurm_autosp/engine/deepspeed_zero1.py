@@ -3,12 +3,15 @@ every rank holds the whole model. The engine for models that fit one GPU whole."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from slurm_autosp.checkpoint.export import whole_weights
 from slurm_autosp.checkpoint.store import CheckpointError
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
@@ -104,8 +107,10 @@ class ZeRO1Engine:
             raise CheckpointError(f"DeepSpeed could not load its checkpoint {path}")
         apply_hyperparameters(self._engine.optimizer, self._engine.lr_scheduler, self._train)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return None
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank's module holds the whole weights: rank 0 copies them from its GPU one
+        tensor at a time."""
+        return whole_weights(self.module) if dist.get_rank() == 0 else iter(())
 
     def close(self) -> None:
         self._engine.destroy()
