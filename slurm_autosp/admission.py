@@ -9,7 +9,8 @@ Stages, for the commands that need only a part:
   admit_data:  the token data reads and fits the model's vocabulary;
   admit:       both, the layout, then the plan's verdict with its choices frozen into the
                config (or, on a requeue, the choices the run's first start froze, adopted),
-               and the checkpoint the job would resume from is this run's.
+               the signal delay that must leave a checkpointing job time for a step and a
+               save, and the checkpoint the job would resume from is this run's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import ConfigError, JobConfig
 from slurm_autosp.data import check_token_file
 from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lifecycle.save_time import SignalDelayTooShort
 from slurm_autosp.memory_plan import PlanVerdict, plan_verdict, training_choices
 from slurm_autosp.memory_plan.freeze import adopt_frozen_choices, freeze_choices
 from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
@@ -62,15 +64,25 @@ def admit_data(cfg: JobConfig) -> None:
     check_token_file(cfg, model_vocab_size(cfg.model))
 
 
-def admit(cfg: JobConfig, recorded: JobConfig | None = None) -> Admission:
+def admit(
+    cfg: JobConfig, recorded: JobConfig | None = None, saves_checkpoints: bool = True
+) -> Admission:
     """Every check before a job is queued or started, each once, in order: the model, the
-    data, the layout, the plan, whose choices are frozen into `cfg`, then the checkpoint the
-    job would resume from (another run's is refused here, not after the wait in the queue).
-    Raises ConfigError.
+    data, the layout, the plan, whose choices are frozen into `cfg`, the signal delay, then the
+    checkpoint the job would resume from (another run's is refused here, not after the wait in
+    the queue). Raises ConfigError.
+
+    The signal delay: a GPU job whose `cluster.signal_delay_s` cannot cover one step (measured,
+    or estimated from its FLOPs: memory_plan.step_time) plus one synchronous save is refused
+    with SignalDelayTooShort, naming the delay that would, and the plan. Not checked: CPU jobs
+    and model.builder jobs (no plan), a job that `saves_checkpoints=False` (the probe, which
+    measures the step this check holds the run to and saves nothing), a requeue, and a job
+    that does not fit its GPUs (`refuse_unless_fits` refuses it for that).
 
     `recorded` is the config the run's first start wrote (a requeued hand-submitted start):
     its frozen choices are adopted and nothing is planned, so a requeue is never refused by a
-    plan that changed since (code, torch or the plan's figures)."""
+    plan that changed since (code, torch or the plan's figures, or the step its first start
+    measured)."""
     admit_model(cfg)
     admit_data(cfg)
     layout = layout_for(cfg)
@@ -81,6 +93,8 @@ def admit(cfg: JobConfig, recorded: JobConfig | None = None) -> Admission:
     else:
         plan = plan_verdict(cfg)
         freeze_choices(cfg, plan.choices)
+    if plan.late and plan.fits and saves_checkpoints:  # not fitting is refused first, by name
+        raise SignalDelayTooShort(f"{plan.late}\n{plan.text}")
     refuse_another_runs_checkpoint(
         RunDir(cfg.run.dir).checkpoints, run_settings(cfg, layout, plan.choices.zero_stage)
     )

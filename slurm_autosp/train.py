@@ -122,9 +122,12 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
                 requeue_and_exit(cfg.run.dir, dims.rank, cfg.cluster.max_requeues)
     finally:
         tracer.close()
-    weights = engine.full_state_dict()
+    weights = engine.full_state_dict()  # every rank takes each tensor: FSDP2 gathers it
     if dims.rank == 0:
         export_hf(engine.module, cfg.run.dir, weights, prepared_tokenizer(cfg))
+    else:
+        for _ in weights:
+            pass
     return TrainResult(first_step=first_step, losses=losses)
 
 

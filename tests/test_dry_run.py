@@ -28,7 +28,7 @@ def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
         "#SBATCH --nodes=8",
         "#SBATCH --gpus-per-node=8",
         "#SBATCH --ntasks-per-node=8",
-        "#SBATCH --signal=USR2@120",
+        "#SBATCH --signal=USR2@720",  # one step and one save: 665 s (tests/test_signal_delay.py)
         "#SBATCH --requeue",
     ):
         assert line in out
@@ -44,18 +44,20 @@ def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
     assert not (tmp_path / "llama70b_128k").exists()
 
 
-def test_signal_delay_too_short_for_a_save_is_warned_about(tmp_path):
+def test_signal_delay_too_short_for_a_step_and_a_save_is_refused(tmp_path):
     proc = submit(
         "cfg=configs/llama70b_128k.yaml",
         "dry_run=true",
         "checkpoint.write_gb_per_s=0.1",
         f"run.output_root={tmp_path}",
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 2, proc.stdout
     assert (
-        "warning: cluster.signal_delay_s=120 may not cover one step plus one save: rank 0 writes 13.2 GB, "
-        "about 132 s at checkpoint.write_gb_per_s=0.1"
-    ) in proc.stdout
+        "error: cluster.signal_delay_s=720 cannot cover one step plus one synchronous save after "
+        "SLURM's pre-timeout signal (USR2): set cluster.signal_delay_s=814 or more"
+    ) in proc.stderr
+    assert "save: rank 0 writes 13.2 GB, 132.3 s at checkpoint.write_gb_per_s=0.1" in proc.stderr
+    assert not (tmp_path / "llama70b_128k").exists()
 
 
 def test_sp_larger_than_an_nvlink_domain_is_refused_with_the_valid_sizes():

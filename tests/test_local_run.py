@@ -9,6 +9,10 @@ import pytest
 from local_submit import submit_local
 from submitit.core.utils import pickle_load
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoModelForCausalLM
+
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lifecycle.save_time import StepTime
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,25 @@ def test_run_directory_holds_config_logs_and_events(tiny_run):
     assert {"train/lr", "train/grad_norm", "throughput/tokens_per_s", "memory/peak_mib"} <= set(
         events.Tags()["scalars"]
     )
+
+
+def test_training_records_its_step_for_the_next_submissions_signal_delay(tiny_run):
+    """Rank 0 records the median of the job's first three timed steps (its first compiles)."""
+    run_dir, _ = tiny_run
+    recorded = StepTime.read(RunDir(run_dir).step_time)
+    assert recorded is not None
+    assert (recorded.measured_by, recorded.steps, recorded.world_size) == ("training", 3, 2)
+    assert 0 < recorded.seconds < 10 and recorded.flops_per_step > 0
+
+
+def test_the_run_exports_weights_that_load(tiny_run):
+    """ZeRO-1's export: rank 0 copies each tensor to its host as the export takes it."""
+    run_dir, _ = tiny_run
+    hf = RunDir(run_dir).hf_export
+    assert (hf / "model.safetensors").exists() and not (
+        hf / "model.safetensors.index.json"
+    ).exists()
+    assert AutoModelForCausalLM.from_pretrained(hf).config.architectures == ["LlamaForCausalLM"]
 
 
 def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slurm_autosp.checkpoint.export import export_hf
+from slurm_autosp.checkpoint.export import export_hf, whole_weights
 from slurm_autosp.config import ConfigError, ModelConfig, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.model import build_model, refuse_unsupported_attention
@@ -50,16 +50,16 @@ def test_an_export_killed_half_way_leaves_the_previous_model_whole(tmp_path):
     model = build_model(ModelConfig())
     export_hf(model, tmp_path)
     before = sorted(p.name for p in RunDir(tmp_path).hf_export.iterdir())
-    original = model.save_pretrained
 
-    def killed(path, **kwargs):
-        original(path, **kwargs)
-        (path / "model.safetensors").write_bytes(b"half")
-        raise KeyboardInterrupt
+    def killed():  # after a few shards of the new export are written
+        for number, weight in enumerate(whole_weights(model)):
+            if number == 6:
+                raise KeyboardInterrupt
+            yield weight
 
-    model.save_pretrained = killed
     with pytest.raises(KeyboardInterrupt):
-        export_hf(model, tmp_path)
+        export_hf(model, tmp_path, killed(), max_shard_bytes=20_000)
+    assert len(list(RunDir(tmp_path).hf_export_partial.glob(".shard-*"))) >= 2
     assert sorted(p.name for p in RunDir(tmp_path).hf_export.iterdir()) == before
     assert (RunDir(tmp_path).hf_export / "model.safetensors").stat().st_size > 1000
 

@@ -17,6 +17,8 @@ from in_process import run_command
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lifecycle.save_time import StepTime
 from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.probe.__main__ import main as probe_main
 from slurm_autosp.probe.__main__ import probe_config
@@ -280,3 +282,26 @@ def test_a_report_with_no_timed_step_is_written_with_the_out_of_memory_error(tmp
             "detail": "bf16 vs fp32",
         }
     ]
+
+
+def test_the_slowest_ranks_step_is_recorded_for_the_runs_signal_delay(tmp_path):
+    """The report's own path, without processes: the probe records its step where the real
+    run's admission reads it (RunDir.step_time, in the probe's run directory); a probe with no
+    timed step records nothing."""
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml", f"run.output_root={tmp_path}"])
+    kernel = KernelCheck("documents", PASS, 1e-3, 2e-3, "bf16 vs fp32")
+
+    def timed(rank: int, seconds: list[float]) -> RankResult:
+        steps = StepMeasurement(seconds, [], None, 0, 0, 0, 3e12, None, "CPU", None, "")
+        return RankResult(rank, "node", [kernel], [], steps)
+
+    ranks = [timed(0, [9.0, 1.0, 1.2, 1.1]), timed(1, [9.0, 1.3, 1.4, 1.5])]
+    write_report(build_report(cfg, training_choices(cfg), ranks, None, False), tmp_path, False)
+    recorded = StepTime.read(RunDir(tmp_path).step_time)
+    assert recorded == StepTime(1.4, 3, 3e12, 2, "the probe")
+
+    silent = tmp_path / "oom"
+    silent.mkdir()
+    ranks = [_out_of_memory_at_step_one(0, kernel), _out_of_memory_at_step_one(1, kernel)]
+    write_report(build_report(cfg, training_choices(cfg), ranks, None, False), silent, False)
+    assert StepTime.read(RunDir(silent).step_time) is None

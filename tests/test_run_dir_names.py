@@ -23,6 +23,7 @@ NAMES = {
     "job.lock",
     "requeues.jsonl",
     "probe.json",
+    "step_time.json",
 }
 JOINS = {"join", "joinpath", "with_name"}  # os.path.join, Path.joinpath, Path.with_name
 
@@ -80,6 +81,7 @@ def test_every_name_checked_is_one_run_dir_gives():
             run.lock,
             run.requeues,
             run.probe_report,
+            run.step_time,
         )
         for part in p.relative_to(run.root).parts
     }

@@ -1,43 +1,168 @@
 """The trained weights in Hugging Face format, next to the checkpoints, for inference and
-fine-tuning tools that know nothing of DeepSpeed or FSDP."""
+fine-tuning tools that know nothing of DeepSpeed or FSDP.
+
+The export streams: the weights arrive one tensor at a time (`TrainEngine.full_state_dict`:
+FSDP2 gathers each from every rank's shard, ZeRO-1 copies each from the GPU) and go into
+safetensors files of at most `MAX_SHARD_BYTES` each, named as `save_pretrained` names them
+(`model.safetensors` alone, else `model-00001-of-0000N.safetensors` and
+`model.safetensors.index.json`). Rank 0's host holds the shard being filled and the tensor just
+received, never the whole model (141 GB for a 70B model in bf16).
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import shutil
 import stat
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
+from transformers import PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
 
 from slurm_autosp.data.prepared import stop_token_ids
 from slurm_autosp.lifecycle.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
+MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as the Hugging Face Hub's models are cut
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+Weights = Iterable[tuple[str, torch.Tensor]]
+
+
+def distinct_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict as `save_pretrained` writes it, in its order: a tensor tied to
+    another (the output head to the input embedding) once, under the name `from_pretrained`
+    ties the others to (not a key of the model's `all_tied_weights_keys`), and without its
+    `_keys_to_ignore_on_save`. Sharded parameters stay DTensors: the caller gathers them."""
+    state = model.state_dict(keep_vars=True)
+    tie_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    names: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        names.setdefault(id(tensor), []).append(name)
+    kept = {next((n for n in group if n not in tie_targets), group[0]) for group in names.values()}
+    for name, tensor in state.items():
+        if name in kept and name not in ignored:
+            yield name, tensor
+
+
+def whole_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model that holds its weights whole (ZeRO-1, or no engine), copied to the host one
+    tensor at a time as they are taken."""
+    for name, tensor in distinct_tensors(model):
+        yield name, tensor.detach().cpu()
+
+
+class ShardWriter:
+    """Tensors, as they arrive, into safetensors files of at most `max_bytes` (a bigger tensor
+    alone in its own): the shard being filled is written out before a tensor that would
+    overflow it joins, so what is held is one shard and the tensor just received."""
+
+    def __init__(self, model: PreTrainedModel, directory: Path, max_bytes: int):
+        self.model, self.directory, self.max_bytes = model, directory, max_bytes
+        self.held: dict[str, torch.Tensor] = {}
+        self.held_bytes = 0
+        self.written: list[tuple[Path, list[str]]] = []  # each shard's file and its tensors
+        self.total_bytes = 0
+        self.parameters = 0
+        self.dtype: torch.dtype | None = None  # of the floating-point weights written
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.held and self.held_bytes + size > self.max_bytes:
+            self._write_shard()
+        self.held[name] = tensor.contiguous()
+        self.held_bytes += size
+        self.total_bytes += size
+        self.parameters += tensor.numel()
+        if tensor.is_floating_point():
+            self.dtype = self.dtype or tensor.dtype
+
+    def _write_shard(self) -> None:
+        # what save_pretrained writes: the checkpoint's layout where loading converted it
+        # (e.g. experts fused at load); tensors are not split, so a shard converts alone
+        shard = revert_weight_conversion(self.model, self.held)
+        path = self.directory / f".shard-{len(self.written) + 1:05d}"
+        save_file(shard, path, metadata={"format": "pt"})
+        self.written.append((path, list(shard)))
+        self.held, self.held_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Write the last shard, name the files as save_pretrained does (and its index when
+        there are several); the files written."""
+        if self.held or not self.written:
+            self._write_shard()
+        count = len(self.written)
+        names = [
+            WEIGHTS if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
+            for i in range(1, count + 1)
+        ]
+        weight_map = {}
+        for (path, tensors), name in zip(self.written, names, strict=True):
+            os.rename(path, self.directory / name)
+            weight_map.update(dict.fromkeys(tensors, name))
+        if count > 1:
+            index = {
+                "metadata": {"total_parameters": self.parameters, "total_size": self.total_bytes},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            (self.directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return names
+
 
 def export_hf(
     model: nn.Module,
     run_dir: Path,
-    weights: dict[str, torch.Tensor] | None = None,
+    weights: Weights | None = None,
     tokenizer_dir: Path | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
-    """Rank 0 calls this. `weights`: the gathered full state dict when the model holds only
-    shards (parameter sharding); None when it holds the whole model (ZeRO-1). The files of
-    `tokenizer_dir` (the prepared data's tokenizer) go beside the weights, so the export loads
-    with AutoTokenizer as well as AutoModelForCausalLM, and generation stops where the data's
-    turns (or documents) end."""
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if save_pretrained is None:
-        log.info("model %s has no save_pretrained: no Hugging Face export", type(model).__name__)
+    """Rank 0 calls this. `weights`: the whole model's tensors, one at a time
+    (`TrainEngine.full_state_dict`); None: the model's own, which it holds whole. Every tensor
+    of `weights` is taken, even when nothing is exported or the export fails: under FSDP2 the
+    other ranks gather each one with rank 0. The files of `tokenizer_dir` (the prepared data's
+    tokenizer) go beside the weights, so the export loads with AutoTokenizer as well as
+    AutoModelForCausalLM, and generation stops where the data's turns (or documents) end."""
+    if not isinstance(model, PreTrainedModel):
+        log.info("model %s is not a Hugging Face model: no export", type(model).__name__)
+        _take_all(weights)
         return
-    run = RunDir(run_dir)
+    stream = iter(whole_weights(model) if weights is None else weights)
+    try:
+        _export(model, RunDir(run_dir), stream, tokenizer_dir, max_shard_bytes)
+    finally:
+        _take_all(stream)
+
+
+def _take_all(weights: Weights | None) -> None:
+    for _ in weights or ():
+        pass
+
+
+def _export(
+    model: PreTrainedModel,
+    run: RunDir,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    tokenizer_dir: Path | None,
+    max_shard_bytes: int,
+) -> None:
     target, partial, previous = run.hf_export, run.hf_export_partial, run.hf_export_previous
     shutil.rmtree(partial, ignore_errors=True)
-    save_pretrained(partial, safe_serialization=True, state_dict=weights)
+    partial.mkdir(parents=True)
+    writer = ShardWriter(model, partial, max_shard_bytes)
+    for name, tensor in weights:
+        writer.add(name, tensor)
+    files = writer.finish()
+    _write_configs(model, partial, writer.dtype)
     if tokenizer_dir is not None:
         for path in sorted(tokenizer_dir.iterdir()):
             shutil.copyfile(path, partial / path.name)
@@ -50,7 +175,22 @@ def export_hf(
         os.rename(target, previous)
     os.rename(partial, target)
     shutil.rmtree(previous, ignore_errors=True)
-    log.info("exported Hugging Face weights to %s", target)
+    log.info(
+        "exported Hugging Face weights to %s (%d file%s)", target, len(files), "s"[: len(files) > 1]
+    )
+
+
+def _write_configs(model: PreTrainedModel, export: Path, dtype: torch.dtype | None) -> None:
+    """config.json as save_pretrained writes it: the weights' dtype, and the architecture by
+    the model's class (FSDP2's wrapper class less its prefix); generation_config.json for a
+    model that can generate. The live model's config is left as it is."""
+    config = copy.deepcopy(model.config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    config.save_pretrained(export)
+    if model.can_generate():
+        model.generation_config.save_pretrained(export)
 
 
 def _stop_where_turns_end(export: Path, tokenizer_dir: Path) -> None:

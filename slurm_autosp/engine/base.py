@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,9 +40,11 @@ class TrainEngine(Protocol):
     def load(self, path: Path) -> None:
         """Collective: restore what `save` wrote."""
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective: the whole model's weights on rank 0 when the module holds only shards;
-        None when every rank's module holds them whole, and on the other ranks."""
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective, tensor by tensor: every rank takes it to the end. Rank 0 gets the whole
+        model's weights one at a time, each on its host and in the compute dtype, a tied tensor
+        once (as checkpoint.export.distinct_tensors names it); the other ranks get nothing.
+        Never the whole model at once: the export writes each as it comes."""
 
     def close(self) -> None:
         """Release what the engine holds beyond the job's process group."""

@@ -4,6 +4,7 @@ is engine.zero1_checkpoint's, which resumes on any world size and layout."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slurm_autosp.checkpoint.export import whole_weights
 from slurm_autosp.checkpoint.store import CheckpointError
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.engine import zero1_checkpoint
@@ -124,8 +126,10 @@ class ZeRO1Engine:
         if client_state is None:
             raise CheckpointError(f"DeepSpeed could not load its checkpoint {path}")
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return None
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank's module holds the whole weights: rank 0 copies them from its GPU one
+        tensor at a time."""
+        return whole_weights(self.module) if dist.get_rank() == 0 else iter(())
 
     def close(self) -> None:
         self._engine.destroy()

@@ -38,6 +38,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from slurm_autosp.checkpoint.export import distinct_tensors
 from slurm_autosp.compile import AutoSPCompileError, decoder_layers
 from slurm_autosp.config import ConfigError, JobConfig
 from slurm_autosp.model import compute_dtype
@@ -130,22 +131,15 @@ class FSDP2Engine:
         self.scheduler.load_state_dict(torch.load(path / SCHEDULE_FILE, weights_only=True))
         apply_hyperparameters(self.optimizer, self.scheduler, self._train)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Gathered one tensor at a time and cast to the compute dtype as it arrives (bf16 runs
-        export bf16, as DeepSpeed's module does), so rank 0's host holds one copy, not two."""
+    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor gathered from every rank's shard when it is taken (tied parameters
+        once, in the same order on every rank) and cast to the compute dtype (bf16 runs export
+        bf16, as DeepSpeed's module does) before rank 0 copies it to its host."""
         rank0 = dist.get_rank() == 0
-        first_name: dict[int, str] = {}  # tied parameters are gathered once, on every rank alike
-        weights: dict[str, torch.Tensor] = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if id(tensor) in first_name:
-                if rank0:
-                    weights[name] = weights[first_name[id(tensor)]]
-                continue
-            first_name[id(tensor)] = name
+        for name, tensor in distinct_tensors(self.module):
             whole = _gathered(tensor, self._device) if isinstance(tensor, DTensor) else tensor
             if rank0:
-                weights[name] = whole.detach().to(self._compute_dtype).cpu()
-        return weights if rank0 else None
+                yield name, whole.detach().to(self._compute_dtype).cpu()
 
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Collective: rank 0's whole-model `weights` (a pretrained checkpoint) into every

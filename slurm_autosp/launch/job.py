@@ -49,6 +49,10 @@ class TrainingJob:
     Requeued jobs call it again with the same config: training resumes from the checkpoint.
     """
 
+    # saves when SLURM's pre-timeout signal comes, so admission holds its signal delay to a
+    # step and a save
+    saves_checkpoints = True
+
     def __init__(self, cfg: JobConfig, claim: LockClaim = LockClaim()):
         self.cfg = cfg
         self.claim = claim

@@ -50,7 +50,7 @@ def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJo
     (an object, so no value is re-read as text)."""
     submission = RunLock(str(os.getpid()), SUBMITTING, socket.gethostname())
     try:
-        admission = admit(cfg)
+        admission = admit(cfg, saves_checkpoints=job_type.saves_checkpoints)
         layout = admission.layout
         backend = resolve_backend(cfg.cluster.backend)
         if cfg.dry_run:  # the plan is printed even when the job does not fit

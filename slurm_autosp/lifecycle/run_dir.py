@@ -96,6 +96,23 @@ class RunDir:
         """The probe's findings (a probe has a run directory of its own)."""
         return self.root / "probe.json"
 
+    @property
+    def step_time(self) -> Path:
+        """The latest measured optimizer step (training's or the probe's), which admission
+        holds the signal delay to (lifecycle.save_time.StepTime)."""
+        return self.root / "step_time.json"
+
+    @property
+    def probe_run(self) -> RunDir:
+        """The run directory of this run's probe, `<run.name>_probe` beside it."""
+        return RunDir(self.root.with_name(probe_run_name(self.root.name)))
+
+
+def probe_run_name(name: str) -> str:
+    """The probe of run `name` runs as its own run, so it never touches the run's checkpoints
+    or lock, under this name beside it."""
+    return f"{name}_probe"
+
 
 def keep_previous_config(run: RunDir) -> None:
     """A resubmission may change settings a checkpoint allows to change: the config each earlier

@@ -1,12 +1,13 @@
-"""What submit (and `run`) decide on: the plan as printed, whether the job fits, why not, and
-the choices the job will train with."""
+"""What submit (and `run`) decide on: the plan as printed, whether the job fits, why not, the
+choices the job will train with, and whether SLURM's pre-timeout signal leaves it time to
+finish a step and save."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from slurm_autosp.config import JobConfig
-from slurm_autosp.lifecycle.save_time import signal_delay_warning
+from slurm_autosp.lifecycle.save_time import signal_delay
 from slurm_autosp.memory_plan.choose import (
     TrainingChoices,
     build_plan,
@@ -14,6 +15,7 @@ from slurm_autosp.memory_plan.choose import (
     training_choices,
 )
 from slurm_autosp.memory_plan.render import render
+from slurm_autosp.memory_plan.step_time import step_time
 from slurm_autosp.memory_plan.verdict import verdict
 
 
@@ -24,11 +26,15 @@ class PlanVerdict(NamedTuple):
         str  # why not, naming what overflows (the GPUs, the nodes' host memory); empty when it fits
     )
     choices: TrainingChoices  # what the job will train with
+    # why cluster.signal_delay_s cannot cover one step plus one synchronous save; empty when it
+    # can, and for jobs without a plan (CPU ranks, model.builder), which are not checked
+    late: str = ""
 
 
 def plan_verdict(cfg: JobConfig) -> PlanVerdict:
     """What submit prints and decides on. CPU jobs have no GPU memory to plan against: they
-    always fit."""
+    always fit, and their signal delay is not checked (no checkpoint size or step time is
+    planned for them), nor is a model.builder job's."""
     if not cfg.cluster.uses_gpus:
         return PlanVerdict(
             "memory plan: CPU ranks, no GPU memory to plan against", True, "", training_choices(cfg)
@@ -44,7 +50,7 @@ def plan_verdict(cfg: JobConfig) -> PlanVerdict:
     plan = build_plan(cfg)
     text = render(plan)
     _, fits, reason = verdict(plan)
-    warning = signal_delay_warning(cfg, plan.parameters, plan.zero_stage)
-    if warning:
-        text += f"\nwarning: {warning}"
-    return PlanVerdict(text, fits, reason, choices_from_plan(plan))
+    delay = signal_delay(cfg, plan.parameters, plan.zero_stage, *step_time(cfg))
+    text += f"\n{delay.line()}"
+    late = "" if delay.covered else delay.refusal()
+    return PlanVerdict(text, fits, reason, choices_from_plan(plan), late)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slurm_autosp.config import JobConfig, Precision, Vendor
+
 # Dense bf16 tensor-core peaks in TFLOP/s, matched against torch.cuda.get_device_name() in
 # this order (the first substring found wins).
 PEAK_BF16_TFLOPS = (
@@ -40,6 +42,10 @@ PEAK_BF16_TFLOPS = (
     ("MI300X", 1307.0),
     ("MI250X", 383.0),
 )
+# The GPU a job is taken to run on before any of its ranks has seen one (admission runs on a
+# login node) unless trace.peak_tflops_per_gpu says otherwise, with its plain fp32 peak (no TF32:
+# torch's default): the GPUs the shipped configs describe.
+ASSUMED_GPU = {Vendor.nvidia: ("H100", 67.0), Vendor.amd: ("MI300X", 163.4)}
 
 
 @dataclass(frozen=True)
@@ -129,3 +135,16 @@ def peak_tflops(
         if key in name.upper():
             return tflops, f"dense bf16 peak of {name}"
     return None, f"{name} is not in the peak table; set trace.peak_tflops_per_gpu for MFU"
+
+
+def assumed_peak_tflops(cfg: JobConfig) -> tuple[float, str]:
+    """The per-GPU peak of a job's GPUs before it runs, and where it came from:
+    trace.peak_tflops_per_gpu, else the vendor's assumed GPU (ASSUMED_GPU) in the job's
+    precision."""
+    if cfg.trace.peak_tflops_per_gpu:
+        return cfg.trace.peak_tflops_per_gpu, "trace.peak_tflops_per_gpu"
+    name, fp32 = ASSUMED_GPU[cfg.cluster.vendor]
+    if cfg.precision is Precision.bf16:
+        bf16 = next(tflops for key, tflops in PEAK_BF16_TFLOPS if key == name)
+        return bf16, f"{name} dense bf16, assumed: set trace.peak_tflops_per_gpu for another GPU"
+    return fp32, f"{name} fp32 without TF32, assumed: set trace.peak_tflops_per_gpu for another GPU"

@@ -15,6 +15,7 @@ import logging
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 from contextlib import AbstractContextManager
@@ -27,6 +28,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 
 from slurm_autosp.config import JobConfig, Precision, to_yaml
 from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lifecycle.save_time import StepTime
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.plot import memory_trace_figure, memory_trace_markdown
 from slurm_autosp.metrics.rank_memory import (
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MIB = 2**20
 _STATS = ("peak", "peak_reserved", "data", "forward_backward", "optimizer")
+STEP_TIME_SAMPLES = 3  # timed steps whose median a job records as the run's step time
 
 
 class Phases(Protocol):
@@ -148,6 +151,9 @@ class StepTracer:
         self.memory_dir = RunDir(cfg.run.dir).memory_traces
         self.worst_rank = 0  # by peak memory, as of the last step: all ranks agree
         self._last: _StepRecord | None = None
+        self.first_step = first_step
+        self._timed: list[float] = []  # this job's first steps after the one that compiles
+        self._record_after = min(STEP_TIME_SAMPLES, cfg.train.steps - first_step - 1)
         self.writer: SummaryWriter | None = None
         if rank == 0 and cfg.trace.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -185,6 +191,7 @@ class StepTracer:
         traces = self._gather_traces(record.trace) if record.trace is not None else []
         if self.rank != 0:
             return
+        self._record_step_time(step, record.seconds)
         scalars = self._scalars(record, loss, lr, grad_norm, ranks)
         if self.writer is not None:
             # One event per step holding every scalar: a fifteenth of the writer's work.
@@ -210,6 +217,22 @@ class StepTracer:
                 scalars["memory/peak_mib"],
                 mfu,
             )
+
+    def _record_step_time(self, step: int, seconds: float) -> None:
+        """Rank 0 records the median of this job's first timed steps (its first step compiles)
+        in the run directory, atomically: a later submission of the run holds its signal
+        delay to the step measured here (memory_plan.step_time)."""
+        if step == self.first_step + 1 or len(self._timed) >= self._record_after:
+            return
+        self._timed.append(seconds)
+        if len(self._timed) == self._record_after:
+            StepTime(
+                statistics.median(self._timed),
+                len(self._timed),
+                self.flops.per_step,
+                self.world_size,
+                "training",
+            ).write(RunDir(self.cfg.run.dir).step_time)
 
     def close(self) -> None:
         if self.writer is not None:

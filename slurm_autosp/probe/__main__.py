@@ -3,6 +3,9 @@
 Probe the nodes before the long job: submitted exactly like `slurm_autosp.submit` (SLURM or
 local processes, the same layout, collective environment and plan), into its own run directory
 <run.output_root>/<run.name>_probe/, so it never touches the real run's checkpoints or lock.
+Its signal delay is not held to a step and a save (it saves nothing): the step it measures,
+recorded as step_time.json there, is what the real run's submit holds the run's delay to until
+the run records its own.
 Every rank measures:
 
 - all-to-all bandwidth and latency in its SP group at this config's attention message sizes
@@ -27,6 +30,7 @@ from dataclasses import replace
 from slurm_autosp.cli import arguments, config_error, take_flag
 from slurm_autosp.config import ConfigError, JobConfig, load_config, validate
 from slurm_autosp.launch.submission import submit
+from slurm_autosp.lifecycle.run_dir import probe_run_name
 from slurm_autosp.probe.probe_job import ProbeJob
 
 
@@ -37,7 +41,7 @@ def probe_config(cfg: JobConfig) -> JobConfig:
     layers = cfg.model.num_hidden_layers if cfg.probe.layers is None else cfg.probe.layers
     probe = replace(
         cfg,
-        run=replace(cfg.run, name=f"{cfg.run.name}_probe"),
+        run=replace(cfg.run, name=probe_run_name(cfg.run.name)),
         model=replace(cfg.model, num_hidden_layers=layers),
     )
     validate(probe)

@@ -18,6 +18,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from slurm_autosp.config import JobConfig
 from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lifecycle.save_time import StepTime
 from slurm_autosp.memory_plan import TrainingChoices
 from slurm_autosp.memory_plan.policies import spec_label
 from slurm_autosp.probe.collectives import CollectiveTiming
@@ -83,6 +84,21 @@ class ProbeReport:
         """The job's step time: the slowest rank's; None when no rank completed a step."""
         timed = [r.steps.step_seconds for r in self.ranks if r.steps.step_seconds is not None]
         return max(timed) if timed else None
+
+    def step_time(self) -> StepTime | None:
+        """The slowest rank's step as the run's record (RunDir.step_time), which the real
+        run's admission reads from the probe's run directory; None when no rank timed one."""
+        timed = [(s, r.steps) for r in self.ranks if (s := r.steps.step_seconds) is not None]
+        if not timed:
+            return None
+        seconds, slowest = max(timed, key=lambda pair: pair[0])
+        return StepTime(
+            seconds,
+            len(slowest.seconds[1:] or slowest.seconds),
+            slowest.flops_per_step,
+            len(self.ranks),
+            "the probe",
+        )
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -362,6 +378,8 @@ def write_report(report: ProbeReport, run_dir: Path, tensorboard: bool) -> str:
     """Write probe.json (and TensorBoard when enabled); return the table for the log."""
     table = render_table(report)
     RunDir(run_dir).probe_report.write_text(json.dumps(to_json(report), indent=1))
+    if (step := report.step_time()) is not None:
+        step.write(RunDir(run_dir).step_time)
     if tensorboard:
         writer = SummaryWriter(str(RunDir(run_dir).tensorboard))
         writer.add_text("probe/report", "```\n" + table + "\n```")

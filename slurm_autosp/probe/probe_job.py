@@ -12,5 +12,7 @@ from slurm_autosp.probe.measure import run_probe
 
 
 class ProbeJob(TrainingJob):
+    saves_checkpoints = False
+
     def work(self, dims: ParallelDims, stop: StopRequest) -> ProbeReport | None:
         return run_probe(self.cfg, dims, stop)

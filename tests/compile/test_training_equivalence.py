@@ -8,6 +8,7 @@ from sp_cases import tiny_model
 from train_cases import (
     bf16_errors,
     engine_steps,
+    fsdp2_export,
     fsdp2_held_bytes,
     grad_accum_step,
     pretrained_under_fsdp2,
@@ -79,6 +80,18 @@ def test_fsdp2_loads_a_pretrained_checkpoint_into_its_shards(pool2, tmp_path):
     tiny_model("llama", 2).save_pretrained(tmp_path)
     result = pool2.run(pretrained_under_fsdp2, str(tmp_path))[0]
     assert all(result.values()), result
+
+
+def test_fsdp2_export_streams_shards_that_load_with_the_sharded_models_logits(pool2, tmp_path):
+    """Gathered one tensor at a time, into safetensors shards of at most 100 kB (the tiny
+    model's 0.36 MB in four), the tied head written once, as save_pretrained writes it."""
+    result = pool2.run(fsdp2_export, str(tmp_path), 100_000)[0]
+    shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert result["files"] == sorted(
+        ["config.json", "generation_config.json", "model.safetensors.index.json", *shards]
+    )
+    assert result["logits_error"] == 0.0, result
+    assert result["tied"] and result["architectures"] == ["LlamaForCausalLM"]
 
 
 @pytest.mark.slow

@@ -9,17 +9,21 @@ sp_cases, so these cases share the pools' compiled graphs and caches with the SP
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.cluster.layout import ParallelLayout
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.compile import compile_model
 from slurm_autosp.data import TokenFileSource
 from slurm_autosp.evaluate import Evaluator
+from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.sp import IGNORE_INDEX, loss_scale, prepare_sp_inputs, set_sp_group
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.verify import make_batch
@@ -141,7 +145,8 @@ def _engine(zero_stage: int, cfg):
 
 def _whole_weights(engine) -> dict:
     """The whole model's weights: gathered by a sharding engine, the module's own otherwise."""
-    return engine.full_state_dict() or {k: v.clone() for k, v in engine.module.state_dict().items()}
+    gathered = {k: v.clone() for k, v in engine.full_state_dict()}  # rank 0's
+    return gathered or {k: v.clone() for k, v in engine.module.state_dict().items()}
 
 
 def take_steps(
@@ -363,7 +368,7 @@ def sharded_init() -> dict | None:
     would repeat the same rows on every rank)."""
     cfg = _job_config(dist.get_world_size(), 3, 1, 1)
     engine = _engine(3, cfg)
-    weights = engine.full_state_dict()
+    weights = dict(engine.full_state_dict())
     rotary = engine.module.model.rotary_emb.inv_freq.clone()
     engine.close()
     if dist.get_rank() != 0:
@@ -399,7 +404,7 @@ def pretrained_under_fsdp2(path: str) -> dict | None:
         ]
     )
     engine = build_engine(cfg, torch.device("cpu"), 3)
-    weights = engine.full_state_dict()
+    weights = dict(engine.full_state_dict())
     rotary = engine.module.model.rotary_emb.inv_freq.clone()
     engine.close()
     if dist.get_rank() != 0:
@@ -409,6 +414,48 @@ def pretrained_under_fsdp2(path: str) -> dict | None:
         "keys_equal": saved.keys() <= weights.keys(),
         "weights_equal": all(torch.equal(weights[name], tensor) for name, tensor in saved.items()),
         "rotary_equal": torch.equal(rotary, tiny_model("llama", 2).model.rotary_emb.inv_freq),
+    }
+
+
+def fsdp2_export(path: str, max_shard_bytes: int) -> dict | None:
+    """FSDP2's Hugging Face export of a model with tied embeddings, streamed: every rank
+    gathers each tensor with rank 0, which writes shards of at most `max_shard_bytes`. Loaded
+    back with from_pretrained it gives the sharded model's logits."""
+    from slurm_autosp.engine import FSDP2Engine
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    engine = FSDP2Engine(model, _job_config(dist.get_world_size(), 3, 1, 1), torch.device("cpu"))
+    batch = make_batch(1, 32, VOCAB, seed=5)
+    with torch.no_grad():
+        logits = engine.module(input_ids=batch["input_ids"], use_cache=False).logits
+    weights = engine.full_state_dict()
+    if dist.get_rank() != 0:
+        for _ in weights:
+            pass
+        engine.close()
+        return None
+    export_hf(engine.module, Path(path), weights, max_shard_bytes=max_shard_bytes)
+    engine.close()
+    hf = RunDir(Path(path)).hf_export
+    loaded = AutoModelForCausalLM.from_pretrained(hf)
+    with torch.no_grad():
+        exported = loaded(input_ids=batch["input_ids"], use_cache=False).logits
+    return {
+        "files": sorted(p.name for p in hf.iterdir()),
+        "logits_error": float((exported - logits).abs().max()),
+        "tied": loaded.lm_head.weight is loaded.model.embed_tokens.weight,
+        "architectures": loaded.config.architectures,
     }
 
 
