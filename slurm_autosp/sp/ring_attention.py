@@ -219,7 +219,8 @@ def ring_attention(
     if ring_size > 1:  # the first visiting block travels while the own one is computed
         incoming, requests = _pass_on(kv, group, _KV_TAG)
     block, block_lse = block_forward(query, key, value, True, scale)
-    output, lse = block.float(), block_lse.float().clone()
+    # fp32, laid out as the fake declares them (the kernels' may be token-major)
+    output, lse = block.float().contiguous(), block_lse.float().contiguous()
     for step, (rows, keys) in enumerate(_source_blocks(rank, ring_size, query.shape[2] // 2), 1):
         _wait(requests)
         kv = incoming
@@ -264,7 +265,7 @@ def ring_attention_backward(
     grad_q, grad_k, grad_v = block_backward(
         grad_output, query, key, value, output, logsumexp, True, scale
     )
-    grad_q = grad_q.float()
+    grad_q = grad_q.float().contiguous()
     grad_kv = torch.stack([grad_k, grad_v]).float()  # the block in hand's, travelling with it
     for step, (rows, keys) in enumerate(_source_blocks(rank, ring_size, query.shape[2] // 2), 1):
         grad_kv, grad_requests = _pass_on(grad_kv, group, _GRAD_TAG)

@@ -1,36 +1,12 @@
-"""What every rank runs in the ring attention tests: the op alone against full causal attention,
-and the groups of an SP group of ulysses x ring ranks."""
+"""What every rank runs in the ring attention tests: the op alone against full causal attention
+(the whole-model cases are sp_cases' and train_cases' with a ring_size)."""
 
 import torch
 import torch.distributed as dist
+from sp_cases import ulysses_and_ring_groups
 
 from slurm_autosp.sp import sp_group_context, sp_token_positions
 from slurm_autosp.sp.ring_attention import ring_attention
-
-_groups: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-
-
-def ulysses_and_ring_groups(
-    ulysses: int, ring: int
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's Ulysses and ring groups, SP groups being contiguous blocks of ulysses x ring
-    ranks: inside one, rank r is Ulysses member r % ulysses of ring rank r // ulysses, Ulysses
-    groups are consecutive ranks and ring groups stride by `ulysses` (every rank creates every
-    group, once)."""
-    if (ulysses, ring) not in _groups:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        sp = ulysses * ring
-        mine: list[dist.ProcessGroup] = []
-        for first in range(0, world, sp):
-            for start in range(first, first + sp, ulysses):
-                group = dist.new_group(list(range(start, start + ulysses)))
-                mine += [group] if start <= rank < start + ulysses else []
-            for member in range(ulysses):
-                ranks = list(range(first + member, first + sp, ulysses))
-                group = dist.new_group(ranks)
-                mine += [group] if rank in ranks else []
-        _groups[(ulysses, ring)] = (mine[0], mine[1])
-    return _groups[(ulysses, ring)]
 
 
 def _causal_reference(
