@@ -183,19 +183,16 @@ def _ring_attention_instead(
         )
     query = arguments["query"]
     assert isinstance(query, fx.Node)
-    scale = arguments.get("scale")
+    scale = arguments.get("scale")  # a float, or a node: Dynamo makes a changed float symbolic
     if scale is None:
         scale = int(query.meta["example_value"].shape[-1]) ** -0.5
-    if not isinstance(scale, (int, float)):
-        raise AutoSPCompileError(
-            f"scaled_dot_product_attention at {_where(node)} has a scale computed in the graph "
-            f"({scale}); ring attention (parallel.ring_size={ring_size}) needs a constant one"
-        )
+    if isinstance(scale, int):
+        scale = float(scale)
     with graph.inserting_before(node):
         ring = _call(
             graph,
             _RING_ATTENTION,
-            (query, arguments["key"], arguments["value"], float(scale), ring_size),
+            (query, arguments["key"], arguments["value"], scale, ring_size),
         )
         output = _call(graph, operator.getitem, (ring, 0))
     node.replace_all_uses_with(output)
