@@ -32,7 +32,8 @@ def bad_config(case: str, tmp_path: Path) -> list[str]:
         junk = tmp_path / "tokens.bin"
         junk.write_text("not tokens")
         return [TINY, "data.source=tokens", f"data.path={junk}"]
-    return ["cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16"]  # beyond an NVLink domain
+    # Ulysses alone beyond an NVLink domain
+    return ["cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16", "parallel.ring_size=1"]
 
 
 def admission_refusal(args: list[str]) -> str:

@@ -60,17 +60,24 @@ def test_signal_delay_too_short_for_a_step_and_a_save_is_refused(tmp_path):
     assert not (tmp_path / "llama70b_128k").exists()
 
 
-def test_sp_larger_than_an_nvlink_domain_is_refused_with_the_valid_sizes():
-    proc = submit("cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16", "dry_run=true")
+def test_ulysses_larger_than_an_nvlink_domain_is_refused_with_the_valid_sizes():
+    proc = submit(
+        "cfg=configs/llama70b_128k.yaml",
+        "parallel.sp_size=16",
+        "parallel.ring_size=1",
+        "dry_run=true",
+    )
     assert proc.returncode == 2
-    assert "parallel.sp_size=16" in proc.stderr
+    assert "parallel.sp_size=16 / parallel.ring_size=1" in proc.stderr
     assert "SP sizes that fit inside a domain: 1, 2, 4 or 8" in proc.stderr
+    assert "8 x 2 (ring_size=2)" in proc.stderr
 
 
 def test_crossing_domains_on_request_is_allowed():
     proc = submit(
         "cfg=configs/llama70b_128k.yaml",
         "parallel.sp_size=16",
+        "parallel.ring_size=1",
         "parallel.allow_cross_domain=true",
         "dry_run=true",
     )

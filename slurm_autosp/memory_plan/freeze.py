@@ -8,8 +8,10 @@ from __future__ import annotations
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
 from slurm_autosp.memory_plan.choose import TrainingChoices
 
-# The keys the plan may decide; `adopt_frozen_choices` copies exactly these.
+# The keys the plan (and, for the ring size, the layout: admission) may decide;
+# `adopt_frozen_choices` copies exactly these.
 FROZEN_KEYS = (
+    ("parallel", "ring_size"),
     ("parallel", "zero_stage"),
     ("compile", "activation_checkpointing"),
     ("compile", "activation_memory_budget"),
