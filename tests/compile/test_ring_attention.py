@@ -13,6 +13,7 @@ from test_sp_equivalence import assert_matches_reference
 from torch.fx.experimental.proxy_tensor import make_fx
 from train_cases import engine_steps, grad_accum_step
 
+from slurm_autosp.compat.torch_api import FakeTensorMode
 from slurm_autosp.compile import (
     AutoSPBackend,
     compile_model,
@@ -21,7 +22,12 @@ from slurm_autosp.compile import (
 from slurm_autosp.compile.backend import HeadLayout
 from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs, sp_token_positions
 from slurm_autosp.sp.documents import PackedRowsError
-from slurm_autosp.sp.ring_attention import ring_attention
+from slurm_autosp.sp.ring_attention import (
+    RingAttentionError,
+    block_backward,
+    block_forward,
+    ring_attention,
+)
 
 TOLERANCE = 1e-5
 ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
@@ -50,6 +56,31 @@ def test_ring_attention_fake_follows_a_symbolic_sequence_length():
     query = next(n for n in traced.graph.nodes if n.op == "placeholder").meta["val"]
     assert output.shape == query.shape and output.is_contiguous()
     assert lse.shape == query.shape[:3] and lse.dtype == torch.float32
+
+
+def test_cuda_block_kernel_returns_what_the_ring_merges_on_a_fake_cuda_device():
+    """The flash varlen kernel's blocks, as the ring runs them (own block causal, the first
+    chunk of an earlier rank's, the second chunk's queries over a later rank's), on fake CUDA
+    tensors (torch's meta kernels give the shapes; nothing runs): the output and fp32
+    log-sum-exp of the block's queries, gradients with the KV heads as they came, fp32 refused."""
+    chunk = 6
+    with FakeTensorMode():
+        query = torch.empty(2, 4, 2 * chunk, 64, dtype=torch.bfloat16, device="cuda")
+        key = torch.empty(2, 1, 2 * chunk, 64, dtype=torch.bfloat16, device="cuda")
+        # (start, length) of the queries and keys; narrow: indexing needs a CUDA build
+        for (q_start, q_len), (k_start, k_len), causal in (
+            ((0, 2 * chunk), (0, 2 * chunk), True),
+            ((0, 2 * chunk), (0, chunk), False),
+            ((chunk, chunk), (0, 2 * chunk), False),
+        ):
+            q, k = query.narrow(2, q_start, q_len), key.narrow(2, k_start, k_len)
+            output, lse = block_forward(q, k, k, causal, 0.125)
+            assert output.shape == q.shape and output.dtype == torch.bfloat16
+            assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+            grads = block_backward(torch.empty_like(output), q, k, k, output, lse, causal, 0.125)
+            assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+        with pytest.raises(RingAttentionError, match="train.precision=bf16"):
+            block_forward(query.float(), key.float(), key.float(), True, 0.125)
 
 
 # ------------------------------------------------------------------ zigzag shards
