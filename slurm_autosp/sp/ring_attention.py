@@ -268,7 +268,8 @@ def ring_attention_backward(
     grad_q = grad_q.float().contiguous()
     grad_kv = torch.stack([grad_k, grad_v]).float()  # the block in hand's, travelling with it
     for step, (rows, keys) in enumerate(_source_blocks(rank, ring_size, query.shape[2] // 2), 1):
-        grad_kv, grad_requests = _pass_on(grad_kv, group, _GRAD_TAG)
+        outgoing = grad_kv  # held until its send is waited on
+        grad_kv, grad_requests = _pass_on(outgoing, group, _GRAD_TAG)
         _wait(requests)
         kv = incoming
         if step < ring_size - 1:
@@ -288,7 +289,8 @@ def ring_attention_backward(
         grad_kv[0, :, :, keys] += part_k
         grad_kv[1, :, :, keys] += part_v
     if ring_size > 1:  # home: the block of this rank's successor, every rank's share added
-        grad_kv, grad_requests = _pass_on(grad_kv, group, _GRAD_TAG)
+        outgoing = grad_kv
+        grad_kv, grad_requests = _pass_on(outgoing, group, _GRAD_TAG)
         _wait(grad_requests)
     grad_k, grad_v = grad_kv.to(key.dtype).unbind(0)
     return grad_q.to(query.dtype), grad_k, grad_v.clone()  # a custom op's outputs may not alias
