@@ -9,7 +9,7 @@ import pytest
 from in_process import run_command
 
 import slurm_autosp.memory_plan.choose as choose
-from slurm_autosp.admission import admit
+from slurm_autosp.admission import admit, admit_model
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
 from slurm_autosp.memory_plan import TrainingChoices
@@ -112,3 +112,15 @@ def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refus
     )
     assert requeued.plan.fits and requeued.plan.choices == frozen
     assert (requeued.cfg.parallel.zero_stage, requeued.cfg.compile.tile_tokens) == (3, 1024)
+
+
+def test_attention_a_ring_does_not_compute_exactly_is_refused_by_name():
+    args = [TINY, "model.model_type=mistral", "model.extra.sliding_window=16"]
+    with pytest.raises(ConfigError) as refused:
+        admit_model(load_config([*args, "parallel.ring_size=2"]))
+    assert str(refused.value).startswith(
+        "parallel.sp_size=2 = Ulysses 1 x ring 2 (parallel.ring_size=2): ring attention does not "
+        "compute sliding-window attention (sliding_window=16 on layers 0, 1 of 2) exactly yet; "
+        "set parallel.ring_size=1"
+    )
+    admit_model(load_config([*args, "parallel.ring_size=1"]))  # Ulysses computes it
