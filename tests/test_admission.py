@@ -124,3 +124,14 @@ def test_attention_a_ring_does_not_compute_exactly_is_refused_by_name():
         "set parallel.ring_size=1"
     )
     admit_model(load_config([*args, "parallel.ring_size=1"]))  # Ulysses computes it
+
+
+def test_admission_writes_the_ring_size_into_the_config_and_a_requeue_adopts_its_own(tmp_path):
+    """A null ring size is resolved once, at admission, into the config every rank trains
+    with; a requeue keeps what its first start resolved (a frozen key)."""
+    args = [TINY, "cluster.tasks_per_node=8", "parallel.sp_size=8", f"run.output_root={tmp_path}"]
+    first = admit(load_config(args))  # 4 heads: Ulysses 4 inside the node's 8 ranks, ring 2
+    assert first.cfg.parallel.ring_size == 2 and first.layout.ring_size == 2
+    recorded = load_config([*args, "parallel.ring_size=4"])
+    requeued = admit(load_config(args), recorded=recorded)
+    assert requeued.cfg.parallel.ring_size == 4 and requeued.layout.ulysses_size == 2
