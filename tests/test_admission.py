@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from in_process import run_command
+from reference_run import prepared_dataset
 
 import slurm_autosp.memory_plan.choose as choose
 from slurm_autosp.admission import admit, admit_model
@@ -114,14 +115,20 @@ def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refus
     assert (requeued.cfg.parallel.zero_stage, requeued.cfg.compile.tile_tokens) == (3, 1024)
 
 
-def test_attention_a_ring_does_not_compute_exactly_is_refused_by_name():
-    args = [TINY, "model.model_type=mistral", "model.extra.sliding_window=16"]
+@pytest.mark.parametrize("pattern", ["sliding window", "packed documents"])
+def test_attention_a_ring_does_not_compute_exactly_is_refused_by_name(pattern, tmp_path):
+    if pattern == "sliding window":
+        args = [TINY, "model.model_type=mistral", "model.extra.sliding_window=16"]
+        what = "sliding-window attention (sliding_window=16 on layers 0, 1 of 2)"
+    else:
+        data = prepared_dataset(tmp_path / "prepared", [100, 156, 256])
+        args = [TINY, "data.source=tokens", f"data.path={data}", "data.documents=masked"]
+        what = "per-document attention (data.documents=masked)"
     with pytest.raises(ConfigError) as refused:
         admit_model(load_config([*args, "parallel.ring_size=2"]))
     assert str(refused.value).startswith(
-        "parallel.sp_size=2 = Ulysses 1 x ring 2 (parallel.ring_size=2): ring attention does not "
-        "compute sliding-window attention (sliding_window=16 on layers 0, 1 of 2) exactly yet; "
-        "set parallel.ring_size=1"
+        f"parallel.sp_size=2 = Ulysses 1 x ring 2 (parallel.ring_size=2): ring attention does not "
+        f"compute {what} exactly yet; set parallel.ring_size=1"
     )
     admit_model(load_config([*args, "parallel.ring_size=1"]))  # Ulysses computes it
 
