@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from in_process import run_command
 from reference_run import prepared_dataset
+from transformers import LlamaConfig
 
 import slurm_autosp.memory_plan.choose as choose
 from slurm_autosp.admission import admit, admit_model
@@ -142,3 +143,20 @@ def test_admission_writes_the_ring_size_into_the_config_and_a_requeue_adopts_its
     recorded = load_config([*args, "parallel.ring_size=4"])
     requeued = admit(load_config(args), recorded=recorded)
     assert requeued.cfg.parallel.ring_size == 4 and requeued.layout.ulysses_size == 2
+
+
+def test_a_checkpoints_heads_are_checked_against_the_resolved_ulysses_size(tmp_path):
+    """Config validation sees only the heads a config names; a checkpoint's own (6 query, 3
+    key/value heads) meet the Ulysses size at admission, with the splits that work."""
+    LlamaConfig(
+        hidden_size=48, num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=1
+    ).save_pretrained(tmp_path)
+    args = [TINY, f"model.pretrained_path={tmp_path}", "cluster.tasks_per_node=4"]
+    with pytest.raises(ConfigError) as refused:
+        admit_model(load_config([*args, "parallel.sp_size=4"]))
+    assert str(refused.value) == (
+        "parallel.sp_size=4 / parallel.ring_size=1: the Ulysses size 4 cannot split the model's 6 "
+        "query / 3 key-value heads over its ranks; (Ulysses x ring) splits of parallel.sp_size=4 "
+        "that work: 1 x 4 (parallel.ring_size=4)"
+    )
+    admit_model(load_config([*args, "parallel.sp_size=4", "parallel.ring_size=4"]))
