@@ -1,8 +1,8 @@
 """One rank's parallel dimensions: where it sits in the job's SP (Ulysses x ring) x DP layout,
-its device and its process groups, in one value built once at job start. Everything a rank does by its place
-(which shard of a sequence it keeps, which samples it reads, which group it talks to) reads
-it from here, so no two readers can disagree on it. The job-wide `ParallelLayout` stays the
-rank-free value that submit derives before any rank exists."""
+its device and its process groups, in one value built once at job start. Everything a rank
+does by its place (which shard of a sequence it keeps, which samples it reads, which group it
+talks to) reads it from here, so no two readers can disagree on it. The job-wide
+`ParallelLayout` stays the rank-free value that submit derives before any rank exists."""
 
 from __future__ import annotations
 
