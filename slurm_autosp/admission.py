@@ -7,8 +7,8 @@ hand-submitted rank (`run`), `plan` and `verify` cannot drift apart in what they
 Stages, for the commands that need only a part:
   admit_model: the model computes exactly under AutoSP (plan, verify, and everything below);
   admit_data:  the token data reads and fits the model's vocabulary;
-  admit:       both, the layout (its Ulysses x ring split written into the config), then
-               the plan's verdict with its choices frozen into the
+  admit:       both, the layout, then the plan's verdict with its choices (and the layout's
+               Ulysses x ring split) frozen into the
                config (or, on a requeue, the choices the run's first start froze, adopted),
                the signal delay that must leave a checkpointing job time for a step and a
                save, and the checkpoint the job would resume from is this run's.
@@ -89,7 +89,6 @@ def admit(
     admit_model(cfg)
     admit_data(cfg)
     layout = layout_for(cfg)
-    cfg.parallel.ring_size = layout.ring_size  # resolved once: the plan and every rank read it
     if recorded is not None:
         # the adopted choices are concrete, so reading them back plans nothing
         plan = PlanVerdict(ADOPTED, True, "", training_choices(cfg))

@@ -31,6 +31,8 @@ from slurm_autosp.heads import (
 
 ZERO_STAGES = (None, 1, 3)  # null: the memory plan chooses
 USER_PORTS = range(1024, 65536)  # what MASTER_PORT may be: no privileged port
+# sbatch --signal=USR2@<seconds>: Slurm keeps the time in 16 bits (job_desc_msg_t.warn_time)
+MAX_SIGNAL_DELAY_S = 65535
 
 
 def is_user_port(value: object) -> bool:
@@ -478,6 +480,12 @@ def validate(cfg: JobConfig) -> None:
                     else ""
                 )
             )
+    if c.signal_delay_s > MAX_SIGNAL_DELAY_S:
+        problems.append(
+            f"cluster.signal_delay_s={c.signal_delay_s} is more than SLURM's pre-timeout signal "
+            f"can be sent ahead ({MAX_SIGNAL_DELAY_S} s: sbatch keeps it in 16 bits); give "
+            f"at most {MAX_SIGNAL_DELAY_S}"
+        )
     for key, value in [
         ("checkpoint.write_gb_per_s", cfg.checkpoint.write_gb_per_s),
         ("cluster.collective_timeout_min", c.collective_timeout_min),

@@ -20,6 +20,7 @@ from slurm_autosp.config import (
     Precision,
     Vendor,
 )
+from slurm_autosp.heads import pairs_text, ulysses_ring_pairs, valid_sp_sizes
 from slurm_autosp.sp.attention_pattern import unsupported_attention, windowed_attention
 from slurm_autosp.sp.chunked_loss import unsupported_logits
 
@@ -139,6 +140,7 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
     seq = seq_len or cfg.data.seq_len
     padded = -(-seq // sp) * sp
     if cfg.compile.enabled:
+        _refuse_unsplit_heads(cfg, config)
         _refuse_inexact_ring(cfg, config, padded)
     problems = (
         unsupported_attention(config, padded) + _attention_sinks(config)
@@ -171,6 +173,22 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
             + "\n  - ".join(problems)
             + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
             "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
+        )
+
+
+def _refuse_unsplit_heads(cfg: JobConfig, config: Any) -> None:
+    """The Ulysses size against the model's own heads: config validation sees only the heads a
+    config names, not a checkpoint's (model.pretrained_path), nor the split a null ring size
+    resolves to."""
+    ring = ring_size_for(cfg)
+    sp, heads = cfg.parallel.sp_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if sp // ring not in valid_sp_sizes(heads, kv_heads):
+        raise ConfigError(
+            f"parallel.sp_size={sp} / parallel.ring_size={ring}: the Ulysses size {sp // ring} "
+            f"cannot split the model's {heads} query / {kv_heads} key-value heads over its ranks; "
+            f"(Ulysses x ring) splits of parallel.sp_size={sp} that work: "
+            f"{pairs_text(ulysses_ring_pairs(sp, heads, kv_heads))}"
         )
 
 

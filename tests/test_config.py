@@ -90,6 +90,12 @@ def test_sp_size_past_the_head_count_is_accepted_as_ulysses_times_ring():
     )
 
 
+def test_a_signal_delay_slurm_cannot_send_is_refused():
+    with pytest.raises(ConfigError, match=r"cluster\.signal_delay_s=70000 is more than SLURM"):
+        load_config(["cluster.signal_delay_s=70000"])
+    assert load_config(["cluster.signal_delay_s=65535"]).cluster.signal_delay_s == 65535
+
+
 def test_a_ring_size_that_does_not_divide_sp_size_is_refused():
     with pytest.raises(ConfigError) as err:
         load_config(["parallel.sp_size=2", "parallel.ring_size=4", "compile.enabled=true"])

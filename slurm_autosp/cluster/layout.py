@@ -143,12 +143,14 @@ class ParallelLayout:
         return self._slot(rank)[0]
 
     def ulysses_rank(self, rank: int) -> int:
-        """`rank`'s position in its Ulysses group: which heads it holds in attention."""
+        """Which slice of the heads `rank` takes in attention: its position in its Ulysses
+        group."""
         return self.sp_rank(rank) % self.ulysses_size
 
     def ring_rank(self, rank: int) -> int:
-        """`rank`'s position in its ring group: which block of its Ulysses group's keys and
-        values it holds first."""
+        """Which of the sequence's ring_size blocks `rank`'s attention holds (its Ulysses
+        group's tokens, after the all-to-all): its position in its ring group, whose neighbours
+        hold the adjacent blocks."""
         return self.sp_rank(rank) // self.ulysses_size
 
     def _slot(self, rank: int) -> tuple[int, int]:

@@ -1,8 +1,8 @@
-"""One rank's parallel dimensions: where it sits in the job's SP (Ulysses x ring) x DP layout, its device and its
-process groups, in one value built once at job start. Everything a rank does by its place
-(which shard of a sequence it keeps, which samples it reads, which group it talks to) reads
-it from here, so no two readers can disagree on it. The job-wide `ParallelLayout` stays the
-rank-free value that submit derives before any rank exists."""
+"""One rank's parallel dimensions: where it sits in the job's SP (Ulysses x ring) x DP layout,
+its device and its process groups, in one value built once at job start. Everything a rank
+does by its place (which shard of a sequence it keeps, which samples it reads, which group it
+talks to) reads it from here, so no two readers can disagree on it. The job-wide
+`ParallelLayout` stays the rank-free value that submit derives before any rank exists."""
 
 from __future__ import annotations
 
@@ -72,13 +72,13 @@ class ParallelDims:
 
     @property
     def ulysses_rank(self) -> int:
-        """Which slice of the heads this rank holds in attention (sp_rank % ulysses_size)."""
+        """Which slice of the heads this rank takes in attention (sp_rank % ulysses_size)."""
         return self.layout.ulysses_rank(self.rank)
 
     @property
     def ring_rank(self) -> int:
-        """Which block of its Ulysses group's keys and values this rank holds first
-        (sp_rank // ulysses_size): ring neighbours are ring_rank +- 1."""
+        """Which of the sequence's blocks this rank's attention holds (sp_rank //
+        ulysses_size): its ring neighbours hold blocks ring_rank -+ 1 (mod ring_size)."""
         return self.layout.ring_rank(self.rank)
 
 

@@ -84,22 +84,26 @@ def layout_for(cfg: JobConfig) -> ParallelLayout:
 
 
 def layout_summary(cfg: JobConfig, layout: ParallelLayout) -> str:
-    """Where the groups sit, in nodes, for the dry run and the job's log: e.g. "SP 64 = Ulysses
-    8 x ring 8: Ulysses groups inside NVLink domains (the first on node 0), ring over nodes
-    0-7"."""
+    """Where the groups sit, in nodes and NVLink domains, for the dry run and the job's log:
+    e.g. "SP 64 = Ulysses 8 x ring 8: Ulysses groups inside NVLink domains (the first on node
+    0), ring over nodes 0-7 (8 NVLink domains)"."""
     per_node = cfg.cluster.ranks_per_node
+    domains = _profile_topology(cfg.cluster).nvlink_domains
+    domain_of = {rank: d for d, ranks in enumerate(domains) for rank in ranks}
 
-    def nodes(ranks: tuple[int, ...]) -> str:
+    def where(ranks: tuple[int, ...]) -> str:
         first, last = ranks[0] // per_node, ranks[-1] // per_node
-        return f"node {first}" if first == last else f"nodes {first}-{last}"
+        spanned = len({domain_of[r] for r in ranks})
+        nodes = f"node {first}" if first == last else f"nodes {first}-{last}"
+        return nodes + (f" ({spanned} NVLink domains)" if spanned > 1 else "")
 
     if layout.ring_size == 1:
-        return f"SP {layout.sp_size} (Ulysses): the first SP group on {nodes(layout.sp_groups[0])}"
+        return f"SP {layout.sp_size} (Ulysses): the first SP group on {where(layout.sp_groups[0])}"
     inside = "span NVLink domains" if layout.cross_domain else "inside NVLink domains"
     return (
         f"SP {layout.sp_size} = Ulysses {layout.ulysses_size} x ring {layout.ring_size}: "
-        f"Ulysses groups {inside} (the first on {nodes(layout.ulysses_groups[0])}), ring over "
-        f"{nodes(layout.ring_groups[0])}"
+        f"Ulysses groups {inside} (the first on {where(layout.ulysses_groups[0])}), ring over "
+        f"{where(layout.ring_groups[0])}"
     )
 
 

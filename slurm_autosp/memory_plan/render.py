@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from slurm_autosp.cluster.placement import layout_for, layout_summary
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.memory_plan.offload_cost import REFERENCE_MFU, optimizer_offload_cost, peak_tflops
 from slurm_autosp.memory_plan.terms import (
@@ -99,7 +100,7 @@ def ring_line(plan: MemoryPlan) -> str:
     domains; the Ulysses all-to-alls stay inside the Ulysses group's domain."""
     cfg, memory = plan.cfg, plan.configured
     t = memory.trace
-    ulysses, ring = ulysses_ring(cfg)
+    ulysses, ring = ulysses_ring(cfg)  # the Ulysses all-to-alls: over the Ulysses group only
     kv = 2 * kv_block_per_token(cfg, ulysses) * t.tokens  # K and V blocks
     forward = (ring - 1) * kv
     backward = (ring - 1) * kv * (1 + RING_GRADIENT_BYTES / bytes_per_element(cfg))
@@ -109,11 +110,11 @@ def ring_line(plan: MemoryPlan) -> str:
     compute = (t.forward_flops + t.backward_flops) / (peak * 1e12 * REFERENCE_MFU)
     hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
     return (
-        f"ring attention: Ulysses all-to-alls over {ulysses} ranks inside an NVLink domain, ring of "
-        f"{ring} across domains; per layer each rank sends {forward / GB:.2f} GB of K/V forward"
+        f"ring attention: {layout_summary(cfg, layout_for(cfg))}; per layer each rank sends "
+        f"{forward / GB:.2f} GB of K/V forward"
         f"{' (twice: attention recomputed)' if t.recomputed_attention else ''} and "
         f"{backward / GB:.2f} GB of K/V and dK/dV backward = {seconds * 1e3:,.0f} ms at "
-        f"{FABRIC_GB_PER_S:g} GB/s, {hidden} the layer's forward and backward "
+        f"{FABRIC_GB_PER_S:g} GB/s between domains, {hidden} the layer's forward and backward "
         f"({compute * 1e3:,.0f} ms at {REFERENCE_MFU:.0%} of {peak:g} TFLOP/s)"
     )
 

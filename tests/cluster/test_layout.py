@@ -13,6 +13,7 @@ from slurm_autosp.cluster.layout import (
     build_process_groups,
     derive_parallel_layout,
 )
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.cluster.placement import layout_for, layout_summary, ring_size_for
 from slurm_autosp.cluster.topology import ClusterTopology, NodeTopology, topology_from_profile
 from slurm_autosp.config import ConfigError, load_config
@@ -289,7 +290,7 @@ def test_the_dry_run_line_names_where_ulysses_and_ring_groups_sit():
     cfg = load_config([*LLAMA8B_8_NODES, "parallel.sp_size=64"])
     assert layout_summary(cfg, layout_for(cfg)) == (
         "SP 64 = Ulysses 8 x ring 8: Ulysses groups inside NVLink domains (the first on node 0), "
-        "ring over nodes 0-7"
+        "ring over nodes 0-7 (8 NVLink domains)"
     )
 
 
@@ -348,6 +349,9 @@ def _ring_groups_worker(rank: int, world: int, init_file: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=4, ring_size=2)
     groups = build_process_groups(layout)
+    dims = ParallelDims(rank, rank % 2, torch.device("cpu"), layout, *groups)
+    assert (dims.ulysses_size, dims.ring_size) == (2, 2)
+    assert (dims.ring_rank, dims.ulysses_rank) == (rank // 2, rank % 2)
     sums = []
     for group in (groups.sp, groups.dp, groups.ulysses, groups.ring):
         value = torch.tensor([float(rank)])
