@@ -1,11 +1,20 @@
-"""What every rank runs in the ring attention tests: the op alone against full causal attention
-(the whole-model cases are sp_cases' and train_cases' with a ring_size)."""
+"""What every rank runs in the ring attention tests: the op alone against full causal attention,
+and ring attention's re-runs under each checkpointing policy (the whole-model equivalence
+cases are sp_cases' and train_cases' with a ring_size)."""
 
 import torch
 import torch.distributed as dist
-from sp_cases import ulysses_and_ring_groups
+from sp_cases import register_sp_groups, tiny_model, ulysses_and_ring_groups
 
-from slurm_autosp.sp import sp_group_context, sp_token_positions
+from slurm_autosp.compile import AutoSPBackend, compile_model
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
+from slurm_autosp.config import ActivationCheckpointing
+from slurm_autosp.sp import (
+    communication_counts,
+    prepare_sp_inputs,
+    sp_group_context,
+    sp_token_positions,
+)
 from slurm_autosp.sp.ring_attention import ring_attention
 
 
@@ -53,4 +62,26 @@ def ring_op_against_full_attention(kv_heads: int, chunk: int = 5) -> dict[str, f
         "dq": error(local[0].grad, full[0].grad[:, :, held]),
         "dk": error(local[1].grad, full[1].grad[:, :, held]),
         "dv": error(local[2].grad, full[2].grad[:, :, held]),
+    }
+
+
+def ring_reruns_under(policy: str) -> dict[str, int]:
+    """One step of the tiny Llama as SP=2 over a ring of 2 (Ulysses 1), compiled under the
+    checkpointing `policy`: the ring forwards that ran during backward, and the backwards."""
+    spec = ActivationCheckpointSpec(ActivationCheckpointing(policy))
+    model = tiny_model("llama", 2)
+    compile_model(model, AutoSPBackend(2, spec, ring_size=2), per_layer=True)
+    register_sp_groups(2, 2)
+    shard = prepare_sp_inputs(
+        torch.randint(1, 256, (1, 64), generator=torch.Generator().manual_seed(0)),
+        sp_rank=dist.get_rank(),
+        sp_size=2,
+        ring_size=2,
+    )
+    loss = model(**shard.model_kwargs(torch.tensor(64))).loss
+    forwards, backwards = communication_counts.ring_forwards, communication_counts.ring_backwards
+    loss.backward()
+    return {
+        "forwards_in_backward": communication_counts.ring_forwards - forwards,
+        "backwards": communication_counts.ring_backwards - backwards,
     }

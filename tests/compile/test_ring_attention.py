@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from ring_cases import ring_op_against_full_attention
+from ring_cases import ring_op_against_full_attention, ring_reruns_under
 from sp_cases import Case, sp_step, tiny_model
 from test_sp_equivalence import assert_matches_reference
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -19,6 +19,7 @@ from slurm_autosp.compile import (
     compile_model,
     rewrite_sdpa_for_sp,
 )
+from slurm_autosp.compile.activation_checkpointing import node_flops
 from slurm_autosp.compile.backend import HeadLayout
 from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs, sp_token_positions
 from slurm_autosp.sp.documents import PackedRowsError
@@ -81,6 +82,19 @@ def test_cuda_block_kernel_returns_what_the_ring_merges_on_a_fake_cuda_device():
             assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
         with pytest.raises(RingAttentionError, match="train.precision=bf16"):
             block_forward(query.float(), key.float(), key.float(), True, 0.125)
+
+
+def test_ring_attention_flops_count_the_whole_sequences_keys_causally():
+    """The checkpointing pass's cost of one ring call: causal attention of the local queries
+    over ring_size blocks of keys, 4 * B * H * S_local * (R * S_local) * D / 2."""
+    batch, heads, local, dim, ring = 1, 4, 6, 2, 4
+    traced = make_fx(lambda q, k, v: ring_attention(q, k, v, 0.5, ring), tracing_mode="fake")(
+        torch.randn(batch, heads, local, dim),
+        torch.randn(1, 1, local, dim),
+        torch.randn(1, 1, local, dim),
+    )
+    ring_node = next(n for n in traced.graph.nodes if n.target is RING)
+    assert node_flops(ring_node) == 4 * batch * heads * local * ring * local * dim // 2
 
 
 # ------------------------------------------------------------------ zigzag shards
@@ -181,6 +195,15 @@ def test_sp2_as_ring_2_trains_like_one_device_and_never_reruns_ring_attention_in
     assert_matches_reference(results)
     assert all(r["ring_forwards_in_backward"] == 0 for r in results), results
     assert all(r["ring_backwards"] == 2 for r in results), results  # one per layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "none"])
+def test_ring_attention_is_never_run_again_in_backward_under_any_policy(pool2, policy):
+    """Under `full` too (which recomputes SDPA): re-running the ring would send every block
+    around it again. (sac is the fast tier's whole-model case.)"""
+    for result in pool2.run(ring_reruns_under, policy):
+        assert result == {"forwards_in_backward": 0, "backwards": 2}, result
 
 
 SP4_RING_CASES = {
