@@ -232,11 +232,14 @@ def test_ring2_dp2_grad_accum2_equals_one_single_device_batch(pool4):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4], ids=["ring2", "ring2_dp2"])
 @pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
-def test_ring2_engine_steps_match_torch_adamw_on_one_device(pool2, zero_stage):
+def test_ring2_engine_steps_match_torch_adamw_on_one_device(world, zero_stage, request):
     """Three optimizer steps of two micro-batches through DeepSpeed ZeRO-1 or FSDP2 with SP=2
-    as a ring of 2; under FSDP2 the first step's gathered gradients are compared too."""
-    result = pool2.run(engine_steps, zero_stage, 2, 2, 3, 2)[0]
+    as a ring of 2 (x DP=2 on four ranks); under FSDP2 the first step's gathered gradients are
+    compared too."""
+    pool = request.getfixturevalue(f"pool{world}")
+    result = pool.run(engine_steps, zero_stage, 2, 2, 3, 2)[0]
     print(result)
     assert max(result["loss_rel_errors"]) <= TOLERANCE, result
     assert result["param_rel_error"] <= 1e-2, result
