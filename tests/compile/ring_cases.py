@@ -31,16 +31,20 @@ def _causal_reference(
     return scores.softmax(-1) @ v, scores.logsumexp(-1)
 
 
-def ring_op_against_full_attention(kv_heads: int, chunk: int = 5) -> dict[str, float]:
+def ring_op_against_full_attention(
+    kv_heads: int, chunk: int = 5, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
     """The ring op over the world as one ring (zigzag shards of a sequence of 2 x world chunks),
-    forward and backward, against float64 causal attention over the whole sequence; each figure
-    max |x - x_ref| / max |x_ref| over this rank's rows."""
+    forward and backward in `dtype`, against float64 causal attention over the whole sequence
+    of the same (rounded) inputs; each figure max |x - x_ref| / max |x_ref| over this rank's rows."""
     ring = dist.get_world_size()
     batch, heads, dim = 2, 4, 8
     seq = 2 * ring * chunk
     generator = torch.Generator().manual_seed(3)
-    q, grad_out = (torch.randn(batch, heads, seq, dim, generator=generator) for _ in range(2))
-    k, v = (torch.randn(batch, kv_heads, seq, dim, generator=generator) for _ in range(2))
+    q, grad_out = (
+        torch.randn(batch, heads, seq, dim, generator=generator).to(dtype) for _ in range(2)
+    )
+    k, v = (torch.randn(batch, kv_heads, seq, dim, generator=generator).to(dtype) for _ in range(2))
     scale = dim**-0.5
     full = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = _causal_reference(*full, scale)
