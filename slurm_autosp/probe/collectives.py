@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
+from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.memory_plan import model_size
 from slurm_autosp.memory_plan.terms import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
@@ -24,7 +25,7 @@ class CollectiveTiming:
     collective: str
     what: str
     group: str
-    group_index: int  # which SP (or DP) group this rank is in
+    group_index: int  # which Ulysses (the SP group without a ring) or DP group this rank is in
     group_size: int
     nbytes: int
     seconds: float  # per call: the median sample of CALLS back-to-back calls, over CALLS
@@ -48,19 +49,22 @@ def _element_bytes(cfg: JobConfig) -> tuple[torch.dtype, int]:
 
 
 def step_messages(cfg: JobConfig, zero_stage: int) -> list[Message]:
-    """The Ulysses all-to-alls of one attention call (q and the output [B, H, S/P, D]; k and v
-    with their heads repeated up to P when fewer) and the gradient reduction over DP groups
-    (ZeRO-1: DeepSpeed's bucket, at most the model; ZeRO-3: one layer's fp32 gradient)."""
+    """The Ulysses all-to-alls of one attention call over the Ulysses group of U ranks (the SP
+    group without a ring: q and the output [B, H, S/P, D]; k and v with their heads repeated up
+    to U when fewer) and the gradient reduction over DP groups (ZeRO-1: DeepSpeed's bucket, at
+    most the model; ZeRO-3: one layer's fp32 gradient). Ring attention's point-to-point sends
+    are not timed here."""
     hf = hf_config(cfg.model)
     dtype, b = _element_bytes(cfg)
     sp, micro = cfg.parallel.sp_size, cfg.train.micro_batch
+    ulysses = sp // ring_size_for(cfg)
     local = -(-cfg.data.seq_len // sp)
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    sent_kv = kv_heads if kv_heads % sp == 0 else sp
+    sent_kv = kv_heads if kv_heads % ulysses == 0 else ulysses
     messages = []
-    if sp > 1:
+    if ulysses > 1:
         messages.append(
             Message(
                 "all_to_all", "q / attention out", "sp", micro * heads * local * head_dim * b, dtype
@@ -110,7 +114,12 @@ def time_collectives(
     """Time every message of `step_messages` on this rank's group (every rank takes part); an
     agreed stop request ends the timing between two messages."""
     groups = {
-        "sp": (dims.sp_group, dims.dp_rank, dims.sp_size),
+        # the all-to-alls' ranks: the Ulysses group, ring_size of them in each SP group
+        "sp": (
+            dims.ulysses_group,
+            dims.dp_rank * dims.ring_size + dims.ring_rank,
+            dims.ulysses_size,
+        ),
         "dp": (dims.dp_group, dims.sp_rank, dims.dp_size),
     }
     timings: list[CollectiveTiming] = []
