@@ -11,9 +11,14 @@ from ring_cases import ring_op_against_full_attention, ring_reruns_under
 from sp_cases import Case, sp_step, tiny_model
 from test_sp_equivalence import assert_matches_reference
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
 from train_cases import engine_steps, grad_accum_step
 
-from slurm_autosp.compat.torch_api import FakeTensorMode
+from slurm_autosp.compat.torch_api import (
+    FakeTensorMode,
+    flash_attention_backward,
+    flash_attention_forward,
+)
 from slurm_autosp.compile import (
     AutoSPBackend,
     compile_model,
@@ -69,21 +74,38 @@ def test_ring_attention_fake_follows_a_symbolic_sequence_length():
     assert lse.shape == query.shape[:3] and lse.dtype == torch.float32
 
 
+class FlashCalls(TorchDispatchMode):
+    """Records the flash varlen calls (then runs them: on fake tensors, their meta kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[object, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (flash_attention_forward, flash_attention_backward):
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
 def test_cuda_block_kernel_returns_what_the_ring_merges_on_a_fake_cuda_device():
     """The flash varlen kernel's blocks, as the ring runs them (own block causal, the first
     chunk of an earlier rank's, the second chunk's queries over a later rank's), on fake CUDA
     tensors (torch's meta kernels give the shapes; nothing runs): the output and fp32
-    log-sum-exp of the block's queries, gradients with the KV heads as they came, fp32 refused."""
+    log-sum-exp of the block's queries, gradients with the KV heads as they came; flash called
+    with each row one sequence, the block's lengths, its causality and the scale both ways, no
+    dropout; fp32 refused by name."""
     chunk = 6
-    with FakeTensorMode():
+    with FakeTensorMode(), FlashCalls() as recorded:
         query = torch.empty(2, 4, 2 * chunk, 64, dtype=torch.bfloat16, device="cuda")
         key = torch.empty(2, 1, 2 * chunk, 64, dtype=torch.bfloat16, device="cuda")
         # (start, length) of the queries and keys; narrow: indexing needs a CUDA build
-        for (q_start, q_len), (k_start, k_len), causal in (
+        blocks = [
             ((0, 2 * chunk), (0, 2 * chunk), True),
             ((0, 2 * chunk), (0, chunk), False),
             ((chunk, chunk), (0, 2 * chunk), False),
-        ):
+        ]
+        for (q_start, q_len), (k_start, k_len), causal in blocks:
             q, k = query.narrow(2, q_start, q_len), key.narrow(2, k_start, k_len)
             output, lse = block_forward(q, k, k, causal, 0.125)
             assert output.shape == q.shape and output.dtype == torch.bfloat16
@@ -92,6 +114,13 @@ def test_cuda_block_kernel_returns_what_the_ring_merges_on_a_fake_cuda_device():
             assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
         with pytest.raises(RingAttentionError, match="train.precision=bf16"):
             block_forward(query.float(), key.float(), key.float(), True, 0.125)
+    calls = recorded.calls
+    assert [c[0] for c in calls] == [flash_attention_forward, flash_attention_backward] * 3
+    for index, ((_, q_len), (_, k_len), causal) in enumerate(blocks):
+        for at, (_, args, kwargs) in ((3, calls[2 * index]), (6, calls[2 * index + 1])):
+            assert kwargs["scale"] == 0.125 and args[at + 4] == 0.0 and args[at + 5] is causal
+            assert args[at + 2 : at + 4] == (q_len, k_len)
+            assert args[at].shape == args[at + 1].shape == (3,)  # 2 rows: [0, S, 2S]
 
 
 def test_ring_attention_flops_count_the_whole_sequences_keys_causally():
