@@ -14,7 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sp_cases import VOCAB, backend_for, contiguous_sp_group, register_sp_groups, tiny_model
+from sp_cases import (
+    VOCAB,
+    backend_for,
+    contiguous_sp_group,
+    register_sp_groups,
+    tiny_model,
+    ulysses_and_ring_groups,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from slurm_autosp.checkpoint.export import export_hf
@@ -496,35 +503,54 @@ def fsdp2_held_bytes() -> dict:
 EVAL_SEQ = 61  # odd: the SP padding
 
 
-def contiguous_dims(sp_size: int) -> ParallelDims:
-    """This rank's dims on CPU over contiguous SP groups (contiguous_sp_group's), the DP groups
-    across them, as the job builds them for one node (every rank creates every group, once)."""
+def contiguous_dims(sp_size: int, ring_size: int = 1) -> ParallelDims:
+    """This rank's dims on CPU over contiguous SP groups (contiguous_sp_group's; under a ring
+    their Ulysses and ring groups, sp_cases.ulysses_and_ring_groups'), the DP groups across
+    them, as the job builds them for one node (every rank creates every group, once)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = ParallelLayout.from_sp_groups(
-        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size))
+        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size)),
+        ring_size=ring_size,
     )
     if sp_size not in _dp_groups:
         groups = [dist.new_group(list(ranks)) for ranks in layout.dp_groups]
         _dp_groups[sp_size] = groups[layout.sp_rank(rank)]
     sp_group = contiguous_sp_group(sp_size)
+    ulysses_group, ring_group = (
+        (sp_group, None)
+        if ring_size == 1
+        else ulysses_and_ring_groups(sp_size // ring_size, ring_size)
+    )
     return ParallelDims(
-        rank, rank, torch.device("cpu"), layout, sp_group, _dp_groups[sp_size], sp_group, None
+        rank,
+        rank,
+        torch.device("cpu"),
+        layout,
+        sp_group,
+        _dp_groups[sp_size],
+        ulysses_group,
+        ring_group,
     )
 
 
 def held_out_eval(
-    path: str, sp_size: int, tile_tokens: int, micro_batch: int, samples: int
+    path: str, sp_size: int, tile_tokens: int, micro_batch: int, samples: int, ring_size: int = 1
 ) -> dict | None:
-    """Evaluator over the AutoSP-compiled model (MLPs tiled by `tile_tokens`) on SP x DP ranks,
-    after a training forward and backward (the graphs then run again without grad), against
-    the single-device loss of the same held-out samples; None on ranks other than 0."""
+    """Evaluator over the AutoSP-compiled model (MLPs tiled by `tile_tokens`) on SP x DP ranks
+    (SP = Ulysses x `ring_size`), after a training forward and backward (the graphs then run
+    again without grad), against the single-device loss of the same held-out samples; None on
+    ranks other than 0."""
     rank = dist.get_rank()
     source = TokenFileSource(path, EVAL_SEQ, VOCAB)
     model = tiny_model("llama", 2)
-    compile_model(model, backend_for(sp_size, True), per_layer=True, tile_tokens=tile_tokens)
-    set_sp_group(contiguous_sp_group(sp_size))
+    backend = backend_for(sp_size, True, ring_size)
+    compile_model(model, backend, per_layer=True, tile_tokens=tile_tokens)
+    register_sp_groups(sp_size, ring_size)
     shard = prepare_sp_inputs(
-        source.sample(0).input_ids[None], sp_rank=rank % sp_size, sp_size=sp_size
+        source.sample(0).input_ids[None],
+        sp_rank=rank % sp_size,
+        sp_size=sp_size,
+        ring_size=ring_size,
     )
     causal_lm_loss(model, shard.model_kwargs(torch.tensor(1)), chunk_tokens=LOSS_CHUNK).backward()
     evaluator = Evaluator(
@@ -532,7 +558,7 @@ def held_out_eval(
         samples=samples,
         every=0,
         last_step=1,
-        dims=contiguous_dims(sp_size),
+        dims=contiguous_dims(sp_size, ring_size),
         micro_batch=micro_batch,
         chunk_tokens=LOSS_CHUNK,
     )
