@@ -268,6 +268,11 @@ class CheckpointConfig:
     remove_damaged: bool = False
     # per-rank write bandwidth to shared storage, to size the signal delay
     write_gb_per_s: float = 1.0
+    # stage each save in node memory and persist it in a background process while training goes
+    # on (checkpoint/async_save.py); null: on unless the plan finds no host memory to stage in
+    async_save: bool | None = None
+    # where saves are staged: a node-local, memory-backed file system
+    staging_dir: str = "/dev/shm"
 
 
 @dataclass
@@ -467,6 +472,11 @@ def validate(cfg: JobConfig) -> None:
                     else ""
                 )
             )
+    if not Path(cfg.checkpoint.staging_dir).is_absolute():
+        problems.append(
+            f"checkpoint.staging_dir={cfg.checkpoint.staging_dir!r} must be an absolute path on "
+            "each node (a memory-backed file system such as /dev/shm)"
+        )
     for key, value in [
         ("checkpoint.write_gb_per_s", cfg.checkpoint.write_gb_per_s),
         ("cluster.collective_timeout_min", c.collective_timeout_min),
@@ -601,6 +611,7 @@ def _script_value_problems(cfg: JobConfig) -> list[str]:
     rendered: list[tuple[str, object]] = [
         ("run.name", cfg.run.name),
         ("run.output_root", cfg.run.output_root),
+        ("checkpoint.staging_dir", cfg.checkpoint.staging_dir),
         ("cluster.partition", c.partition),
         ("cluster.account", c.account),
         ("cluster.qos", c.qos),

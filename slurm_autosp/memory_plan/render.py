@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.memory_plan.offload_cost import REFERENCE_MFU, optimizer_offload_cost, peak_tflops
+from slurm_autosp.memory_plan.staging import checkpoint_staging
 from slurm_autosp.memory_plan.terms import FRAGMENTATION, GB, MemoryPlan
 from slurm_autosp.memory_plan.verdict import verdict
 from slurm_autosp.model import hf_config
@@ -61,6 +62,7 @@ def render(plan: MemoryPlan) -> str:
         lines.append("  " + offload_line(plan))
     if memory.rung.offload_optimizer:
         lines.append("  " + optimizer_offload_line(plan))
+    lines.append(checkpoint_staging(plan).line())
     lines.append(
         f"longest sequence that fits (this cluster shape, per policy; GB per GPU under ZeRO-{plan.zero_stage} "
         f"at seq {cfg.data.seq_len}):"
