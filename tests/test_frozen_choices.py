@@ -46,7 +46,16 @@ def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_rep
     written.write_text(to_yaml(cfg))
     reloaded = load_config([f"cfg={written}"])
     frozen = [getattr(getattr(reloaded, section), key) for section, key in FROZEN_KEYS]
-    assert frozen == [3, "full", None, True, 0, False, False, True]  # the budget applies to sac only
+    assert frozen == [
+        3,
+        "full",
+        None,
+        True,
+        0,
+        False,
+        False,
+        True,
+    ]  # the budget applies to sac only
     assert training_choices(reloaded) == choices  # no plan: build_plan would raise
 
 
@@ -71,7 +80,12 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
     requeued = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
     admit_start(requeued, restarted=True)
     assert training_choices(requeued) == TrainingChoices(
-        3, ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True, True, False
+        3,
+        ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5),
+        1024,
+        True,
+        True,
+        False,
     )
 
 

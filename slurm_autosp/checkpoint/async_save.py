@@ -29,6 +29,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,12 @@ from typing import Any
 import torch.distributed as dist
 
 from slurm_autosp.checkpoint.manifest import FileRecord
-from slurm_autosp.checkpoint.store import CheckpointError, CheckpointStore, EngineState, TrainerState
+from slurm_autosp.checkpoint.store import (
+    CheckpointError,
+    CheckpointStore,
+    EngineState,
+    TrainerState,
+)
 from slurm_autosp.lifecycle.parent_death import die_with
 
 log = logging.getLogger(__name__)
@@ -143,11 +149,19 @@ class CheckpointSaves:
         if synchronous or self.staging is None or not _all_ranks(self._room_to_stage()):
             self.store.save(engine, state)
             return
+        started = time.perf_counter()
         partial, final = self.store.begin(state)
         shutil.rmtree(self.staging, ignore_errors=True)
-        self.staging.mkdir(mode=0o700)
+        self.staging.mkdir(mode=0o700, parents=True)
         self.store.write_state(engine, state, self.staging)
         self._staged_bytes = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file())
+        if self.store.rank == 0:
+            log.info(
+                "checkpoint %s staged in %.2f s (%.1f MiB on this rank); written in the background",
+                final.name,
+                time.perf_counter() - started,
+                self._staged_bytes / 2**20,
+            )
         if self._writer is None:
             self._writer = BackgroundWriter()
         self._writer.submit(self.staging, partial)
@@ -162,6 +176,10 @@ class CheckpointSaves:
         self._pending = None
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
+            try:
+                self.staging.parent.rmdir()  # the run's, once its last rank on the node is done
+            except OSError:
+                pass
 
     def _room_to_stage(self) -> bool:
         """Whether the staging file system has room for another save like the last one."""
@@ -220,8 +238,12 @@ class CheckpointSaves:
             except CheckpointError as err:
                 problem = str(err)
         if asynchronous and not _all_ranks(not problem):
-            log.warning("saving synchronously: %s", problem or "another rank cannot stage its saves")
+            log.warning(
+                "saving synchronously: %s", problem or "another rank cannot stage its saves"
+            )
             staging = None
+        if staging is not None and store.rank == 0:
+            log.info("checkpoint saves: asynchronous, staged in %s", staging.parent)
         return cls(store, staging)
 
 
