@@ -49,12 +49,20 @@ def wait_written(saves):
     saves.commit_written(False)
 
 
-def test_an_asynchronous_save_becomes_the_latest_checkpoint_only_once_written(saves, engine):  # noqa: F811
-    saves.save(engine, state(1, engine.name), synchronous=True)
-    saved = params(engine)
-    saves.save(engine, state(2, engine.name), synchronous=False)
+def stopped_writer(saves, engine):  # noqa: F811
+    """Save step 1 asynchronously, then stop (SIGSTOP) the writer it started, idle: the next
+    asynchronous save stays in flight until it is continued (SIGCONT) or killed."""
+    saves.save(engine, state(1, engine.name), synchronous=False)
+    wait_written(saves)
     [writer] = writers_of({os.getpid()})
     os.kill(writer, signal.SIGSTOP)
+    return writer
+
+
+def test_an_asynchronous_save_becomes_the_latest_checkpoint_only_once_written(saves, engine):  # noqa: F811
+    writer = stopped_writer(saves, engine)
+    saved = params(engine)
+    saves.save(engine, state(2, engine.name), synchronous=False)
     try:
         assert saves.writing()
         saves.commit_written(True)  # another rank still writing: nothing changes
@@ -77,14 +85,13 @@ def test_an_asynchronous_save_becomes_the_latest_checkpoint_only_once_written(sa
 
 
 def test_a_synchronous_save_abandons_a_save_still_being_written(saves, engine):  # noqa: F811
-    saves.save(engine, state(1, engine.name), synchronous=False)
-    [writer] = writers_of({os.getpid()})
-    os.kill(writer, signal.SIGSTOP)  # killed by the abandon, stopped or not
+    stopped_writer(saves, engine)  # killed by the abandon, stopped or not
+    saves.save(engine, state(2, engine.name), synchronous=False)
     assert saves.writing()
     saves.commit_written(True)
-    saves.save(engine, state(2, engine.name), synchronous=True)
-    assert not (saves.store.root / ".step_00000001.partial").exists()
-    assert [p.name for p in saves.store.checkpoints()] == ["step_00000002"]
+    saves.save(engine, state(3, engine.name), synchronous=True)
+    assert not (saves.store.root / ".step_00000002.partial").exists()
+    assert [p.name for p in saves.store.checkpoints()] == ["step_00000003", "step_00000001"]
     assert writers_of({os.getpid()}) == []
 
 
@@ -97,10 +104,8 @@ def test_a_new_save_waits_for_the_previous_one_and_commits_it(saves, engine):  #
 
 
 def test_a_failed_background_write_is_removed_and_stops_the_job_naming_the_file(saves, engine):  # noqa: F811
-    saves.save(engine, state(1, engine.name), synchronous=True)
+    writer = stopped_writer(saves, engine)
     saves.save(engine, state(2, engine.name), synchronous=False)
-    [writer] = writers_of({os.getpid()})
-    os.kill(writer, signal.SIGSTOP)
     partial = saves.store.root / ".step_00000002.partial"
     partial.rmdir()
     partial.write_text("not a directory")  # the writer cannot put a file below it
