@@ -43,7 +43,6 @@ from slurm_autosp.checkpoint.store import (
     EngineState,
     TrainerState,
 )
-from slurm_autosp.lifecycle.parent_death import die_with
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +51,11 @@ class BackgroundWriter:
     """This rank's writer process: one request at a time (a new save waits for the previous)."""
 
     def __init__(self) -> None:
-        parent = os.getpid()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "slurm_autosp.checkpoint.writer"],
+            [sys.executable, "-m", "slurm_autosp.checkpoint.writer", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            preexec_fn=lambda: die_with(parent),
         )
         self._answer: dict[str, Any] | None = None
         self.busy = False

@@ -5,9 +5,11 @@ Each request names a staging directory (the rank's save, written to node-local m
 step boundary) and the checkpoint's `.partial` directory on shared storage. The writer copies
 every staged file there, hashing it as it goes (the manifest's records, so no file is read
 twice), forces it to stable storage and frees its staged copy; then it answers with the
-records, or with the error that stopped it. It runs as `python -m slurm_autosp.checkpoint.writer`,
-one JSON line per request on stdin and per answer on stdout, and imports neither torch nor
-the rest of the package: it starts in a fraction of a second and holds no GPU context.
+records, or with the error that stopped it. It runs as `python -m slurm_autosp.checkpoint.writer
+<rank's pid>`, dies with that rank (a killed rank leaves no writer adding files to a run no job
+holds), takes one JSON line per request on stdin and answers one per request on stdout, and
+imports neither torch nor the rest of the package: it starts in a fraction of a second and
+holds no GPU context.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from slurm_autosp.checkpoint.manifest import FileRecord
+from slurm_autosp.lifecycle.parent_death import die_with
 
 _CHUNK = 16 * 2**20
 
@@ -59,6 +62,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def main() -> None:
+    die_with(int(sys.argv[1]))
     for line in sys.stdin:
         request = json.loads(line)
         try:
