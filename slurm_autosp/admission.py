@@ -7,7 +7,8 @@ hand-submitted rank (`run`), `plan` and `verify` cannot drift apart in what they
 Stages, for the commands that need only a part:
   admit_model: the model computes exactly under AutoSP (plan, verify, and everything below);
   admit_data:  the token data reads and fits the model's vocabulary;
-  admit:       both, the layout, then the plan's verdict with its choices frozen into the
+  admit:       both, the layout, then the plan's verdict with its choices (and the layout's
+               Ulysses x ring split) frozen into the
                config (or, on a requeue, the choices the run's first start froze, adopted),
                the signal delay that must leave a checkpointing job time for a step and a
                save, and the checkpoint the job would resume from is this run's.
@@ -83,11 +84,12 @@ def admit(
     its frozen choices are adopted and nothing is planned, so a requeue is never refused by a
     plan that changed since (code, torch or the plan's figures, or the step its first start
     measured)."""
+    if recorded is not None:
+        adopt_frozen_choices(cfg, recorded)
     admit_model(cfg)
     admit_data(cfg)
     layout = layout_for(cfg)
     if recorded is not None:
-        adopt_frozen_choices(cfg, recorded)
         # the adopted choices are concrete, so reading them back plans nothing
         plan = PlanVerdict(ADOPTED, True, "", training_choices(cfg))
     else:

@@ -21,10 +21,18 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from slurm_autosp.heads import choices_text, divisors, valid_sp_sizes
+from slurm_autosp.heads import (
+    choices_text,
+    divisors,
+    pairs_text,
+    ulysses_ring_pairs,
+    valid_sp_sizes,
+)
 
 ZERO_STAGES = (None, 1, 3)  # null: the memory plan chooses
 USER_PORTS = range(1024, 65536)  # what MASTER_PORT may be: no privileged port
+# sbatch --signal=USR2@<seconds>: Slurm keeps the time in 16 bits (job_desc_msg_t.warn_time)
+MAX_SIGNAL_DELAY_S = 65535
 
 
 def is_user_port(value: object) -> bool:
@@ -196,6 +204,11 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     sp_size: int = 1
+    # sp_size = Ulysses x ring: Ulysses (all-to-all over heads) inside an NVLink domain, ring
+    # attention (key/value blocks passed round) across domains, which lifts SP past the head
+    # count; null: Ulysses as large as the heads and the NVLink domain allow, the ring the rest
+    # (resolved once at admission and written into the run's config)
+    ring_size: int | None = None
     # 1: DeepSpeed ZeRO-1 (optimizer state sharded); 3: FSDP2 (parameters, gradients and
     # optimizer state sharded); null: the memory plan chooses (1 when the job fits under it)
     zero_stage: int | None = None
@@ -477,6 +490,12 @@ def validate(cfg: JobConfig) -> None:
             f"checkpoint.staging_dir={cfg.checkpoint.staging_dir!r} must be an absolute path on "
             "each node (a memory-backed file system such as /dev/shm)"
         )
+    if c.signal_delay_s > MAX_SIGNAL_DELAY_S:
+        problems.append(
+            f"cluster.signal_delay_s={c.signal_delay_s} is more than SLURM's pre-timeout signal "
+            f"can be sent ahead ({MAX_SIGNAL_DELAY_S} s: sbatch keeps it in 16 bits); give "
+            f"at most {MAX_SIGNAL_DELAY_S}"
+        )
     for key, value in [
         ("checkpoint.write_gb_per_s", cfg.checkpoint.write_gb_per_s),
         ("cluster.collective_timeout_min", c.collective_timeout_min),
@@ -516,13 +535,7 @@ def validate(cfg: JobConfig) -> None:
             f"parallel.sp_size={p.sp_size} needs the AutoSP compiler: set compile.enabled=true"
         )
     problems.extend(_compile_problems(cfg))
-    heads, kv_heads = m.num_attention_heads, m.num_key_value_heads or m.num_attention_heads
-    if heads and kv_heads and p.sp_size > 0 and p.sp_size not in valid_sp_sizes(heads, kv_heads):
-        problems.append(
-            f"parallel.sp_size={p.sp_size} cannot split model.num_attention_heads={heads} / "
-            f"model.num_key_value_heads={kv_heads} over SP ranks; choose one of "
-            f"{', '.join(map(str, valid_sp_sizes(heads, kv_heads)))}"
-        )
+    problems.extend(_ring_problems(cfg))
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         problems.append(
             f"train.betas={list(t.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]"
@@ -652,6 +665,33 @@ def _script_value_problems(cfg: JobConfig) -> list[str]:
             "submitit reads them literally, so the logs would be lost; choose a directory without '%'"
         )
     return problems
+
+
+def _ring_problems(cfg: JobConfig) -> list[str]:
+    """The Ulysses x ring split of `parallel.sp_size`: the ring divides it and the heads split
+    over the Ulysses size (null is resolved with the topology: cluster.placement)."""
+    p, m = cfg.parallel, cfg.model
+    if p.sp_size < 1 or p.ring_size is None:
+        return []
+    heads, kv_heads = m.num_attention_heads, m.num_key_value_heads or m.num_attention_heads
+    pairs = ulysses_ring_pairs(p.sp_size, heads, kv_heads)
+    works = (
+        f"(Ulysses x ring) splits of parallel.sp_size={p.sp_size} that work: {pairs_text(pairs)}"
+    )
+    if p.ring_size < 1 or p.sp_size % p.ring_size:
+        return [
+            f"parallel.ring_size={p.ring_size} does not divide parallel.sp_size={p.sp_size} "
+            f"(sp_size = Ulysses x ring); {works}, or null to choose"
+        ]
+    ulysses = p.sp_size // p.ring_size
+    if heads and kv_heads and ulysses not in valid_sp_sizes(heads, kv_heads):
+        return [
+            f"parallel.sp_size={p.sp_size} / parallel.ring_size={p.ring_size}: the Ulysses size "
+            f"{ulysses} cannot split model.num_attention_heads={heads} / "
+            f"model.num_key_value_heads={kv_heads} over its ranks (Ulysses sizes the heads allow: "
+            f"{choices_text(valid_sp_sizes(heads, kv_heads))}); {works}"
+        ]
+    return []
 
 
 def _compile_problems(cfg: JobConfig) -> list[str]:

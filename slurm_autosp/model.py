@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.config import (
     ConfigError,
     DocumentBoundaries,
@@ -19,6 +20,7 @@ from slurm_autosp.config import (
     Precision,
     Vendor,
 )
+from slurm_autosp.heads import pairs_text, ulysses_ring_pairs, valid_sp_sizes
 from slurm_autosp.sp.attention_pattern import unsupported_attention, windowed_attention
 from slurm_autosp.sp.chunked_loss import unsupported_logits
 
@@ -137,6 +139,9 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
     sp = cfg.parallel.sp_size
     seq = seq_len or cfg.data.seq_len
     padded = -(-seq // sp) * sp
+    if cfg.compile.enabled:
+        _refuse_unsplit_heads(cfg, config)
+        _refuse_inexact_ring(cfg, config, padded)
     problems = (
         unsupported_attention(config, padded) + _attention_sinks(config)
         if cfg.compile.enabled
@@ -168,6 +173,46 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
             + "\n  - ".join(problems)
             + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
             "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
+        )
+
+
+def _refuse_unsplit_heads(cfg: JobConfig, config: Any) -> None:
+    """The Ulysses size against the model's own heads: config validation sees only the heads a
+    config names, not a checkpoint's (model.pretrained_path), nor the split a null ring size
+    resolves to."""
+    ring = ring_size_for(cfg)
+    sp, heads = cfg.parallel.sp_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if sp // ring not in valid_sp_sizes(heads, kv_heads):
+        raise ConfigError(
+            f"parallel.sp_size={sp} / parallel.ring_size={ring}: the Ulysses size {sp // ring} "
+            f"cannot split the model's {heads} query / {kv_heads} key-value heads over its ranks; "
+            f"(Ulysses x ring) splits of parallel.sp_size={sp} that work: "
+            f"{pairs_text(ulysses_ring_pairs(sp, heads, kv_heads))}"
+        )
+
+
+def _refuse_inexact_ring(cfg: JobConfig, config: Any, seq_len: int) -> None:
+    """Ring attention passes whole causal key/value blocks: it does not yet apply windows or
+    document boundaries, so an SP size split over a ring is refused for them, by name."""
+    ring = ring_size_for(cfg)
+    needed = windowed_attention(config, seq_len) + (
+        ["per-document attention (data.documents=masked)"]
+        if cfg.data.documents is DocumentBoundaries.masked
+        else []
+    )
+    if ring > 1 and needed:
+        sp = cfg.parallel.sp_size
+        raise ConfigError(
+            f"parallel.sp_size={sp} = Ulysses {sp // ring} x ring {ring} (parallel.ring_size="
+            f"{cfg.parallel.ring_size if cfg.parallel.ring_size is not None else 'null, chosen'}"
+            f"): ring attention does not compute {' or '.join(needed)} exactly yet; set "
+            "parallel.ring_size=1 with a parallel.sp_size the heads split over"
+            + (
+                " or data.documents=concat"
+                if cfg.data.documents is DocumentBoundaries.masked
+                else ""
+            )
         )
 
 

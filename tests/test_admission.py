@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 from in_process import run_command
+from reference_run import prepared_dataset
+from transformers import LlamaConfig
 
 import slurm_autosp.memory_plan.choose as choose
-from slurm_autosp.admission import admit
+from slurm_autosp.admission import admit, admit_model
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
 from slurm_autosp.memory_plan import TrainingChoices
@@ -32,7 +34,8 @@ def bad_config(case: str, tmp_path: Path) -> list[str]:
         junk = tmp_path / "tokens.bin"
         junk.write_text("not tokens")
         return [TINY, "data.source=tokens", f"data.path={junk}"]
-    return ["cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16"]  # beyond an NVLink domain
+    # Ulysses alone beyond an NVLink domain
+    return ["cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16", "parallel.ring_size=1"]
 
 
 def admission_refusal(args: list[str]) -> str:
@@ -117,3 +120,49 @@ def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refus
     )
     assert requeued.plan.fits and requeued.plan.choices == frozen
     assert (requeued.cfg.parallel.zero_stage, requeued.cfg.compile.tile_tokens) == (3, 1024)
+
+
+@pytest.mark.parametrize("pattern", ["sliding window", "packed documents"])
+def test_attention_a_ring_does_not_compute_exactly_is_refused_by_name(pattern, tmp_path):
+    if pattern == "sliding window":
+        args = [TINY, "model.model_type=mistral", "model.extra.sliding_window=16"]
+        what = "sliding-window attention (sliding_window=16 on layers 0, 1 of 2)"
+    else:
+        data = prepared_dataset(tmp_path / "prepared", [100, 156, 256])
+        args = [TINY, "data.source=tokens", f"data.path={data}", "data.documents=masked"]
+        what = "per-document attention (data.documents=masked)"
+    with pytest.raises(ConfigError) as refused:
+        admit_model(load_config([*args, "parallel.ring_size=2"]))
+    assert str(refused.value).startswith(
+        f"parallel.sp_size=2 = Ulysses 1 x ring 2 (parallel.ring_size=2): ring attention does not "
+        f"compute {what} exactly yet; set parallel.ring_size=1"
+    )
+    admit_model(load_config([*args, "parallel.ring_size=1"]))  # Ulysses computes it
+
+
+def test_admission_writes_the_ring_size_into_the_config_and_a_requeue_adopts_its_own(tmp_path):
+    """A null ring size is resolved once, at admission, into the config every rank trains
+    with; a requeue keeps what its first start resolved (a frozen key)."""
+    args = [TINY, "cluster.tasks_per_node=8", "parallel.sp_size=8", f"run.output_root={tmp_path}"]
+    first = admit(load_config(args))  # 4 heads: Ulysses 4 inside the node's 8 ranks, ring 2
+    assert first.cfg.parallel.ring_size == 2 and first.layout.ring_size == 2
+    recorded = load_config([*args, "parallel.ring_size=4"])
+    requeued = admit(load_config(args), recorded=recorded)
+    assert requeued.cfg.parallel.ring_size == 4 and requeued.layout.ulysses_size == 2
+
+
+def test_a_checkpoints_heads_are_checked_against_the_resolved_ulysses_size(tmp_path):
+    """Config validation sees only the heads a config names; a checkpoint's own (6 query, 3
+    key/value heads) meet the Ulysses size at admission, with the splits that work."""
+    LlamaConfig(
+        hidden_size=48, num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=1
+    ).save_pretrained(tmp_path)
+    args = [TINY, f"model.pretrained_path={tmp_path}", "cluster.tasks_per_node=4"]
+    with pytest.raises(ConfigError) as refused:
+        admit_model(load_config([*args, "parallel.sp_size=4"]))
+    assert str(refused.value) == (
+        "parallel.sp_size=4 / parallel.ring_size=1: the Ulysses size 4 cannot split the model's 6 "
+        "query / 3 key-value heads over its ranks; (Ulysses x ring) splits of parallel.sp_size=4 "
+        "that work: 1 x 4 (parallel.ring_size=4)"
+    )
+    admit_model(load_config([*args, "parallel.sp_size=4", "parallel.ring_size=4"]))

@@ -64,12 +64,46 @@ def test_bad_choice_lists_the_accepted_values():
         load_config(["cluster.backend=cloud"])
 
 
-def test_sp_size_that_does_not_divide_heads_lists_the_sizes_that_would():
-    with pytest.raises(
-        ConfigError,
-        match=r"parallel\.sp_size=3 cannot split model\.num_attention_heads=4 / model\.num_key_value_heads=2 over SP ranks; choose one of 1, 2, 4",
-    ):
-        load_config(["parallel.sp_size=3", "cluster.tasks_per_node=3", "compile.enabled=true"])
+def test_a_ulysses_size_the_heads_cannot_split_lists_the_splits_that_would():
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            [
+                "parallel.sp_size=3",
+                "parallel.ring_size=1",
+                "cluster.tasks_per_node=3",
+                "compile.enabled=true",
+            ]
+        )
+    assert (
+        "parallel.sp_size=3 / parallel.ring_size=1: the Ulysses size 3 cannot split "
+        "model.num_attention_heads=4 / model.num_key_value_heads=2 over its ranks (Ulysses sizes "
+        "the heads allow: 1, 2 or 4); (Ulysses x ring) splits of parallel.sp_size=3 that work: "
+        "1 x 3 (parallel.ring_size=3)"
+    ) in str(err.value)
+
+
+def test_sp_size_past_the_head_count_is_accepted_as_ulysses_times_ring():
+    args = ["cluster.tasks_per_node=8", "compile.enabled=true"]  # tiny: 4 heads, 2 KV heads
+    assert load_config([*args, "parallel.sp_size=8"]).parallel.ring_size is None  # resolved later
+    assert (
+        load_config([*args, "parallel.sp_size=8", "parallel.ring_size=2"]).parallel.ring_size == 2
+    )
+
+
+def test_a_signal_delay_slurm_cannot_send_is_refused():
+    with pytest.raises(ConfigError, match=r"cluster\.signal_delay_s=70000 is more than SLURM"):
+        load_config(["cluster.signal_delay_s=70000"])
+    assert load_config(["cluster.signal_delay_s=65535"]).cluster.signal_delay_s == 65535
+
+
+def test_a_ring_size_that_does_not_divide_sp_size_is_refused():
+    with pytest.raises(ConfigError) as err:
+        load_config(["parallel.sp_size=2", "parallel.ring_size=4", "compile.enabled=true"])
+    assert (
+        "parallel.ring_size=4 does not divide parallel.sp_size=2 (sp_size = Ulysses x ring); "
+        "(Ulysses x ring) splits of parallel.sp_size=2 that work: 2 x 1 (parallel.ring_size=1), "
+        "1 x 2 (parallel.ring_size=2), or null to choose"
+    ) in str(err.value)
 
 
 def test_zero_stage_2_is_refused_naming_the_stages_that_exist():

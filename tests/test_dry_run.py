@@ -44,6 +44,54 @@ def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
     assert not (tmp_path / "llama70b_128k").exists()
 
 
+def test_llama8b_32m_dry_run_shows_ulysses_inside_nodes_and_the_ring_across_them(tmp_path):
+    proc = submit("cfg=configs/llama8b_32m.yaml", "dry_run=true", f"run.output_root={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert (
+        "SP 128 = Ulysses 8 x ring 16: Ulysses groups inside NVLink domains (the first on node 0), "
+        "ring over nodes 0-15 (16 NVLink domains)"
+    ) in out
+    assert "ParallelLayout(world_size 128 = sp 128 (Ulysses 8 x ring 16) x dp 1" in out
+    assert "ring_groups 8 x [0,8,...,120 (step 8)]" in out
+    assert "  ring_size: 16\n" in out  # resolved once, written into the config the job runs with
+    assert "#SBATCH --signal=USR2@35100" in out and "verdict: fits" in out
+
+
+def test_on_nvl72_racks_ulysses_groups_stay_in_a_rack_and_the_ring_crosses_racks(tmp_path):
+    proc = submit(
+        "cfg=configs/llama8b_32m.yaml",
+        "cluster.nodes=36",
+        "cluster.gpus_per_node=4",
+        "cluster.nvlink_domain_size=72",
+        "parallel.sp_size=144",
+        "dry_run=true",
+        f"run.output_root={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    # 32 heads, racks of 72 GPUs: the largest Ulysses size both allow is 8
+    assert (
+        "SP 144 = Ulysses 8 x ring 18: Ulysses groups inside NVLink domains (the first on nodes "
+        "0-1), ring over nodes 0-34 (2 NVLink domains)"
+    ) in proc.stdout
+
+
+def test_a_step_no_slurm_signal_delay_can_cover_is_refused_naming_what_shortens_it(tmp_path):
+    proc = submit(
+        "cfg=configs/llama8b_32m.yaml",
+        "cluster.nodes=8",
+        "parallel.sp_size=64",
+        "dry_run=true",
+        f"run.output_root={tmp_path}",
+    )
+    assert proc.returncode == 2, proc.stdout
+    assert (
+        "it would need cluster.signal_delay_s=70096, more than SLURM sends its signal ahead "
+        "(65535 s): shorten the step (each sequence over more GPUs: parallel.sp_size and "
+        "cluster.nodes), or measure it with the probe if the estimate is too slow"
+    ) in proc.stderr
+
+
 def test_signal_delay_too_short_for_a_step_and_a_save_is_refused(tmp_path):
     proc = submit(
         "cfg=configs/llama70b_128k.yaml",
@@ -60,17 +108,24 @@ def test_signal_delay_too_short_for_a_step_and_a_save_is_refused(tmp_path):
     assert not (tmp_path / "llama70b_128k").exists()
 
 
-def test_sp_larger_than_an_nvlink_domain_is_refused_with_the_valid_sizes():
-    proc = submit("cfg=configs/llama70b_128k.yaml", "parallel.sp_size=16", "dry_run=true")
+def test_ulysses_larger_than_an_nvlink_domain_is_refused_with_the_valid_sizes():
+    proc = submit(
+        "cfg=configs/llama70b_128k.yaml",
+        "parallel.sp_size=16",
+        "parallel.ring_size=1",
+        "dry_run=true",
+    )
     assert proc.returncode == 2
-    assert "parallel.sp_size=16" in proc.stderr
+    assert "parallel.sp_size=16 / parallel.ring_size=1" in proc.stderr
     assert "SP sizes that fit inside a domain: 1, 2, 4 or 8" in proc.stderr
+    assert "8 x 2 (ring_size=2)" in proc.stderr
 
 
 def test_crossing_domains_on_request_is_allowed():
     proc = submit(
         "cfg=configs/llama70b_128k.yaml",
         "parallel.sp_size=16",
+        "parallel.ring_size=1",
         "parallel.allow_cross_domain=true",
         "dry_run=true",
     )

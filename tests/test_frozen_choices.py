@@ -46,16 +46,8 @@ def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_rep
     written.write_text(to_yaml(cfg))
     reloaded = load_config([f"cfg={written}"])
     frozen = [getattr(getattr(reloaded, section), key) for section, key in FROZEN_KEYS]
-    assert frozen == [
-        3,
-        "full",
-        None,
-        True,
-        0,
-        False,
-        False,
-        True,
-    ]  # the budget applies to sac only
+    # ring 1: SP=8 is Ulysses alone; the budget applies to sac only
+    assert frozen == [1, 3, "full", None, True, 0, False, False, True]
     assert training_choices(reloaded) == choices  # no plan: build_plan would raise
 
 

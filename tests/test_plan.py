@@ -20,6 +20,7 @@ from slurm_autosp.memory_plan import (
     verdict,
     zero_stage_for,
 )
+from slurm_autosp.memory_plan.layer_graph import trace_decoder_layer
 from slurm_autosp.memory_plan.policies import Rung, ladder, spec_label, tile_tokens_for
 from slurm_autosp.memory_plan.terms import (
     attention_backward_per_token,
@@ -27,6 +28,7 @@ from slurm_autosp.memory_plan.terms import (
     model_size,
     outside_allocator,
     policy_memory,
+    ring_blocks_per_token,
 )
 from slurm_autosp.plan import main as plan_main
 from slurm_autosp.sp.host_arena import SLAB_BYTES
@@ -218,6 +220,93 @@ def test_llama8b_4m_fits_one_node_with_tiled_offloaded_layers():
     assert memory.trace.activation_bytes == memory.trace.tokens * 4096 * 2
     assert plan.longest_seq(memory) >= 4 * 2**20
     assert memory.host_bytes * 8 <= 2048e9 * 0.8
+
+
+LLAMA8B_32M_8_NODES = [
+    "cfg=configs/llama8b_32m.yaml",
+    "cluster.nodes=8",
+    "parallel.sp_size=64",
+    "cluster.signal_delay_s=65535",
+]
+
+
+@pytest.fixture(scope="module")
+def hybrid_plan():
+    """Llama-3.1-8B at 32M tokens on 8 nodes of 8 x 80 GB: SP=64 past its 32 heads."""
+    return build_plan(load_config(LLAMA8B_32M_8_NODES))
+
+
+def test_llama8b_32m_fits_8_nodes_as_ulysses8_times_ring8(hybrid_plan):
+    """SP past the head count: Ulysses 8 inside each node, ring 8 across them; the layer is
+    traced at the Ulysses size, and the ring's blocks in flight are a term of their own."""
+    text, fits, _ = verdict(hybrid_plan)
+    memory = hybrid_plan.configured
+    assert fits and hybrid_plan.zero_stage == 3, text
+    assert memory.label == "full (all-to-all recomputed) + tiled layers + offload"
+    assert (memory.trace.sp_size, memory.trace.ring_size, memory.trace.local_seq) == (8, 8, 2**19)
+    # a K block: 8 ranks' tokens of one (repeated) KV head of 128, bf16: 2 KiB per local token;
+    # send + receive of K and V in bf16, and of dK and dV in fp32
+    assert ring_blocks_per_token(hybrid_plan.cfg, 8, 8) == 4 * 2048 + 4 * 4096
+    assert memory.terms["ring_kv_blocks"] == 24576 * 2**19
+    assert memory.total < 80e9 and hybrid_plan.longest_seq(memory) >= 2**25
+    rendered = render(hybrid_plan)
+    assert "SP=64 = Ulysses 8 x ring 8 (524288 tokens per rank)" in rendered
+    assert (
+        "ring attention: SP 64 = Ulysses 8 x ring 8: Ulysses groups inside NVLink domains (the "
+        "first on node 0), ring over nodes 0-7 (8 NVLink domains); per layer each rank sends "
+        "15.03 GB of K/V forward (twice: attention recomputed) and 45.10 GB of K/V and dK/dV "
+        "backward = 1,503 ms at 50 GB/s between domains, hidden behind"
+    ) in rendered
+
+
+def test_the_hybrid_doubles_the_longest_sequence_ulysses_alone_reaches(hybrid_plan):
+    """On the same 64 GPUs Ulysses alone stops at the 32 heads (SP=32 across nodes, DP=2):
+    the ring takes SP to 64 and the longest sequence with it."""
+    ulysses_only = build_plan(
+        load_config(
+            [
+                *LLAMA8B_32M_8_NODES,
+                "parallel.sp_size=32",
+                "parallel.ring_size=1",
+                "parallel.allow_cross_domain=true",
+            ]
+        )
+    )
+    rung = hybrid_plan.configured.rung
+    hybrid = hybrid_plan.longest_seq(hybrid_plan.memories[3][rung])
+    alone = ulysses_only.longest_seq(ulysses_only.memories[3][rung])
+    assert 1.9 < hybrid / alone < 2.1, (hybrid, alone)
+
+
+def test_ring_terms_follow_the_ulysses_group(hybrid_plan):
+    cfg = hybrid_plan.cfg
+    # 4 query heads and one repeated KV head a rank: dk and dv expanded, as at SP=8
+    assert attention_backward_per_token(cfg) == 4 * 4096 + 2 * 2 * 4096
+    assert communicators(cfg) == 3  # the world (= the SP group), the Ulysses and ring groups
+
+
+def test_a_ring_counts_attention_flops_once_per_block_it_meets():
+    spec = ActivationCheckpointSpec(ActivationCheckpointing.none)
+    model = load_config([]).model  # tiny Llama: 4 heads of 16, 2 KV heads
+    (alone,) = trace_decoder_layer(
+        model, local_seq=64, sp_size=2, specs=[spec], dtype=torch.float32
+    )
+    (ring,) = trace_decoder_layer(
+        model, local_seq=64, sp_size=2, specs=[spec], dtype=torch.float32, ring_size=4
+    )
+    causal = 4 * 1 * 2 * 128 * 128 * 16 // 2  # 4 B H S S D / 2: 2 heads a rank, 128 tokens
+    assert ring.forward_flops - alone.forward_flops == 3 * causal
+    assert ring.activation_bytes == alone.activation_bytes  # memory: one block, as traced
+
+
+def test_a_job_too_long_for_ulysses_is_offered_sp_past_the_heads():
+    plan = build_plan(load_config([*LLAMA8B_32M_8_NODES, "parallel.sp_size=8"]))
+    text, fits, _ = verdict(plan)
+    assert not fits
+    assert (
+        "parallel.sp_size=64 (Ulysses 8 x ring 8) with full (all-to-all recomputed) + tiled "
+        "layers + offload" in text
+    ), text
 
 
 def test_a_tiled_layers_tiles_run_beside_less_than_its_full_width_peak():

@@ -65,6 +65,7 @@ def main() -> None:
     die_with(int(sys.argv[1]))
     for line in sys.stdin:
         request = json.loads(line)
+        answer: dict[str, object]
         try:
             records = persist(Path(request["staged"]), Path(request["partial"]))
             answer = {"records": {name: asdict(r) for name, r in records.items()}}

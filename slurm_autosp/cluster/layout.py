@@ -1,9 +1,13 @@
 """The sequence-parallel / data-parallel layout of a job: computed once, logged, passed around.
 
-SP groups run an all-to-all around every attention call, so each must sit inside one
-NVLink/xGMI domain; DP groups (one gradient all-reduce per step) span domains over the
-scale-out network. `derive_parallel_layout` decides that from the topology;
-`build_process_groups` is the one place that turns it into torch.distributed groups.
+An SP group of P = Ulysses U x ring R ranks: Ulysses groups run an all-to-all around every
+attention call, so each must sit inside one NVLink/xGMI domain; ring groups pass key/value
+blocks point to point between neighbours, so they may span domains; DP groups (one gradient
+all-reduce per step) span domains over the scale-out network. Within an SP group, position p
+has ring index p // U and Ulysses index p % U: Ulysses group i is positions [i*U, (i+1)*U),
+ring group u is positions {u, U+u, 2U+u, ...}. `derive_parallel_layout` decides the groups from
+the topology; `build_process_groups` is the one place that turns them into torch.distributed
+groups.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from slurm_autosp.cluster.topology import ClusterTopology
 from slurm_autosp.heads import choices_text, divisors
@@ -26,11 +30,13 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """SP x DP degrees and the explicit rank groups that realise them.
+    """SP x DP degrees, the SP size's Ulysses x ring split, and the explicit rank groups that
+    realise them.
 
     `dp_groups[j]` holds the j-th rank of every SP group, so ranks holding the same sequence
-    shard average their gradients together. `cross_domain` records that the caller accepted SP
-    groups spanning NVLink domains; it should be logged as a warning.
+    shard average their gradients together. `cross_domain` records that the caller accepted
+    Ulysses groups spanning NVLink domains; it should be logged as a warning. A ring spanning
+    domains is the ring's design, not cross_domain.
     """
 
     world_size: int
@@ -39,12 +45,19 @@ class ParallelLayout:
     sp_groups: tuple[tuple[int, ...], ...]
     dp_groups: tuple[tuple[int, ...], ...]
     cross_domain: bool = False
+    ring_size: int = 1
     _sp_slot: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.sp_size < 1 or self.dp_size < 1:
+        if self.sp_size < 1 or self.dp_size < 1 or self.ring_size < 1:
             raise LayoutError(
-                f"sp_size={self.sp_size} and dp_size={self.dp_size} must be at least 1"
+                f"sp_size={self.sp_size}, dp_size={self.dp_size} and ring_size={self.ring_size} "
+                "must be at least 1"
+            )
+        if self.sp_size % self.ring_size:
+            raise LayoutError(
+                f"ring_size={self.ring_size} does not divide sp_size={self.sp_size} "
+                f"(sp_size = Ulysses x ring; choose {choices_text(divisors(self.sp_size))})"
             )
         if self.sp_size * self.dp_size != self.world_size:
             raise LayoutError(
@@ -81,9 +94,12 @@ class ParallelLayout:
 
     @classmethod
     def from_sp_groups(
-        cls, sp_groups: tuple[tuple[int, ...], ...], cross_domain: bool = False
+        cls,
+        sp_groups: tuple[tuple[int, ...], ...],
+        cross_domain: bool = False,
+        ring_size: int = 1,
     ) -> ParallelLayout:
-        """The layout whose SP groups are these; DP groups follow from them."""
+        """The layout whose SP groups are these; DP, Ulysses and ring groups follow from them."""
         sp_size = len(sp_groups[0]) if sp_groups else 0
         dp_groups = tuple(tuple(group[j] for group in sp_groups) for j in range(sp_size))
         return cls(
@@ -93,7 +109,26 @@ class ParallelLayout:
             sp_groups=sp_groups,
             dp_groups=dp_groups,
             cross_domain=cross_domain,
+            ring_size=ring_size,
         )
+
+    @property
+    def ulysses_size(self) -> int:
+        """Ranks of one all-to-all: the SP size over the ring size."""
+        return self.sp_size // self.ring_size
+
+    @property
+    def ulysses_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Each SP group's consecutive slices of `ulysses_size` ranks, SP group by SP group."""
+        u = self.ulysses_size
+        return tuple(g[i : i + u] for g in self.sp_groups for i in range(0, self.sp_size, u))
+
+    @property
+    def ring_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks at the same Ulysses position of each SP group's Ulysses groups, in ring
+        order (neighbours hold adjacent blocks of the sequence), SP group by SP group."""
+        u = self.ulysses_size
+        return tuple(g[i::u] for g in self.sp_groups for i in range(u))
 
     def sp_group_of(self, rank: int) -> tuple[int, ...]:
         """The ranks that share `rank`'s sequence (its SP group)."""
@@ -107,6 +142,17 @@ class ParallelLayout:
         """Which data-parallel replica `rank` belongs to: the index of its SP group."""
         return self._slot(rank)[0]
 
+    def ulysses_rank(self, rank: int) -> int:
+        """Which slice of the heads `rank` takes in attention: its position in its Ulysses
+        group."""
+        return self.sp_rank(rank) % self.ulysses_size
+
+    def ring_rank(self, rank: int) -> int:
+        """Which of the sequence's ring_size blocks `rank`'s attention holds (its Ulysses
+        group's tokens, after the all-to-all): its position in its ring group, whose neighbours
+        hold the adjacent blocks."""
+        return self.sp_rank(rank) // self.ulysses_size
+
     def _slot(self, rank: int) -> tuple[int, int]:
         if not 0 <= rank < self.world_size:
             raise LayoutError(
@@ -115,15 +161,24 @@ class ParallelLayout:
         return self._sp_slot[rank]
 
     def __repr__(self) -> str:
+        inside = "SP groups" if self.ring_size == 1 else "Ulysses groups"
         placement = (
-            "SP groups span NVLink domains (allow_cross_domain)"
+            f"{inside} span NVLink domains (allow_cross_domain)"
             if self.cross_domain
-            else ("SP groups inside NVLink domains")
+            else f"{inside} inside NVLink domains"
         )
+        sp = f"sp {self.sp_size}"
+        ring = ""
+        if self.ring_size > 1:
+            sp += f" (Ulysses {self.ulysses_size} x ring {self.ring_size})"
+            ring = (
+                f"ulysses_groups {_groups_text(self.ulysses_groups)}; "
+                f"ring_groups {_groups_text(self.ring_groups)}; "
+            )
         return (
-            f"ParallelLayout(world_size {self.world_size} = sp {self.sp_size} x dp {self.dp_size}; "
-            f"sp_groups {_groups_text(self.sp_groups)}; dp_groups {_groups_text(self.dp_groups)}; "
-            f"{placement})"
+            f"ParallelLayout(world_size {self.world_size} = {sp} x dp {self.dp_size}; "
+            f"sp_groups {_groups_text(self.sp_groups)}; {ring}dp_groups "
+            f"{_groups_text(self.dp_groups)}; {placement})"
         )
 
 
@@ -149,14 +204,16 @@ def _ranks_text(ranks: tuple[int, ...], show: int = 4) -> str:
 
 
 def derive_parallel_layout(
-    topology: ClusterTopology, sp_size: int, allow_cross_domain: bool = False
+    topology: ClusterTopology, sp_size: int, allow_cross_domain: bool = False, ring_size: int = 1
 ) -> ParallelLayout:
     """SP groups as consecutive slices of the NVLink domains, DP across them.
 
-    A size that every domain can hold a whole number of times is placed inside domains.
-    Any other size that divides the world is an error listing the sizes that would fit,
-    unless `allow_cross_domain`, which slices the same rank order across domain boundaries
-    and records the choice in the layout.
+    The Ulysses groups (`sp_size // ring_size` consecutive ranks) must each sit inside one
+    domain; with `ring_size` > 1 an SP group may then span domains, its ring passing blocks
+    between them. A Ulysses size that every domain holds a whole number of times is placed
+    inside domains. Any other is an error listing the splits that would fit, unless
+    `allow_cross_domain`, which slices the same rank order across domain boundaries and records
+    the choice in the layout.
     """
     world = topology.world_size
     if world < 1:
@@ -169,19 +226,36 @@ def derive_parallel_layout(
             f"sp_size={sp_size} does not divide world_size={world} "
             f"(choose {choices_text(divisors(world))})"
         )
+    if ring_size < 1 or sp_size % ring_size:
+        raise LayoutError(
+            f"ring_size={ring_size} does not divide sp_size={sp_size} "
+            f"(sp_size = Ulysses x ring; choose {choices_text(divisors(sp_size))})"
+        )
     sizes = topology.domain_sizes
-    fits = all(size % sp_size == 0 for size in sizes)
+    ulysses = sp_size // ring_size
+    fits = all(size % ulysses == 0 for size in sizes)
     if not fits and not allow_cross_domain:
         placeable = divisors(math.gcd(*sizes))
+        splits = ", ".join(
+            f"{u} x {sp_size // u} (ring_size={sp_size // u})"
+            for u in reversed(divisors(sp_size))
+            if u in placeable
+        )
+        what = (
+            f"sp_size={sp_size}"
+            if ring_size == 1
+            else f"the Ulysses size {ulysses} (sp_size={sp_size} / ring_size={ring_size})"
+        )
         raise LayoutError(
-            f"sp_size={sp_size} cannot be placed inside one NVLink domain: the job has "
+            f"{what} cannot be placed inside one NVLink domain: the job has "
             f"{_domain_sizes_text(sizes)}, so SP all-to-all would cross the inter-node network. "
-            f"SP sizes that fit inside a domain: {choices_text(placeable)}. "
+            f"SP sizes that fit inside a domain: {choices_text(placeable)}; Ulysses x ring "
+            f"splits of sp_size={sp_size} whose all-to-alls stay inside domains: {splits}. "
             "Choose one of them, or set parallel.allow_cross_domain=true to accept the slower layout."
         )
     order = [rank for domain in topology.nvlink_domains for rank in domain]
     sp_groups = tuple(tuple(order[start : start + sp_size]) for start in range(0, world, sp_size))
-    return ParallelLayout.from_sp_groups(sp_groups, cross_domain=not fits)
+    return ParallelLayout.from_sp_groups(sp_groups, cross_domain=not fits, ring_size=ring_size)
 
 
 def _domain_sizes_text(sizes: tuple[int, ...]) -> str:
@@ -194,11 +268,21 @@ def _domain_sizes_text(sizes: tuple[int, ...]) -> str:
     )
 
 
-def build_process_groups(layout: ParallelLayout) -> tuple[ProcessGroup, ProcessGroup]:
-    """Create every SP and DP group; return this rank's (sp_group, dp_group).
+class ProcessGroups(NamedTuple):
+    """One rank's torch.distributed groups. With ring_size 1 the Ulysses group is the SP group
+    (no second communicator for the same ranks) and there is no ring group (None)."""
+
+    sp: ProcessGroup
+    dp: ProcessGroup
+    ulysses: ProcessGroup
+    ring: ProcessGroup | None
+
+
+def build_process_groups(layout: ParallelLayout) -> ProcessGroups:
+    """Create every SP, DP, Ulysses and ring group; return this rank's.
 
     torch.distributed requires every rank to call new_group for every group, in the same
-    order, even for groups it is not in: so all ranks walk the same two lists.
+    order, even for groups it is not in: so all ranks walk the same lists, in the same order.
     """
     import torch.distributed as dist
 
@@ -208,10 +292,13 @@ def build_process_groups(layout: ParallelLayout) -> tuple[ProcessGroup, ProcessG
             f"for {layout.world_size} ranks; derive it from the job's topology"
         )
     rank = dist.get_rank()
+    kinds = [("sp", layout.sp_groups), ("dp", layout.dp_groups)]
+    if layout.ring_size > 1:
+        kinds += [("ulysses", layout.ulysses_groups), ("ring", layout.ring_groups)]
     mine = {}
-    for kind, groups in (("sp", layout.sp_groups), ("dp", layout.dp_groups)):
+    for kind, groups in kinds:
         for ranks in groups:
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 mine[kind] = group
-    return mine["sp"], mine["dp"]
+    return ProcessGroups(mine["sp"], mine["dp"], mine.get("ulysses", mine["sp"]), mine.get("ring"))

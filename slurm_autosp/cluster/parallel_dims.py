@@ -1,8 +1,8 @@
-"""One rank's parallel dimensions: where it sits in the job's SP x DP layout, its device and its
-process groups, in one value built once at job start. Everything a rank does by its place
-(which shard of a sequence it keeps, which samples it reads, which group it talks to) reads
-it from here, so no two readers can disagree on it. The job-wide `ParallelLayout` stays the
-rank-free value that submit derives before any rank exists."""
+"""One rank's parallel dimensions: where it sits in the job's SP (Ulysses x ring) x DP layout,
+its device and its process groups, in one value built once at job start. Everything a rank
+does by its place (which shard of a sequence it keeps, which samples it reads, which group it
+talks to) reads it from here, so no two readers can disagree on it. The job-wide
+`ParallelLayout` stays the rank-free value that submit derives before any rank exists."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 
 from slurm_autosp.cluster.distributed import init_distributed
 from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
-from slurm_autosp.cluster.placement import layout_for, verify_topology
+from slurm_autosp.cluster.placement import layout_for, layout_summary, verify_topology
 from slurm_autosp.config import JobConfig
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,14 @@ class ParallelDims:
     local_rank: int  # among the ranks of its node: the one that probes the node's GPUs is 0
     device: torch.device
     layout: ParallelLayout
-    sp_group: ProcessGroup  # the ranks sharing this rank's sequences: the all-to-alls
+    sp_group: ProcessGroup  # the ranks sharing this rank's sequences
     dp_group: ProcessGroup  # the ranks holding the same shard: the gradient reduction
+    # the ranks of this rank's all-to-alls: its SP group's slice inside one NVLink domain (the
+    # SP group itself when ring_size is 1)
+    ulysses_group: ProcessGroup
+    # the same Ulysses position in each of its SP group's Ulysses groups: the ring's key/value
+    # blocks pass between them; None when ring_size is 1
+    ring_group: ProcessGroup | None
 
     @property
     def world_size(self) -> int:
@@ -56,17 +62,48 @@ class ParallelDims:
         """Which data-parallel replica this rank is: which samples it reads."""
         return self.layout.dp_rank(self.rank)
 
+    @property
+    def ulysses_size(self) -> int:
+        return self.layout.ulysses_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.layout.ring_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        """Which slice of the heads this rank takes in attention (sp_rank % ulysses_size)."""
+        return self.layout.ulysses_rank(self.rank)
+
+    @property
+    def ring_rank(self) -> int:
+        """Which of the sequence's blocks this rank's attention holds (sp_rank //
+        ulysses_size): its ring neighbours hold blocks ring_rank -+ 1 (mod ring_size)."""
+        return self.layout.ring_rank(self.rank)
+
 
 def build_parallel_dims(cfg: JobConfig, local_rank: int, device: torch.device) -> ParallelDims:
     """This rank's dims over the process group it has joined: the layout the config gets and
-    its SP and DP groups. Every rank of the group calls it (each builds every group)."""
+    its SP, DP, Ulysses and ring groups. Every rank of the group calls it (each builds every
+    group)."""
     layout = layout_for(cfg)
     if layout.cross_domain:
         log.warning(
             "parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)"
         )
-    sp_group, dp_group = build_process_groups(layout)
-    return ParallelDims(dist.get_rank(), local_rank, device, layout, sp_group, dp_group)
+    if dist.get_rank() == 0:
+        log.info("%s", layout_summary(cfg, layout))
+    groups = build_process_groups(layout)
+    return ParallelDims(
+        dist.get_rank(),
+        local_rank,
+        device,
+        layout,
+        groups.sp,
+        groups.dp,
+        groups.ulysses,
+        groups.ring,
+    )
 
 
 def init_parallel_dims(cfg: JobConfig, on_join: Callable[[int], None]) -> ParallelDims:

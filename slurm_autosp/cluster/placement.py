@@ -8,6 +8,8 @@ profile against what each node detects: ranks then agree on the groups by constr
 
 from __future__ import annotations
 
+import math
+
 import torch.distributed as dist
 
 from slurm_autosp.cluster.layout import (
@@ -24,6 +26,7 @@ from slurm_autosp.cluster.topology import (
     topology_from_profile,
 )
 from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig, Vendor
+from slurm_autosp.heads import auto_ring_size
 
 
 class TopologyMismatch(RuntimeError):
@@ -42,17 +45,66 @@ def expected_topology(c: ClusterConfig) -> ClusterTopology:
     return ClusterTopology(tuple(node(n) for n in range(c.nodes)))
 
 
-def layout_for(cfg: JobConfig) -> ParallelLayout:
-    """The layout this config gets, or a ConfigError naming the keys to change."""
+def _profile_topology(c: ClusterConfig) -> ClusterTopology:
     try:
-        topology = expected_topology(cfg.cluster)
-        return derive_parallel_layout(
-            topology, cfg.parallel.sp_size, cfg.parallel.allow_cross_domain
-        )
+        return expected_topology(c)
     except TopologyError as err:
         raise ConfigError(f"cluster.nvlink_domain_size / cluster.gpus_per_node: {err}") from err
+
+
+def ring_size_for(cfg: JobConfig) -> int:
+    """`parallel.ring_size`, or for null the split the heads and the profile's NVLink domains
+    allow (heads.auto_ring_size): the one value the layout, the plan and the compiler read.
+    Admission writes it into the run's config, so every rank and requeue keeps it."""
+    p, m = cfg.parallel, cfg.model
+    if p.ring_size is not None:
+        return p.ring_size
+    domain = math.gcd(*_profile_topology(cfg.cluster).domain_sizes)
+    return auto_ring_size(
+        p.sp_size,
+        domain,
+        m.num_attention_heads,
+        m.num_key_value_heads or m.num_attention_heads,
+        p.allow_cross_domain,
+    )
+
+
+def layout_for(cfg: JobConfig) -> ParallelLayout:
+    """The layout this config gets, or a ConfigError naming the keys to change."""
+    topology = _profile_topology(cfg.cluster)
+    p = cfg.parallel
+    ring = ring_size_for(cfg)
+    try:
+        return derive_parallel_layout(topology, p.sp_size, p.allow_cross_domain, ring)
     except LayoutError as err:
-        raise ConfigError(f"parallel.sp_size={cfg.parallel.sp_size}: {err}") from err
+        keys = f"parallel.sp_size={p.sp_size}" + (
+            f" / parallel.ring_size={p.ring_size}" if p.ring_size is not None else ""
+        )
+        raise ConfigError(f"{keys}: {err}") from err
+
+
+def layout_summary(cfg: JobConfig, layout: ParallelLayout) -> str:
+    """Where the groups sit, in nodes and NVLink domains, for the dry run and the job's log:
+    e.g. "SP 64 = Ulysses 8 x ring 8: Ulysses groups inside NVLink domains (the first on node
+    0), ring over nodes 0-7 (8 NVLink domains)"."""
+    per_node = cfg.cluster.ranks_per_node
+    domains = _profile_topology(cfg.cluster).nvlink_domains
+    domain_of = {rank: d for d, ranks in enumerate(domains) for rank in ranks}
+
+    def where(ranks: tuple[int, ...]) -> str:
+        first, last = ranks[0] // per_node, ranks[-1] // per_node
+        spanned = len({domain_of[r] for r in ranks})
+        nodes = f"node {first}" if first == last else f"nodes {first}-{last}"
+        return nodes + (f" ({spanned} NVLink domains)" if spanned > 1 else "")
+
+    if layout.ring_size == 1:
+        return f"SP {layout.sp_size} (Ulysses): the first SP group on {where(layout.sp_groups[0])}"
+    inside = "span NVLink domains" if layout.cross_domain else "inside NVLink domains"
+    return (
+        f"SP {layout.sp_size} = Ulysses {layout.ulysses_size} x ring {layout.ring_size}: "
+        f"Ulysses groups {inside} (the first on {where(layout.ulysses_groups[0])}), ring over "
+        f"{where(layout.ring_groups[0])}"
+    )
 
 
 def check_detected_topology(cfg: JobConfig, reports: list[NodeTopology | None]) -> None:

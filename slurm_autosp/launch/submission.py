@@ -10,6 +10,7 @@ import socket
 from slurm_autosp.admission import admit
 from slurm_autosp.cli import config_error
 from slurm_autosp.cluster.layout import ParallelLayout
+from slurm_autosp.cluster.placement import layout_summary
 from slurm_autosp.config import Backend, ConfigError, JobConfig, to_yaml
 from slurm_autosp.launch.executor import build_executor, resolve_backend, sbatch_script
 from slurm_autosp.launch.job import LockClaim, TrainingJob, collective_env_for
@@ -36,6 +37,7 @@ def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -
             "# resolved config",
             to_yaml(cfg).rstrip(),
             "# parallel layout",
+            layout_summary(cfg, layout),
             repr(layout),
             "# environment set on every rank before torch.distributed starts",
             *(f"{k}={v}" for k, v in sorted(env.items())),

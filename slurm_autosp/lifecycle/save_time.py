@@ -19,7 +19,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slurm_autosp.config import ConfigError, JobConfig, Precision
+from slurm_autosp.config import MAX_SIGNAL_DELAY_S, ConfigError, JobConfig, Precision
 
 _ADAM_BYTES = 12  # fp32 master weights, first and second moments, per parameter
 # needed delay = MARGIN x (step + save) + SLACK_S: the step and the save are estimates (a slower
@@ -121,10 +121,19 @@ class SignalDelay:
         )
 
     def refusal(self) -> str:
+        fix = (
+            f"set cluster.signal_delay_s={self.needed_s} or more"
+            if self.needed_s <= MAX_SIGNAL_DELAY_S
+            else (
+                f"it would need cluster.signal_delay_s={self.needed_s}, more than SLURM sends its "
+                f"signal ahead ({MAX_SIGNAL_DELAY_S} s): shorten the step (each sequence over "
+                "more GPUs: parallel.sp_size and cluster.nodes), or measure it with the probe "
+                "if the estimate is too slow"
+            )
+        )
         return (
             f"cluster.signal_delay_s={self.delay_s} cannot cover one step plus one synchronous "
-            f"save after SLURM's pre-timeout signal (USR2): set cluster.signal_delay_s="
-            f"{self.needed_s} or more\n{self.describe()}"
+            f"save after SLURM's pre-timeout signal (USR2): {fix}\n{self.describe()}"
         )
 
 

@@ -22,7 +22,14 @@ from slurm_autosp.memory_plan.policies import (
     traced_specs,
 )
 from slurm_autosp.memory_plan.staging import checkpoint_staging
-from slurm_autosp.memory_plan.terms import GB, MemoryPlan, PolicyMemory, model_size, policy_memory
+from slurm_autosp.memory_plan.terms import (
+    GB,
+    MemoryPlan,
+    PolicyMemory,
+    model_size,
+    policy_memory,
+    ulysses_ring,
+)
 from slurm_autosp.model import compute_dtype
 
 
@@ -63,10 +70,11 @@ def _choose_stage(cfg: JobConfig, fits_under_zero1: bool) -> tuple[int, str]:
 
 def build_plan(cfg: JobConfig) -> MemoryPlan:
     """Trace one decoder layer under every policy (and, for the MLP-tiled rungs, without its MLP;
-    whole tiled layers are derived from the layer traced under `none`),
+    whole tiled layers are derived from the layer traced under `none`) at the Ulysses size,
     lay out the per-GPU memory under ZeRO-1 and ZeRO-3, and choose the stage and rung the
     config leaves open."""
     sp = cfg.parallel.sp_size
+    ulysses, ring = ulysses_ring(cfg)
     local_seq = -(-cfg.data.seq_len // sp)
     dtype = compute_dtype(cfg.precision)
     rungs = [*(Rung(spec) for spec in traced_specs(cfg)), *ladder(cfg)]
@@ -84,11 +92,12 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
         layer_traces = trace_decoder_layer(
             cfg.model,
             local_seq=local_seq,
-            sp_size=sp,
+            sp_size=ulysses,
             specs=specs,
             micro_batch=cfg.train.micro_batch,
             dtype=dtype,
             tiled=tiled,
+            ring_size=ring,
         )
         traces.update({(spec, tiled): t for spec, t in zip(specs, layer_traces, strict=True)})
     keep_all = next(

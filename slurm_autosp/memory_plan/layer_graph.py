@@ -29,6 +29,7 @@ from slurm_autosp.compat.torch_api import (
 )
 from slurm_autosp.compile.activation_checkpointing import (
     ALL_TO_ALL,
+    ATTENTION_BACKWARD_OPS,
     ActivationCheckpointSpec,
     inductor_config_patches,
     is_attention,
@@ -59,7 +60,8 @@ class LayerTrace:
     spec: ActivationCheckpointSpec
     local_seq: int
     micro_batch: int
-    sp_size: int = 1
+    sp_size: int = 1  # the Ulysses size: the ranks of the all-to-alls
+    ring_size: int = 1  # attention's FLOPs count each rank's ring of key/value blocks
     tiled: bool = False  # traced with the MLP outside the graph (see trace_decoder_layer)
     saved: list[SavedTensor] = field(default_factory=list)
     forward_flops: int = 0
@@ -274,8 +276,14 @@ def trace_decoder_layer(
     micro_batch: int = 1,
     dtype: torch.dtype = torch.bfloat16,
     tiled: bool = False,
+    ring_size: int = 1,
 ) -> list[LayerTrace]:
     """Trace one decoder layer once and partition it under each spec; nothing is allocated.
+
+    `sp_size` is the Ulysses size (the all-to-alls' ranks); under a ring of `ring_size` (SP =
+    Ulysses x ring) each rank's attention holds one block of the sequence, which is what the
+    layer traced at `local_seq` over `sp_size` holds, and meets every earlier block in turn:
+    attention's FLOPs are counted `ring_size` times (balanced causal blocks), its memory once.
 
     `tiled`: the MLP runs in sequence tiles outside the layer's graph (compile.tiling), so the
     layer is traced without it; its one saved tensor, the MLP input, and the forward it
@@ -285,9 +293,11 @@ def trace_decoder_layer(
     Traces are kept for the process (a trace of a large layer takes seconds): planning the
     same job again, as `submit` after `plan` or each dry run of a test session, reuses them.
     """
-    key = (repr(model), local_seq, sp_size, tuple(specs), micro_batch, dtype, tiled)
+    key = (repr(model), local_seq, sp_size, tuple(specs), micro_batch, dtype, tiled, ring_size)
     if key not in _TRACES:
-        _TRACES[key] = _trace(model, local_seq, sp_size, specs, micro_batch, dtype, tiled)
+        _TRACES[key] = _trace(
+            model, local_seq, sp_size, specs, micro_batch, dtype, tiled, ring_size
+        )
     return copy.deepcopy(_TRACES[key])
 
 
@@ -308,12 +318,15 @@ def _trace(
     micro_batch: int,
     dtype: torch.dtype,
     tiled: bool,
+    ring_size: int,
 ) -> list[LayerTrace]:
     partitions, is_parameter = _partitioned_graphs(
         model, local_seq, sp_size, micro_batch, dtype, specs, tiled
     )
     traces = [
-        _read_partition(spec, forward, backward, is_parameter, local_seq, micro_batch, sp_size)
+        _read_partition(
+            spec, forward, backward, is_parameter, local_seq, micro_batch, sp_size, ring_size
+        )
         for spec, (forward, backward) in zip(specs, partitions, strict=True)
     ]
     if tiled:
@@ -352,8 +365,20 @@ def _read_partition(
     local_seq: int,
     micro_batch: int,
     sp_size: int,
+    ring_size: int,
 ) -> LayerTrace:
-    trace = LayerTrace(spec=spec, local_seq=local_seq, micro_batch=micro_batch, sp_size=sp_size)
+    trace = LayerTrace(
+        spec=spec,
+        local_seq=local_seq,
+        micro_batch=micro_batch,
+        sp_size=sp_size,
+        ring_size=ring_size,
+    )
+
+    def flops_of(node: fx.Node) -> int:
+        attention = is_attention(node) or node.target in ATTENTION_BACKWARD_OPS
+        return node_flops(node) * (ring_size if attention else 1)
+
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     parameters = {p for p, is_param in zip(placeholders, is_parameter, strict=False) if is_param}
     output = next(n for n in forward.graph.nodes if n.op == "output")
@@ -384,7 +409,7 @@ def _read_partition(
         if node.op != "call_function":
             continue
         forward_names.add(node.name)
-        trace.forward_flops += node_flops(node)
+        trace.forward_flops += flops_of(node)
         if not is_view(node):
             trace.largest_forward_bytes = max(trace.largest_forward_bytes, tensor_bytes(node))
         if node.target is ALL_TO_ALL:
@@ -393,7 +418,7 @@ def _read_partition(
     for node in backward.graph.nodes:
         if node.op != "call_function":
             continue
-        flops = node_flops(node)
+        flops = flops_of(node)
         trace.backward_flops += flops
         if node.target is ALL_TO_ALL:
             trace.all_to_all_backward += 1
@@ -470,6 +495,7 @@ def tiled_layer_trace(
         local_seq=whole.local_seq,
         micro_batch=whole.micro_batch,
         sp_size=whole.sp_size,
+        ring_size=whole.ring_size,
         tiled=True,
         saved=saved,
         forward_flops=whole.forward_flops + projections,

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+from slurm_autosp.cluster.placement import layout_for, layout_summary
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.memory_plan.offload_cost import REFERENCE_MFU, optimizer_offload_cost, peak_tflops
 from slurm_autosp.memory_plan.staging import checkpoint_staging
-from slurm_autosp.memory_plan.terms import FRAGMENTATION, GB, MemoryPlan
+from slurm_autosp.memory_plan.terms import (
+    FRAGMENTATION,
+    GB,
+    RING_GRADIENT_BYTES,
+    MemoryPlan,
+    bytes_per_element,
+    kv_block_per_token,
+    ulysses_ring,
+)
 from slurm_autosp.memory_plan.verdict import verdict
 from slurm_autosp.model import hf_config
 
 ENGINES = {1: "DeepSpeed", 3: "FSDP2"}
+# per GPU, each way, across NVLink domains: one 400 Gb/s NDR InfiniBand NIC a GPU, as on a DGX
+# H100 (not measured; the probe times the collectives on the job's own nodes)
+FABRIC_GB_PER_S = 50.0
 
 
 def _gb(value: float) -> str:
@@ -27,9 +39,11 @@ def render(plan: MemoryPlan) -> str:
     c = cfg.cluster
     hf = hf_config(cfg.model)
     policy_note = f", {plan.policy_note}" if plan.policy_note else ""
+    ulysses, ring = ulysses_ring(cfg)
+    split = f" = Ulysses {ulysses} x ring {ring}" if ring > 1 else ""
     lines = [
         f"memory plan: {hf.model_type} {plan.parameters / 1e9:.2f}B parameters, {hf.num_hidden_layers} layers, "
-        f"seq {cfg.data.seq_len} x micro_batch {cfg.train.micro_batch}, SP={cfg.parallel.sp_size} "
+        f"seq {cfg.data.seq_len} x micro_batch {cfg.train.micro_batch}, SP={cfg.parallel.sp_size}{split} "
         f"({memory.trace.local_seq} tokens per rank), world {c.world_size}, {cfg.precision.value}",
         f"  {_engine(plan)}; checkpointing {memory.label}{policy_note}",
         f"per GPU ({c.gpu_memory_gb:g} GB):",
@@ -58,6 +72,8 @@ def render(plan: MemoryPlan) -> str:
         lines.append(
             f"  sequence tiling: {what.format(memory.tile_tokens)} (recomputed tile by tile)"
         )
+    if ring > 1:
+        lines.append("  " + ring_line(plan))
     if memory.rung.offload:
         lines.append("  " + offload_line(plan))
     if memory.rung.offload_optimizer:
@@ -77,6 +93,32 @@ def render(plan: MemoryPlan) -> str:
     text, _, _ = verdict(plan)
     lines.append(text)
     return "\n".join(lines)
+
+
+def ring_line(plan: MemoryPlan) -> str:
+    """What the ring sends per layer and whether it can hide behind the layer's compute: each
+    rank passes R - 1 K/V blocks to its ring neighbour in forward (again when backward
+    recomputes attention) and R - 1 K/V plus dK/dV blocks in backward, over the fabric between
+    domains; the Ulysses all-to-alls stay inside the Ulysses group's domain."""
+    cfg, memory = plan.cfg, plan.configured
+    t = memory.trace
+    ulysses, ring = ulysses_ring(cfg)  # the Ulysses all-to-alls: over the Ulysses group only
+    kv = 2 * kv_block_per_token(cfg, ulysses) * t.tokens  # K and V blocks
+    forward = (ring - 1) * kv
+    backward = (ring - 1) * kv * (1 + RING_GRADIENT_BYTES / bytes_per_element(cfg))
+    sent = forward * (1 + bool(t.recomputed_attention)) + backward
+    seconds = sent / (FABRIC_GB_PER_S * GB)
+    peak = peak_tflops(cfg)
+    compute = (t.forward_flops + t.backward_flops) / (peak * 1e12 * REFERENCE_MFU)
+    hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
+    return (
+        f"ring attention: {layout_summary(cfg, layout_for(cfg))}; per layer each rank sends "
+        f"{forward / GB:.2f} GB of K/V forward"
+        f"{' (twice: attention recomputed)' if t.recomputed_attention else ''} and "
+        f"{backward / GB:.2f} GB of K/V and dK/dV backward = {seconds * 1e3:,.0f} ms at "
+        f"{FABRIC_GB_PER_S:g} GB/s between domains, {hidden} the layer's forward and backward "
+        f"({compute * 1e3:,.0f} ms at {REFERENCE_MFU:.0%} of {peak:g} TFLOP/s)"
+    )
 
 
 def offload_line(plan: MemoryPlan) -> str:

@@ -26,9 +26,16 @@ bf16, 4 in fp32) and `world` ranks:
   fp32 logits and their gradient (`compile.loss_chunk_tokens`; 0 = all tokens at once);
 - document boundaries (`data.documents=masked` only): every prepared micro-batch's cu_seqlens,
   int32, at most one entry per token of the whole sequence (a document per token) plus one;
-- communication: the all-to-all send/receive/concatenate buffers of the largest all-to-all,
-  and under ZeRO-1 DeepSpeed's reduce bucket (5e8 fp32 elements) and all-gather bucket (5e8
-  elements of the training dtype);
+- communication: the all-to-all send/receive/concatenate buffers of the largest all-to-all
+  (over the Ulysses group: the layer is traced at the Ulysses size), and under ZeRO-1
+  DeepSpeed's reduce bucket (5e8 fp32 elements) and all-gather bucket (5e8 elements of the
+  training dtype);
+- ring attention (`parallel.ring_size` > 1 only): the key/value blocks in flight during one
+  layer's attention, a send and a receive buffer of K and of V (forward, and again when
+  backward passes them round), and in backward also a send and a receive buffer of dK and dV,
+  which travel with the blocks accumulating in fp32; a block is the rank's key/value heads
+  (after the Ulysses all-to-all, repeated to one a rank when fewer) over its ring block of
+  Ulysses x local tokens;
 - recompute working buffers: what one layer's backward recomputes, plus a gradient in and
   out of its largest tensor;
 - what the traced graph cannot see, each named: the attention backward kernel's own buffers
@@ -52,6 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.compat.torch_api import FakeTensorMode
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
@@ -77,6 +85,7 @@ CUDA_CONTEXT_BYTES = 0.6 * GB  # the CUDA context and its lazily loaded kernels,
 NCCL_BYTES_PER_COMMUNICATOR = 2**28  # 32 channels x (send + receive) x 4 MiB NCCL_BUFFSIZE
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20  # cuBLASLt's 32 MiB on sm90, compute and side stream
 FLASH_DQ_ACCUMULATOR_BYTES = 4  # flash backward accumulates dq in fp32
+RING_GRADIENT_BYTES = 4  # dK and dV travel round the ring accumulating in fp32
 
 
 def with_margin(subtotal: float) -> float:
@@ -84,11 +93,18 @@ def with_margin(subtotal: float) -> float:
     return subtotal * (1 + FRAGMENTATION)
 
 
+def ulysses_ring(cfg: JobConfig) -> tuple[int, int]:
+    """(Ulysses size, ring size) of the SP group: cluster.placement's one resolution."""
+    ring = ring_size_for(cfg)
+    return cfg.parallel.sp_size // ring, ring
+
+
 def communicators(cfg: JobConfig) -> int:
     """NCCL communicators a rank holds buffers for: the world's, and the SP and DP groups'
-    where they are proper subgroups."""
+    where they are proper subgroups, and under a ring its Ulysses and ring groups."""
     sp, world = cfg.parallel.sp_size, cfg.cluster.world_size
-    return 1 + (1 < sp < world) + (1 < world // sp < world)
+    _, ring = ulysses_ring(cfg)
+    return 1 + (1 < sp < world) + (1 < world // sp < world) + 2 * (ring > 1)
 
 
 def outside_allocator(cfg: JobConfig) -> dict[str, float]:
@@ -109,11 +125,30 @@ def attention_backward_per_token(cfg: JobConfig) -> float:
     hf = hf_config(cfg.model)
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    sp = cfg.parallel.sp_size
+    ulysses, _ = ulysses_ring(cfg)
     q_width = heads * head_dim
-    rank_kv_heads = max(1, kv_heads // sp)  # fewer than sp: repeated to one a rank
-    expanded = 2 * bytes_per_element(cfg) * q_width if rank_kv_heads < heads // sp else 0
+    rank_kv_heads = max(1, kv_heads // ulysses)  # fewer than the Ulysses size: repeated
+    expanded = 2 * bytes_per_element(cfg) * q_width if rank_kv_heads < heads // ulysses else 0
     return FLASH_DQ_ACCUMULATOR_BYTES * q_width + expanded
+
+
+def kv_block_per_token(cfg: JobConfig, ulysses: int) -> float:
+    """Bytes per local token of one K (or V) block a ring passes: the rank's key/value heads
+    after the Ulysses all-to-all (repeated to one a rank when fewer) over Ulysses x local
+    tokens."""
+    hf = hf_config(cfg.model)
+    heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads or hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return ulysses * max(1, kv_heads // ulysses) * head_dim * bytes_per_element(cfg)
+
+
+def ring_blocks_per_token(cfg: JobConfig, ulysses: int, ring: int) -> float:
+    """The ring's buffers in flight per local token at their peak, attention's backward: a send
+    and a receive buffer of K and of V, and of dK and dV in fp32 (none without a ring)."""
+    if ring == 1:
+        return 0.0
+    kv = 2 * 2 * kv_block_per_token(cfg, ulysses)  # K and V, send and receive
+    return kv + kv * RING_GRADIENT_BYTES / bytes_per_element(cfg)
 
 
 # of a node's host memory, for offloaded activations and optimizer state (the rest: OS, data)
@@ -318,6 +353,7 @@ def policy_memory(
         "recompute_working": trace.working_bytes / tokens,
         # a tiled layer's schedule counts them (layer_graph.tiled_layer_trace)
         "attention_backward": 0.0 if rung.tiled else attention_backward_per_token(cfg),
+        "ring_kv_blocks": ring_blocks_per_token(cfg, *ulysses_ring(cfg)),
     }
     tile = tile_tokens_for(cfg, hf.intermediate_size, b, tokens) if rung.tiled else 0
     beside_tile = trace.tile_alongside_bytes  # a tiled layer's: see LayerTrace.working_bytes_with
@@ -343,6 +379,11 @@ def policy_memory(
         "communication": per_token["communication_all_to_all"] * tokens + buckets,
         "recompute_working": trace.working_bytes_with(tile),
         "attention_backward": per_token["attention_backward"] * tokens,
+        **(
+            {"ring_kv_blocks": per_token["ring_kv_blocks"] * tokens}
+            if per_token["ring_kv_blocks"]
+            else {}
+        ),
         **({"cublas_workspace": CUBLAS_WORKSPACE_BYTES} if cfg.cluster.uses_gpus else {}),
     }
     if "document_boundaries" in per_token:  # train_step prepares every micro-batch up front

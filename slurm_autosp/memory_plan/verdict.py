@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
+import copy
+
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
-from slurm_autosp.heads import valid_sp_sizes
+from slurm_autosp.heads import divisors
 from slurm_autosp.memory_plan.choose import whole_model_graph
-from slurm_autosp.memory_plan.terms import GB, HOST_USABLE, MemoryPlan, PolicyMemory
-from slurm_autosp.model import hf_config
+from slurm_autosp.memory_plan.terms import (
+    FRAGMENTATION,
+    GB,
+    HOST_USABLE,
+    MemoryPlan,
+    PolicyMemory,
+    ring_blocks_per_token,
+    ulysses_ring,
+)
 
 
 def biggest_term(memory: PolicyMemory) -> tuple[str, float]:
@@ -23,7 +32,8 @@ def _stage_setting(cfg: JobConfig, stage: int) -> str:
 
 
 def _alternatives(plan: MemoryPlan) -> list[str]:
-    """What would fit instead: another policy, the other ZeRO stage, more GPUs in SP."""
+    """What would fit instead: another policy, the other ZeRO stage, more GPUs in SP (past the
+    heads or a domain, as Ulysses x ring)."""
     cfg = plan.cfg
     options = []
     fitting = [p.label for p in plan.policies if p.fits(plan.gpu_bytes)]
@@ -39,21 +49,22 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
         )
         per_layer = ", compile.per_layer=true" if other == 3 and whole_model_graph(cfg) else ""
         options.append(f"{what}{per_layer}) with: " + ", ".join(fitting))
-    hf = hf_config(cfg.model)
-    heads, kv = (
-        hf.num_attention_heads,
-        getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-    )
-    domain = cfg.cluster.nvlink_domain_size or cfg.cluster.ranks_per_node
-    for sp in valid_sp_sizes(heads, kv):
-        if sp <= cfg.parallel.sp_size or sp > cfg.cluster.world_size:
+    ring_now = ring_blocks_per_token(cfg, *ulysses_ring(cfg))
+    for sp in divisors(cfg.cluster.world_size):
+        if sp <= cfg.parallel.sp_size:
             continue
+        larger = copy.deepcopy(cfg)  # past the head count or a domain: Ulysses x ring
+        larger.parallel.sp_size, larger.parallel.ring_size = sp, None
+        ulysses, ring = ulysses_ring(larger)
+        extra_per_token = (ring_blocks_per_token(cfg, ulysses, ring) - ring_now) * (
+            1 + FRAGMENTATION
+        )
         scale = cfg.parallel.sp_size / sp
         fits = []
         for stage, memories in plan.memories.items():
             for memory in memories.values():
                 tokens = memory.trace.tokens * scale
-                total = memory.total_at(tokens)
+                total = memory.total_at(tokens) + extra_per_token * tokens
                 host_fits = memory.host_at(tokens) <= memory.host_bytes_per_rank
                 if total <= plan.gpu_bytes and host_fits:
                     # prefer no sharding, the least recomputation, no offload
@@ -67,10 +78,10 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
                     fits.append((preference, memory, stage))
         if fits:
             _, memory, stage = min(fits, key=lambda item: item[0])
-            where = "" if sp <= domain else f" (beyond the NVLink domain of {domain})"
+            split = f" (Ulysses {ulysses} x ring {ring})" if ring > 1 else ""
             setting = _stage_setting(cfg, stage)
             options.append(
-                f"parallel.sp_size={sp}{where} with {memory.label}"
+                f"parallel.sp_size={sp}{split} with {memory.label}"
                 + (f" and {setting}" if setting else "")
             )
             break

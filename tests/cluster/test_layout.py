@@ -1,4 +1,5 @@
-"""launch.layout: SP groups inside NVLink domains, DP across them, and the groups torch builds."""
+"""cluster.layout: SP groups (Ulysses groups inside NVLink domains, rings across them), DP
+across them, and the groups torch builds."""
 
 import os
 import sys
@@ -12,7 +13,11 @@ from slurm_autosp.cluster.layout import (
     build_process_groups,
     derive_parallel_layout,
 )
+from slurm_autosp.cluster.parallel_dims import ParallelDims
+from slurm_autosp.cluster.placement import layout_for, layout_summary, ring_size_for
 from slurm_autosp.cluster.topology import ClusterTopology, NodeTopology, topology_from_profile
+from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.heads import auto_ring_size
 
 # "Fast" as a count, not a clock: Python calls (profiler events) per rank, so the bound holds on
 # a loaded machine and fails for anything that grows faster than the world (measured: 3.0 per
@@ -69,7 +74,9 @@ def test_sp_groups_follow_detected_domains_not_rank_contiguity():
     assert str(error.value) == (
         "sp_size=4 cannot be placed inside one NVLink domain: the job has 4 domains of 2 GPUs, "
         "so SP all-to-all would cross the inter-node network. SP sizes that fit inside a domain: "
-        "1 or 2. Choose one of them, or set parallel.allow_cross_domain=true to accept the slower layout."
+        "1 or 2; Ulysses x ring splits of sp_size=4 whose all-to-alls stay inside domains: "
+        "2 x 2 (ring_size=2), 1 x 4 (ring_size=4). Choose one of them, or set "
+        "parallel.allow_cross_domain=true to accept the slower layout."
     )
 
 
@@ -87,14 +94,14 @@ def test_nvl72_racks_hold_sp_groups_spanning_nodes():
 def test_an_sp_size_that_no_domain_holds_lists_the_sizes_that_would_work():
     with pytest.raises(
         LayoutError,
-        match=r"2 domains of 72 GPUs.*fit inside a domain: 1, 2, 3, 4, 6, 8, 9, 12, 18, 24, 36 or 72\.",
+        match=r"2 domains of 72 GPUs.*fit inside a domain: 1, 2, 3, 4, 6, 8, 9, 12, 18, 24, 36 or 72;",
     ):
         derive_parallel_layout(topology_from_profile(36, 4, 72), sp_size=16)
 
 
 def test_a_partial_rack_limits_sp_to_what_both_domains_hold():
     with pytest.raises(
-        LayoutError, match=r"1 domain of 72 GPUs and 1 domain of 8 GPUs.*1, 2, 4 or 8\."
+        LayoutError, match=r"1 domain of 72 GPUs and 1 domain of 8 GPUs.*1, 2, 4 or 8;"
     ):
         derive_parallel_layout(topology_from_profile(20, 4, 72), sp_size=16)
 
@@ -158,6 +165,143 @@ def test_derivation_for_nvl72_racks_is_correct_and_fast():
     assert layout.sp_group_of(100) == tuple(range(72, 144))
 
 
+# ------------------------------------------------------------------------ Ulysses x ring
+
+
+def test_sp64_on_eight_dgx_nodes_is_ulysses8_inside_nodes_and_ring8_across_them():
+    layout = derive_parallel_layout(topology_from_profile(8, 8, 8), sp_size=64, ring_size=8)
+    assert (layout.sp_size, layout.ulysses_size, layout.ring_size, layout.dp_size) == (64, 8, 8, 1)
+    assert layout.ulysses_groups == tuple(tuple(range(n * 8, n * 8 + 8)) for n in range(8))
+    assert layout.ring_groups == tuple(tuple(range(u, 64, 8)) for u in range(8))
+    assert not layout.cross_domain  # the ring spans nodes by design; all-to-alls stay inside
+    # position p: ring index p // U, Ulysses index p % U; ring neighbours on adjacent nodes
+    assert (layout.sp_rank(19), layout.ring_rank(19), layout.ulysses_rank(19)) == (19, 2, 3)
+    assert layout.ring_groups[3][layout.ring_rank(19)] == 19
+    assert "sp 64 (Ulysses 8 x ring 8) x dp 1" in repr(layout)
+    assert "ulysses_groups 8 x [0-7], [8-15], ..., [56-63]" in repr(layout)
+    assert "ring_groups 8 x [0,8,...,56 (step 8)]" in repr(layout)
+
+
+def test_ring_groups_hold_the_same_position_of_every_ulysses_group_per_sp_group():
+    layout = derive_parallel_layout(topology_from_profile(4, 8, 8), sp_size=16, ring_size=2)
+    assert layout.sp_groups == (tuple(range(16)), tuple(range(16, 32)))
+    assert layout.ulysses_groups[:3] == (tuple(range(8)), tuple(range(8, 16)), tuple(range(16, 24)))
+    assert layout.ring_groups[:2] == ((0, 8), (1, 9))
+    assert layout.ring_groups[8:10] == ((16, 24), (17, 25))
+    assert layout.dp_groups[9] == (9, 25)
+    for rank in range(32):
+        group = layout.sp_group_of(rank)
+        position = layout.ring_rank(rank) * layout.ulysses_size + layout.ulysses_rank(rank)
+        assert group[position] == rank
+
+
+def test_ring_size_one_keeps_todays_groups_and_repr():
+    plain = derive_parallel_layout(topology_from_profile(2, 8, 8), sp_size=8)
+    assert plain == derive_parallel_layout(topology_from_profile(2, 8, 8), sp_size=8, ring_size=1)
+    assert plain.ulysses_groups == plain.sp_groups
+    assert plain.ring_groups == tuple((r,) for r in range(16))
+    assert "Ulysses" not in repr(plain) and "ring" not in repr(plain)
+
+
+def test_nvl72_racks_hold_whole_ulysses_groups_and_rings_cross_racks():
+    # GB200 NVL72: 18 nodes of 4 GPUs a rack; two racks
+    layout = derive_parallel_layout(topology_from_profile(36, 4, 72), sp_size=144, ring_size=2)
+    assert layout.ulysses_groups == (tuple(range(72)), tuple(range(72, 144)))
+    assert layout.ring_groups[5] == (5, 77)
+    # a ring inside one rack: both Ulysses groups of an SP group of 16 in rack 0
+    inside = derive_parallel_layout(topology_from_profile(36, 4, 72), sp_size=16, ring_size=2)
+    assert inside.ulysses_groups[:2] == (tuple(range(8)), tuple(range(8, 16)))
+
+
+def test_a_partial_rack_takes_ulysses_groups_that_every_domain_holds():
+    # 20 nodes of 4 GPUs on NVL72 racks: one domain of 72 GPUs and one of 8
+    layout = derive_parallel_layout(topology_from_profile(20, 4, 72), sp_size=16, ring_size=2)
+    assert layout.sp_groups[4] == tuple(range(64, 80))  # spans both domains
+    assert layout.ulysses_groups[8:10] == (tuple(range(64, 72)), tuple(range(72, 80)))
+    assert not layout.cross_domain
+
+
+def test_nvlink_pairs_take_ulysses_pairs_and_a_ring_over_them():
+    pairs = NodeTopology("della-1", "nvidia", 4, ((0, 1), (2, 3)))
+    topo = ClusterTopology((pairs, NodeTopology("della-2", "nvidia", 4, ((0, 1), (2, 3)))))
+    layout = derive_parallel_layout(topo, sp_size=8, ring_size=4)
+    assert layout.ulysses_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert layout.ring_groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+
+
+def test_a_ulysses_group_larger_than_a_domain_is_refused_naming_the_splits_that_fit():
+    with pytest.raises(LayoutError) as error:
+        derive_parallel_layout(topology_from_profile(8, 8, 8), sp_size=64, ring_size=4)
+    assert str(error.value).startswith(
+        "the Ulysses size 16 (sp_size=64 / ring_size=4) cannot be placed inside one NVLink "
+        "domain: the job has 8 domains of 8 GPUs"
+    )
+    assert "splits of sp_size=64 whose all-to-alls stay inside domains: 8 x 8 (ring_size=8), " in (
+        str(error.value)
+    )
+
+
+def test_a_ring_size_that_does_not_divide_sp_is_refused():
+    with pytest.raises(LayoutError, match=r"ring_size=3 does not divide sp_size=8 \(sp_size = "):
+        derive_parallel_layout(topology_from_profile(2, 8, 8), sp_size=8, ring_size=3)
+    with pytest.raises(LayoutError, match=r"ring_size=3 does not divide sp_size=8"):
+        ParallelLayout.from_sp_groups((tuple(range(8)),), ring_size=3)
+
+
+def test_derivation_of_ulysses_and_ring_groups_at_1024_nodes_is_fast():
+    topology = topology_from_profile(1024, 8, 8)
+
+    def groups():
+        layout = derive_parallel_layout(topology, sp_size=64, ring_size=8)
+        return layout, layout.ulysses_groups, layout.ring_groups
+
+    (layout, ulysses, ring), calls = counting_python_calls(groups)
+    assert calls <= CALLS_PER_RANK_BOUND * topology.world_size, calls
+    assert len(ulysses) == 1024 and len(ring) == 1024
+    assert ring[-1] == tuple(range(8191 - 56, 8192, 8))
+
+
+LLAMA8B_8_NODES = ["cfg=configs/llama8b_4m.yaml", "cluster.nodes=8"]  # 32 heads, 8 KV heads
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ring"),
+    [
+        (["parallel.sp_size=8"], 1),  # Ulysses alone inside a node, as before
+        (["parallel.sp_size=16"], 2),  # past the node: Ulysses 8 x ring 2
+        (["parallel.sp_size=64"], 8),  # past the heads (32): Ulysses 8 x ring 8
+        (["parallel.sp_size=16", "parallel.allow_cross_domain=true"], 1),  # asked for all-to-all
+        (["parallel.sp_size=64", "parallel.allow_cross_domain=true"], 8),  # past the heads: ring
+        (["parallel.sp_size=64", "parallel.ring_size=16"], 16),  # configured: kept
+    ],
+)
+def test_a_null_ring_size_is_ulysses_as_large_as_heads_and_domain_allow(overrides, ring):
+    assert ring_size_for(load_config([*LLAMA8B_8_NODES, *overrides])) == ring
+
+
+def test_auto_ring_size_on_nvl72_racks_meets_heads_and_domain():
+    # 8B's 32 heads on racks of 72: the Ulysses size must divide 72 and be a head split: 8
+    assert auto_ring_size(144, 72, 32, 8) == 18
+    assert auto_ring_size(72, 72, 64, 8) == 9  # 70B: 64 heads, Ulysses 8 x ring 9
+    assert auto_ring_size(144, 72, None, None) == 2  # heads unknown: the domain alone
+
+
+def test_the_dry_run_line_names_where_ulysses_and_ring_groups_sit():
+    cfg = load_config([*LLAMA8B_8_NODES, "parallel.sp_size=64"])
+    assert layout_summary(cfg, layout_for(cfg)) == (
+        "SP 64 = Ulysses 8 x ring 8: Ulysses groups inside NVLink domains (the first on node 0), "
+        "ring over nodes 0-7 (8 NVLink domains)"
+    )
+
+
+def test_an_explicit_ring_too_small_for_the_domain_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as error:
+        layout_for(load_config([*LLAMA8B_8_NODES, "parallel.sp_size=64", "parallel.ring_size=4"]))
+    assert str(error.value).startswith(
+        "parallel.sp_size=64 / parallel.ring_size=4: the Ulysses size 16"
+    )
+
+
 # ----------------------------------------------------------------- torch.distributed groups
 
 
@@ -167,7 +311,8 @@ def _groups_worker(rank: int, world: int, init_file: str, results) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=2)
-    sp_group, dp_group = build_process_groups(layout)
+    sp_group, dp_group, ulysses_group, ring_group = build_process_groups(layout)
+    assert ulysses_group is sp_group and ring_group is None  # ring_size 1
     value = torch.tensor([float(rank)])
     dist.all_reduce(value, group=sp_group)
     members = torch.tensor([float(rank)])
@@ -194,6 +339,41 @@ def test_process_groups_reduce_within_sp_and_dp_groups(tmp_path):
         1: (1.0, 4.0, 2, 2),
         2: (5.0, 2.0, 2, 2),
         3: (5.0, 4.0, 2, 2),
+    }
+
+
+def _ring_groups_worker(rank: int, world: int, init_file: str, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=4, ring_size=2)
+    groups = build_process_groups(layout)
+    dims = ParallelDims(rank, rank % 2, torch.device("cpu"), layout, *groups)
+    assert (dims.ulysses_size, dims.ring_size) == (2, 2)
+    assert (dims.ring_rank, dims.ulysses_rank) == (rank // 2, rank % 2)
+    sums = []
+    for group in (groups.sp, groups.dp, groups.ulysses, groups.ring):
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value, group=group)
+        sums.append(value.item())
+    results[rank] = tuple(sums)
+    dist.destroy_process_group()
+
+
+def test_ring_process_groups_reduce_within_ulysses_and_ring_groups(tmp_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    init_file = str(tmp_path / "rendezvous")
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_ring_groups_worker, args=(4, init_file, results), nprocs=4, join=True)
+        got = dict(results)
+    # one SP group (0-3), DP of one; Ulysses (0,1),(2,3) on each node; rings (0,2),(1,3)
+    assert got == {
+        0: (6.0, 0.0, 1.0, 2.0),
+        1: (6.0, 1.0, 1.0, 4.0),
+        2: (6.0, 2.0, 5.0, 2.0),
+        3: (6.0, 3.0, 5.0, 4.0),
     }
 
 

@@ -495,7 +495,9 @@ def contiguous_dims(sp_size: int) -> ParallelDims:
         groups = [dist.new_group(list(ranks)) for ranks in layout.dp_groups]
         _dp_groups[sp_size] = groups[layout.sp_rank(rank)]
     sp_group = contiguous_sp_group(sp_size)
-    return ParallelDims(rank, rank, torch.device("cpu"), layout, sp_group, _dp_groups[sp_size])
+    return ParallelDims(
+        rank, rank, torch.device("cpu"), layout, sp_group, _dp_groups[sp_size], sp_group, None
+    )
 
 
 def held_out_eval(
