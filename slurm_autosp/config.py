@@ -281,6 +281,11 @@ class CheckpointConfig:
     remove_damaged: bool = False
     # per-rank write bandwidth to shared storage, to size the signal delay
     write_gb_per_s: float = 1.0
+    # stage each save in node memory and persist it in a background process while training goes
+    # on (checkpoint/async_save.py); null: on unless the plan finds no host memory to stage in
+    async_save: bool | None = None
+    # where saves are staged: a node-local, memory-backed file system
+    staging_dir: str = "/dev/shm"
 
 
 @dataclass
@@ -480,6 +485,11 @@ def validate(cfg: JobConfig) -> None:
                     else ""
                 )
             )
+    if not Path(cfg.checkpoint.staging_dir).is_absolute():
+        problems.append(
+            f"checkpoint.staging_dir={cfg.checkpoint.staging_dir!r} must be an absolute path on "
+            "each node (a memory-backed file system such as /dev/shm)"
+        )
     if c.signal_delay_s > MAX_SIGNAL_DELAY_S:
         problems.append(
             f"cluster.signal_delay_s={c.signal_delay_s} is more than SLURM's pre-timeout signal "
@@ -614,6 +624,7 @@ def _script_value_problems(cfg: JobConfig) -> list[str]:
     rendered: list[tuple[str, object]] = [
         ("run.name", cfg.run.name),
         ("run.output_root", cfg.run.output_root),
+        ("checkpoint.staging_dir", cfg.checkpoint.staging_dir),
         ("cluster.partition", c.partition),
         ("cluster.account", c.account),
         ("cluster.qos", c.qos),

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slurm_autosp.checkpoint.async_save import CheckpointSaves
 from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState, damage_report
@@ -92,6 +93,9 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
     resumed = store.load_latest(engine, settings)
     # the store checked it is samples_consumed / global_batch
     first_step = resumed.step if resumed else 0
+    saves = CheckpointSaves.start(
+        store, choices.async_save, cfg.checkpoint.staging_dir, RunDir(cfg.run.dir).root
+    )
     schedule = SaveSchedule(cfg.checkpoint)
     tracer = StepTracer(
         cfg, dims.rank, dims.world_size, dims.device, engine.module, first_step, dims.layout
@@ -111,9 +115,14 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
             tracer.log_step(done, loss, lr, engine.grad_norm())
             if evaluator is not None and evaluator.due(done):
                 evaluator.report(done, evaluator.evaluate(engine), tracer.writer)
-            save_due, stop_now = _agree(dims, schedule.due(done), stop.requested)
-            if save_due or stop_now or done == cfg.train.steps:
-                store.save(engine, _trainer_state(cfg, dims, engine, done, settings))
+            save_due, stop_now, writing = _agree(
+                dims, schedule.due(done), stop.requested, saves.writing()
+            )
+            saves.commit_written(writing)
+            last = stop_now or done == cfg.train.steps
+            if save_due or last:
+                state = _trainer_state(cfg, dims, engine, done, settings)
+                saves.save(engine, state, synchronous=last)
                 schedule.saved()
             if stop_now:
                 log.info(
@@ -122,6 +131,7 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
                 tracer.close()
                 requeue_and_exit(cfg.run.dir, dims.rank, cfg.cluster.max_requeues)
     finally:
+        saves.close()
         tracer.close()
     weights = engine.full_state_dict()  # every rank takes each tensor: FSDP2 gathers it
     if dims.rank == 0:
@@ -156,11 +166,14 @@ def _trainer_state(
     )
 
 
-def _agree(dims: ParallelDims, save_due: bool, stop_requested: bool) -> tuple[bool, bool]:
-    """Any rank's reason to save or stop is every rank's: they must act at the same step."""
-    flags = torch.tensor([int(save_due), int(stop_requested)], device=dims.device)
+def _agree(
+    dims: ParallelDims, save_due: bool, stop_requested: bool, writing: bool
+) -> tuple[bool, bool, bool]:
+    """Any rank's reason to save or stop is every rank's: they must act at the same step; and
+    an asynchronous save is complete only when no rank is still writing its part."""
+    flags = torch.tensor([int(save_due), int(stop_requested), int(writing)], device=dims.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0]), bool(flags[1])
+    return bool(flags[0]), bool(flags[1]), bool(flags[2])
 
 
 def optimizer_step(

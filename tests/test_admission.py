@@ -99,6 +99,7 @@ def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refus
             "compile.tile_tokens=1024",
             "compile.offload_activations=true",
             "parallel.offload_optimizer=true",
+            "checkpoint.async_save=false",
         ]
     )
     first.run.dir.mkdir(parents=True)
@@ -110,7 +111,12 @@ def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refus
     monkeypatch.setattr(choose, "build_plan", planned_again)
     requeued = admit_start(load_config(shrunk), restarted=True)
     frozen = TrainingChoices(
-        3, ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True, True
+        3,
+        ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5),
+        1024,
+        True,
+        True,
+        False,
     )
     assert requeued.plan.fits and requeued.plan.choices == frozen
     assert (requeued.cfg.parallel.zero_stage, requeued.cfg.compile.tile_tokens) == (3, 1024)

@@ -40,13 +40,14 @@ def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_rep
         0,
         False,
         False,
+        True,
     )
     written = tmp_path / "config.yaml"
     written.write_text(to_yaml(cfg))
     reloaded = load_config([f"cfg={written}"])
     frozen = [getattr(getattr(reloaded, section), key) for section, key in FROZEN_KEYS]
     # ring 1: SP=8 is Ulysses alone; the budget applies to sac only
-    assert frozen == [1, 3, "full", None, True, 0, False, False]
+    assert frozen == [1, 3, "full", None, True, 0, False, False, True]
     assert training_choices(reloaded) == choices  # no plan: build_plan would raise
 
 
@@ -63,6 +64,7 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
             "compile.tile_tokens=1024",
             "compile.offload_activations=true",
             "parallel.offload_optimizer=true",
+            "checkpoint.async_save=false",
         ]
     )
     first.run.dir.mkdir(parents=True)
@@ -70,7 +72,12 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
     requeued = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
     admit_start(requeued, restarted=True)
     assert training_choices(requeued) == TrainingChoices(
-        3, ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5), 1024, True, True
+        3,
+        ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5),
+        1024,
+        True,
+        True,
+        False,
     )
 
 

@@ -136,16 +136,10 @@ class CheckpointStore:
             shutil.rmtree(partial, ignore_errors=True)
 
     def save(self, engine: EngineState, state: TrainerState) -> Path:
-        final = self.root / step_dir_name(state.step)
-        partial = self.root / f".{final.name}.partial"
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            (partial / "rng").mkdir(parents=True)
-        dist.barrier()
-        engine.save(partial / ENGINE_TAG)
-        torch.save(_rng_state(), partial / "rng" / f"rank_{self.rank:05d}.pt")
-        if self.rank == 0:
-            (partial / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+        """Collective and synchronous: every rank writes its part straight to shared storage,
+        then hashes its share of the files."""
+        partial, final = self.begin(state)
+        self.write_state(engine, state, partial)
         dist.barrier()
         files = list_files(partial)
         records: dict[str, FileRecord] = {}
@@ -153,11 +147,47 @@ class CheckpointStore:
             hash_files(partial, my_share(files, self.rank, self.world_size), fsync=True)
         ):
             records.update(share)
+        return self.finish(partial, final, records, state)
+
+    def begin(self, state: TrainerState) -> tuple[Path, Path]:
+        """Collective: rank 0 makes the save's empty `.partial` directory; returns it and the
+        name it will have once complete."""
+        final = self.root / step_dir_name(state.step)
+        partial = self.root / f".{final.name}.partial"
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        return partial, final
+
+    def write_state(self, engine: EngineState, state: TrainerState, into: Path) -> None:
+        """Collective: this rank's part of the save under `into` (the `.partial` directory, or
+        the rank's staging directory of an asynchronous save)."""
+        (into / "rng").mkdir(parents=True, exist_ok=True)
+        engine.save(into / ENGINE_TAG)
+        torch.save(_rng_state(), into / "rng" / f"rank_{self.rank:05d}.pt")
+        if self.rank == 0:
+            (into / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+
+    def finish(
+        self, partial: Path, final: Path, records: dict[str, FileRecord], state: TrainerState
+    ) -> Path:
+        """Collective, once every rank's files are in `partial` with their `records`: rank 0
+        writes the manifest, renames the checkpoint into place and moves `latest`."""
         if self.rank == 0:
             write_manifest(partial, records, asdict(state))
             self._commit(partial, final)
         dist.barrier()
         return final
+
+    def abandon(self, partial: Path) -> None:
+        """Collective: a save that will not complete is removed; `latest` never saw it."""
+        if self.rank == 0:
+            if partial.is_dir() and not partial.is_symlink():
+                shutil.rmtree(partial, ignore_errors=True)
+            else:
+                partial.unlink(missing_ok=True)
+        dist.barrier()
 
     def _commit(self, partial: Path, final: Path) -> None:
         if final.exists():  # only if `latest` pointed below it: a checkpoint never verified

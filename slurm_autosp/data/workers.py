@@ -11,32 +11,25 @@ the thread that calls map, which lives as long as the process.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_LINUX = sys.platform.startswith("linux")
-_libc = ctypes.CDLL(None, use_errno=True) if _LINUX else None
+from slurm_autosp.lifecycle.parent_death import LINUX, die_with
+
 _parent: int | None = None  # while set, a child forked from process `_parent` dies with it
 
 
 def _arm_in_child() -> None:
     global _parent
     parent = _parent
-    if parent is None or _libc is None:
+    if parent is None:
         return
     _parent = os.getpid()  # what this child forks dies with it in turn
-    if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        return
-    if os.getppid() != parent:  # the parent died between the fork and the prctl
-        os._exit(1)
+    die_with(parent)
 
 
-if _LINUX:
+if LINUX:
     os.register_at_fork(after_in_child=_arm_in_child)
 
 

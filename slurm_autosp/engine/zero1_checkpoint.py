@@ -6,9 +6,10 @@ moments as it is, cut where that world size cuts the flattened model: it loads o
 only. Here each slice is cut back into the parameters it covers, by name:
 
     module.pt            rank 0: the module's weights and buffers (every rank holds them whole)
-    fragments/rank_N.pt  rank N's piece of each parameter it holds: the fp32 master weights and
-                         each optimizer state tensor (Adam's exp_avg, exp_avg_sq)
-    fragments.json       rank 0: which rank's file holds which range of which flattened parameter
+    fragments/rank_N.pt  rank N's flat partitions as they are: the fp32 master weights and each
+                         optimizer state tensor (Adam's exp_avg, exp_avg_sq), one per param group
+    fragments.json       rank 0: which rank's file holds which range of which flattened parameter,
+                         and where in its flat partitions
     optimizer.pt         rank 0: the optimizer's scalar state (Adam's step) and param groups
     schedule.pt          rank 0: the LR schedule
 
@@ -54,19 +55,16 @@ def save(
     (path / FRAGMENTS_DIR).mkdir(parents=True, exist_ok=True)
     optimizer, flats = partition.optimizer, partition.flat_partitions()
     keys = _state_keys(optimizer, flats)
-    pieces: dict[str, dict[str, torch.Tensor]] = {}
-    held: list[tuple[str, int, int]] = []
-    for name, fragment in _fragments(module, partition):
-        flat = flats[fragment.group]
-        sources = {MASTER: flat, **{key: optimizer.state[flat][key] for key in keys}}
-        # copies: a view would save its whole flat partition
-        pieces[name] = {
-            key: tensor.detach().narrow(0, fragment.offset, fragment.numel).to("cpu", copy=True)
-            for key, tensor in sources.items()
-        }
-        held.append((name, fragment.start, fragment.numel))
-    torch.save(pieces, _rank_file(path, rank))
-    every: list[list[tuple[str, int, int]]] = [[] for _ in range(dist.get_world_size())]
+    # each flat partition whole, written from its own storage: no copy, however large
+    torch.save(
+        {MASTER: flats, **{key: [optimizer.state[f][key] for f in flats] for key in keys}},
+        _rank_file(path, rank),
+    )
+    held = [
+        (name, fragment.start, fragment.numel, fragment.group, fragment.offset)
+        for name, fragment in _fragments(module, partition)
+    ]
+    every: list[list[tuple[str, int, int, int, int]]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(every, held)
     if rank != 0:
         return
@@ -75,10 +73,10 @@ def save(
     scalars = {i: {k: v for k, v in s.items() if k not in keys} for i, s in state["state"].items()}
     torch.save({"state": scalars, "param_groups": state["param_groups"]}, path / OPTIMIZER_FILE)
     torch.save(scheduler.state_dict(), path / SCHEDULE_FILE)
-    parameters: dict[str, list[tuple[int, int, int]]] = {}
+    parameters: dict[str, list[tuple[int, ...]]] = {}
     for saved_by, ranges in enumerate(every):
-        for name, start, numel in ranges:
-            parameters.setdefault(name, []).append((saved_by, start, numel))
+        for name, *where in ranges:
+            parameters.setdefault(name, []).append((saved_by, *where))
     index = {"ranks": len(every), "state": keys, "parameters": parameters}
     (path / INDEX_FILE).write_text(json.dumps(index))
 
@@ -99,7 +97,7 @@ def load(
         for name, fragment in _fragments(module, partition):
             targets = {MASTER: flats[fragment.group], **states[fragment.group]}
             filled = 0
-            for saved_by, start, numel in index["parameters"].get(name, []):
+            for saved_by, start, numel, *at in index["parameters"].get(name, []):
                 first = max(start, fragment.start)
                 count = min(start + numel, fragment.start + fragment.numel) - first
                 if count <= 0:
@@ -108,10 +106,13 @@ def load(
                     files[saved_by] = torch.load(
                         _rank_file(path, saved_by), mmap=True, weights_only=True, map_location="cpu"
                     )
-                piece = files[saved_by][name]
+                saved = files[saved_by]
                 for key, target in targets.items():
+                    # at: (group, offset) in the saved flat partitions; absent in checkpoints
+                    # written before, which hold each piece as a tensor of its own
+                    source, base = (saved[key][at[0]], at[1]) if at else (saved[name][key], 0)
                     target.narrow(0, fragment.offset + first - fragment.start, count).copy_(
-                        piece[key].narrow(0, first - start, count)
+                        source.narrow(0, base + first - start, count)
                     )
                 filled += count
             if filled != fragment.numel:

@@ -21,6 +21,7 @@ from slurm_autosp.memory_plan.policies import (
     policy_from_plan,
     traced_specs,
 )
+from slurm_autosp.memory_plan.staging import checkpoint_staging
 from slurm_autosp.memory_plan.terms import (
     GB,
     MemoryPlan,
@@ -146,6 +147,7 @@ class TrainingChoices:
     tile_tokens: int  # tokens per MLP tile; 0: untiled
     offload_activations: bool
     offload_optimizer: bool
+    async_save: bool  # saves staged in node memory, persisted in the background
 
 
 def choices_from_plan(plan: MemoryPlan) -> TrainingChoices:
@@ -156,6 +158,7 @@ def choices_from_plan(plan: MemoryPlan) -> TrainingChoices:
         memory.tile_tokens,
         memory.rung.offload,
         memory.rung.offload_optimizer,
+        checkpoint_staging(plan).asynchronous,
     )
 
 
@@ -167,6 +170,7 @@ def _plan_decides(cfg: JobConfig) -> bool:
         or c.tile_tokens is None
         or c.offload_activations is None
         or cfg.parallel.offload_optimizer is None
+        or cfg.checkpoint.async_save is None
     )
 
 
@@ -182,6 +186,7 @@ def training_choices(cfg: JobConfig) -> TrainingChoices:
         cfg.compile.tile_tokens or 0,
         bool(cfg.compile.offload_activations),
         bool(cfg.parallel.offload_optimizer),
+        cfg.checkpoint.async_save is not False,
     )
 
 

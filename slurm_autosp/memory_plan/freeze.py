@@ -20,6 +20,7 @@ FROZEN_KEYS = (
     ("compile", "tile_tokens"),
     ("compile", "offload_activations"),
     ("parallel", "offload_optimizer"),
+    ("checkpoint", "async_save"),
 )
 
 
@@ -37,6 +38,7 @@ def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> None:
     cfg.compile.tile_tokens = choices.tile_tokens
     cfg.compile.offload_activations = choices.offload_activations
     cfg.parallel.offload_optimizer = choices.offload_optimizer
+    cfg.checkpoint.async_save = choices.async_save
 
 
 def adopt_frozen_choices(cfg: JobConfig, recorded: JobConfig) -> None:

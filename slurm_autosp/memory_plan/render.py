@@ -5,6 +5,7 @@ from __future__ import annotations
 from slurm_autosp.cluster.placement import layout_for, layout_summary
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.memory_plan.offload_cost import REFERENCE_MFU, optimizer_offload_cost, peak_tflops
+from slurm_autosp.memory_plan.staging import checkpoint_staging
 from slurm_autosp.memory_plan.terms import (
     FRAGMENTATION,
     GB,
@@ -77,6 +78,7 @@ def render(plan: MemoryPlan) -> str:
         lines.append("  " + offload_line(plan))
     if memory.rung.offload_optimizer:
         lines.append("  " + optimizer_offload_line(plan))
+    lines.append(checkpoint_staging(plan).line())
     lines.append(
         f"longest sequence that fits (this cluster shape, per policy; GB per GPU under ZeRO-{plan.zero_stage} "
         f"at seq {cfg.data.seq_len}):"

@@ -1,0 +1,275 @@
+"""Asynchronous saves: training stalls only while the state is staged in node memory, and a
+background writer process per rank persists it to shared storage while training goes on.
+
+A save is staged at a step boundary: every rank writes its part, in the engine's own format,
+to its directory under `checkpoint.staging_dir` (a memory-backed file system, /dev/shm by
+default: the copy runs at memory speed), and hands it to its writer (checkpoint/writer.py),
+which copies each file into the checkpoint's `.partial` directory, hashing and fsyncing it.
+The checkpoint becomes one only when every rank's writer has finished: at a later step
+boundary, where the ranks agree on it anyway, rank 0 writes the manifest from the writers'
+records, renames it into place and moves `latest`, as a synchronous save does. Until then
+`latest` names the previous checkpoint, so a job killed at any moment (kill -9 included: the
+writers die with their ranks) resumes from that one and never reads a partial save.
+
+A new save waits for the previous one. A synchronous save (the preemption or time-limit
+signal's, the last step's) first commits the pending save if every writer has finished, else
+abandons it (removed; the synchronous save of a later step follows at once), so the signal's
+deadline never covers more than one save.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import logging
+import os
+import select
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from slurm_autosp.checkpoint.manifest import FileRecord
+from slurm_autosp.checkpoint.store import (
+    CheckpointError,
+    CheckpointStore,
+    EngineState,
+    TrainerState,
+)
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundWriter:
+    """This rank's writer process: one request at a time (a new save waits for the previous)."""
+
+    def __init__(self) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "slurm_autosp.checkpoint.writer", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._answer: dict[str, Any] | None = None
+        self.busy = False
+
+    def submit(self, staged: Path, partial: Path) -> None:
+        assert self._process.stdin is not None and not self.busy
+        self._process.stdin.write(json.dumps({"staged": str(staged), "partial": str(partial)}))
+        self._process.stdin.write("\n")
+        self._process.stdin.flush()
+        self.busy, self._answer = True, None
+
+    def done(self) -> bool:
+        """Whether the request in flight is answered, without waiting."""
+        assert self._process.stdout is not None
+        if self.busy and self._answer is None:
+            ready, _, _ = select.select([self._process.stdout], [], [], 0)
+            if ready:
+                self._read()
+        return self._answer is not None
+
+    def result(self) -> dict[str, FileRecord] | str:
+        """Wait for the answer: the files' records, or what stopped the writer."""
+        if self._answer is None:
+            self._read()
+        assert self._answer is not None
+        answer, self._answer, self.busy = self._answer, None, False
+        if "records" in answer:
+            return {name: FileRecord(**r) for name, r in answer["records"].items()}
+        return str(answer["error"])
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline()
+        self._answer = (
+            json.loads(line)
+            if line
+            else {"error": f"the checkpoint writer died (exit status {self._process.wait()})"}
+        )
+
+    def stop(self) -> None:
+        """End the writer now, whatever it is doing (its partial save is abandoned)."""
+        self._process.kill()
+        self._process.wait()
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    partial: Path
+    final: Path
+    state: TrainerState
+
+
+class CheckpointSaves:
+    """Every save of a job, asynchronous where enabled; all ranks call each method together."""
+
+    def __init__(self, store: CheckpointStore, staging: Path | None):
+        """`staging`: this rank's staging directory (`staging_for`); None saves synchronously."""
+        self.store = store
+        self.staging = staging
+        self._writer: BackgroundWriter | None = None
+        self._pending: PendingSave | None = None
+        self._staged_bytes = 0  # the size of this rank's last staged save
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.staging is not None
+
+    def writing(self) -> bool:
+        """Whether this rank's part of the pending save is still being written (no wait)."""
+        return self._pending is not None and self._writer is not None and not self._writer.done()
+
+    def commit_written(self, any_rank_writing: bool) -> None:
+        """Collective, at every step boundary: commit the pending save once no rank is writing
+        (`any_rank_writing`: `writing` agreed across ranks). A save still pending afterwards is
+        then pending on every rank, and written on none completely."""
+        if self._pending is not None and not any_rank_writing:
+            self._commit(self._pending)
+
+    def save(self, engine: EngineState, state: TrainerState, synchronous: bool) -> None:
+        """Collective. `synchronous`: the save is on storage when this returns (a preemption,
+        the last step), and a save still being written is abandoned first; otherwise the
+        pending save is waited for and committed, then this one staged."""
+        pending, self._pending = self._pending, None
+        if pending is not None and synchronous:
+            self._abandon(pending)
+        elif pending is not None:
+            self._commit(pending)
+        if synchronous or self.staging is None or not _all_ranks(self._room_to_stage()):
+            self.store.save(engine, state)
+            return
+        started = time.perf_counter()
+        partial, final = self.store.begin(state)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(mode=0o700, parents=True)
+        self.store.write_state(engine, state, self.staging)
+        self._staged_bytes = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file())
+        if self.store.rank == 0:
+            log.info(
+                "checkpoint %s staged in %.2f s (%.1f MiB on this rank); written in the background",
+                final.name,
+                time.perf_counter() - started,
+                self._staged_bytes / 2**20,
+            )
+        if self._writer is None:
+            self._writer = BackgroundWriter()
+        self._writer.submit(self.staging, partial)
+        self._pending = PendingSave(partial, final, state)
+
+    def close(self) -> None:
+        """This rank only (also on an error path): stop the writer; a save it had not
+        finished is abandoned (its `.partial` is removed when the run next starts)."""
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
+        self._pending = None
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            try:
+                self.staging.parent.rmdir()  # the run's, once its last rank on the node is done
+            except OSError:
+                pass
+
+    def _room_to_stage(self) -> bool:
+        """Whether the staging file system has room for another save like the last one."""
+        assert self.staging is not None
+        free = shutil.disk_usage(self.staging.parent).free
+        if free >= 1.1 * self._staged_bytes:
+            return True
+        log.warning(
+            "%s has %.1f GiB free, less than this rank's last save (%.1f GiB): saving "
+            "synchronously",
+            self.staging.parent,
+            free / 2**30,
+            self._staged_bytes / 2**30,
+        )
+        return False
+
+    def _abandon(self, pending: PendingSave) -> None:
+        log.info("abandoning the asynchronous save of step %d, not yet written", pending.state.step)
+        assert self._writer is not None
+        self._writer.stop()
+        self._writer = None
+        dist.barrier()  # no writer adds a file to the directory removed next
+        self.store.abandon(pending.partial)
+
+    def _commit(self, pending: PendingSave) -> None:
+        """Collective: wait for every rank's writer, then make the save a checkpoint, or, if
+        a writer failed, remove it and stop the job naming what failed."""
+        assert self._writer is not None
+        outcome = self._writer.result()
+        self._pending = None
+        outcomes: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, outcome)
+        errors = [o for o in outcomes if isinstance(o, str)]
+        if errors:
+            self.store.abandon(pending.partial)
+            raise CheckpointError(
+                f"the asynchronous save of step {pending.state.step} failed: {'; '.join(errors)}. "
+                "It was removed; the previous checkpoint is untouched. Fix the storage and submit "
+                "again (or set checkpoint.async_save=false)"
+            )
+        records: dict[str, FileRecord] = {}
+        for share in outcomes:
+            records.update(share)
+        self.store.finish(pending.partial, pending.final, records, pending.state)
+
+    @classmethod
+    def start(
+        cls, store: CheckpointStore, asynchronous: bool, staging_root: str, run_dir: Path
+    ) -> CheckpointSaves:
+        """Collective: asynchronous saves if enabled and every rank can stage; a rank that
+        cannot (its staging directory is refused) makes every rank save synchronously, warned."""
+        staging, problem = None, ""
+        if asynchronous:
+            try:
+                staging = staging_dir_for(staging_root, run_dir, store.rank)
+            except CheckpointError as err:
+                problem = str(err)
+        if asynchronous and not _all_ranks(not problem):
+            log.warning(
+                "saving synchronously: %s", problem or "another rank cannot stage its saves"
+            )
+            staging = None
+        if staging is not None and store.rank == 0:
+            log.info("checkpoint saves: asynchronous, staged in %s", staging.parent)
+        return cls(store, staging)
+
+
+def _all_ranks(flag: bool) -> bool:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, flag)
+    return all(gathered)
+
+
+def staging_dir_for(staging_root: str, run_dir: Path, rank: int) -> Path:
+    """This rank's staging directory: `<staging_root>/slurm_autosp-<user>/<run>/rank_N`, the
+    user's directory made private (0700) and refused when another user owns it or it is not
+    a plain directory (a link planted on a shared /dev/shm)."""
+    base = Path(staging_root) / f"slurm_autosp-{getpass.getuser()}"
+    try:
+        base.mkdir(mode=0o700, exist_ok=True)
+        info = base.lstat()
+    except OSError as err:
+        raise CheckpointError(
+            f"checkpoint.staging_dir={staging_root}: cannot make {base} ({err.strerror or err}); "
+            "set checkpoint.staging_dir to a memory-backed directory you can write, or "
+            "checkpoint.async_save=false"
+        ) from err
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise CheckpointError(
+            f"checkpoint.staging_dir={staging_root}: {base} is not a private directory of yours "
+            f"(owner uid {info.st_uid}, mode {stat.filemode(info.st_mode)}); remove it, or set "
+            "checkpoint.staging_dir elsewhere, or checkpoint.async_save=false"
+        )
+    run = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    (base / run).mkdir(mode=0o700, exist_ok=True)
+    return base / run / f"rank_{rank:05d}"

@@ -1,0 +1,131 @@
+"""Asynchronous saves: staged in node memory, persisted by a background writer process, a
+checkpoint only once every file is written; never a partial one in `latest`. Under both
+engines, one rank each; the writer is a real process, held mid-write with SIGSTOP."""
+
+import getpass
+import os
+import signal
+
+import pytest
+import torch
+from test_checkpoint_store import engine, params, perturb, settings, state  # noqa: F401
+
+from slurm_autosp.checkpoint.async_save import CheckpointSaves, staging_dir_for
+from slurm_autosp.checkpoint.manifest import read_manifest
+from slurm_autosp.checkpoint.store import CheckpointError, CheckpointStore
+
+
+def writers_of(parents):
+    """The checkpoint writer processes whose parent is one of `parents`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if b"slurm_autosp.checkpoint.writer" in cmdline and ppid in parents:
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture
+def saves(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=3)
+    store.root.mkdir()
+    (tmp_path / "shm").mkdir()
+    made = CheckpointSaves.start(store, True, str(tmp_path / "shm"), tmp_path)
+    yield made
+    made.close()
+
+
+def wait_written(saves):
+    while saves.writing():
+        pass
+    saves.commit_written(False)
+
+
+def stopped_writer(saves, engine):  # noqa: F811
+    """Save step 1 asynchronously, then stop (SIGSTOP) the writer it started, idle: the next
+    asynchronous save stays in flight until it is continued (SIGCONT) or killed."""
+    saves.save(engine, state(1, engine.name), synchronous=False)
+    wait_written(saves)
+    [writer] = writers_of({os.getpid()})
+    os.kill(writer, signal.SIGSTOP)
+    return writer
+
+
+def test_an_asynchronous_save_becomes_the_latest_checkpoint_only_once_written(saves, engine):  # noqa: F811
+    writer = stopped_writer(saves, engine)
+    saved = params(engine)
+    saves.save(engine, state(2, engine.name), synchronous=False)
+    try:
+        assert saves.writing()
+        saves.commit_written(True)  # another rank still writing: nothing changes
+        assert (saves.store.root / "latest").read_text() == "step_00000001"
+        assert (saves.store.root / ".step_00000002.partial").is_dir()
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    wait_written(saves)
+    assert (saves.store.root / "latest").read_text() == "step_00000002"
+    checkpoint = saves.store.root / "step_00000002"
+    assert set(read_manifest(checkpoint)["files"]) == {
+        str(p.relative_to(checkpoint))
+        for p in checkpoint.rglob("*")
+        if p.is_file() and p.name != "manifest.json"
+    }
+    assert not saves.staging.exists()  # the staged copy freed once persisted
+    perturb(engine)
+    assert saves.store.load_latest(engine, settings(engine.name)) == state(2, engine.name)
+    assert all(torch.equal(a, b) for a, b in zip(saved, params(engine), strict=True))
+
+
+def test_a_synchronous_save_abandons_a_save_still_being_written(saves, engine):  # noqa: F811
+    stopped_writer(saves, engine)  # killed by the abandon, stopped or not
+    saves.save(engine, state(2, engine.name), synchronous=False)
+    assert saves.writing()
+    saves.commit_written(True)
+    saves.save(engine, state(3, engine.name), synchronous=True)
+    assert not (saves.store.root / ".step_00000002.partial").exists()
+    assert [p.name for p in saves.store.checkpoints()] == ["step_00000003", "step_00000001"]
+    assert writers_of({os.getpid()}) == []
+
+
+def test_a_new_save_waits_for_the_previous_one_and_commits_it(saves, engine):  # noqa: F811
+    saves.save(engine, state(1, engine.name), synchronous=False)
+    saves.save(engine, state(2, engine.name), synchronous=False)
+    assert (saves.store.root / "latest").read_text() == "step_00000001"
+    wait_written(saves)
+    assert [p.name for p in saves.store.checkpoints()] == ["step_00000002", "step_00000001"]
+
+
+def test_a_failed_background_write_is_removed_and_stops_the_job_naming_the_file(saves, engine):  # noqa: F811
+    writer = stopped_writer(saves, engine)
+    saves.save(engine, state(2, engine.name), synchronous=False)
+    partial = saves.store.root / ".step_00000002.partial"
+    partial.rmdir()
+    partial.write_text("not a directory")  # the writer cannot put a file below it
+    os.kill(writer, signal.SIGCONT)
+    with pytest.raises(CheckpointError, match=r"save of step 2 failed: .*\.step_00000002\.partial"):
+        wait_written(saves)
+    assert not partial.exists()
+    assert (saves.store.root / "latest").read_text() == "step_00000001"
+
+
+def test_a_staging_directory_planted_by_someone_else_is_refused_and_saves_stay_synchronous(
+    tmp_path, single_rank_group, caplog
+):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (shm / f"slurm_autosp-{getpass.getuser()}").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match="not a private directory of yours"):
+        staging_dir_for(str(shm), tmp_path, 0)
+    store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
+    saves = CheckpointSaves.start(store, True, str(shm), tmp_path)
+    assert not saves.asynchronous
+    assert "saving synchronously" in caplog.text
