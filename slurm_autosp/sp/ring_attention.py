@@ -13,13 +13,14 @@ all its queries over j's first chunk (j's second lies after both of i's); j > i,
 chunk's queries over both of j's chunks (its first lies before both). Every step but the first
 is half a block, the same work on every rank.
 
-Exact in any precision the block kernel is: each block's (output, log-sum-exp) is merged in
-fp32. The backward reads the merged output and log-sum-exp (saved by the forward, never
+As exact as the block kernel: each block's (output, log-sum-exp) is merged in fp32. The backward reads the merged output and log-sum-exp (saved by the forward, never
 recomputed), so each block's gradient is the exact share of the whole: dq stays local, and the
 block's dk, dv travel around the ring with it, gathering every rank's share, one final hop
 bringing them home. K and V travel packed in one tensor, with their own (grouped) heads: no
 repeated KV is materialised or sent. The next block's send and receive are issued before the
-current block's compute (overlapped where the backend overlaps P2P, as NCCL does).
+current block's compute (overlapped where the backend overlaps P2P, as NCCL does); in backward
+a block's dk, dv leave once this rank's share is added, and travel during the next block's
+compute.
 
 The block kernel is per device, the code around it one: on CPU torch's flash kernel for CPU
 (grouped KV heads natively, log-sum-exp returned), on CUDA the flash varlen kernel (bf16/fp16)
