@@ -34,24 +34,13 @@ LAYERS = 2
 SPLITS = [(4, 1), (2, 2), (1, 4)]  # (ulysses, ring)
 
 
-def _groups(ulysses: int, ring: int):
-    """This rank's Ulysses group (consecutive ranks) and ring group (stride `ulysses`; None
-    without a ring); every rank creates every group, in the same order."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    spans = [range(s, s + ulysses) for s in range(0, WORLD, ulysses)]
-    spans += [range(u, WORLD, ulysses) for u in range(ulysses)] if ring > 1 else []
-    mine = [group for span in spans for group in [dist.new_group(list(span))] if rank in span]
-    return mine[0], mine[1] if ring > 1 else None
-
-
 def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
     import torch
     import torch.distributed as dist
     from saved_bytes import DecoderSavedBytes
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
     from slurm_autosp.compile import AutoSPBackend, compile_model
     from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing
@@ -78,7 +67,10 @@ def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
     )
     spec = ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
     compile_model(model, AutoSPBackend(WORLD, spec, ring), per_layer=True, dynamic=False)
-    set_sp_groups(*_groups(ulysses, ring))
+    groups = build_process_groups(
+        ParallelLayout.from_sp_groups((tuple(range(WORLD)),), ring_size=ring)
+    )
+    set_sp_groups(groups.ulysses, groups.ring)
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
     shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=WORLD, ring_size=ring)
     count = torch.tensor(shard.valid_labels)

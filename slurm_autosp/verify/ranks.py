@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import JobConfig, ModelConfig
 from slurm_autosp.model import build_model
@@ -124,7 +125,12 @@ def run_rank(
     try:
         sp_size, ring_size = cfg.parallel.sp_size, cfg.parallel.ring_size or 1
         sp_rank, dp_rank = rank % sp_size, rank // sp_size
-        ulysses_group, ring_group = _sp_groups(rank, world_size, sp_size, ring_size)
+        # contiguous SP groups, their Ulysses and ring groups as a job's layout places them
+        parallel = ParallelLayout.from_sp_groups(
+            tuple(tuple(range(s, s + sp_size)) for s in range(0, world_size, sp_size)),
+            ring_size=ring_size,
+        )
+        groups = build_process_groups(parallel)
         model_cfg = shrink_model_config(cfg.model, options)
         seq_len = verify_seq_len(sp_size, options)
         assert model_cfg.vocab_size is not None  # shrink_model_config sets it
@@ -150,7 +156,7 @@ def run_rank(
 
         backend = AutoSPBackend(sp_size, ring_size=ring_size)
         compile_model(model, backend, per_layer=cfg.compile.per_layer)
-        set_sp_groups(ulysses_group, ring_group)
+        set_sp_groups(groups.ulysses, groups.ring)
         out = model(**shard.model_kwargs(count.clamp(min=1)))
         (out.loss * loss_scale(world_size, grad_accum=1)).backward()
         backend.require_sdpa_found()
@@ -201,25 +207,6 @@ def run_rank(
         torch.save(dataclasses.asdict(report), result_file)
     finally:
         dist.destroy_process_group()
-
-
-def _sp_groups(
-    rank: int, world_size: int, sp_size: int, ring_size: int
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """This rank's Ulysses and ring groups (None without a ring) over contiguous SP groups, as
-    a job's layout places them: SP position p is Ulysses member p % U of ring rank p // U, so
-    Ulysses groups are consecutive ranks and ring groups stride by U. Every rank creates
-    every group, in the same order."""
-    ulysses = sp_size // ring_size
-    spans = [range(s, s + ulysses) for s in range(0, world_size, ulysses)]
-    if ring_size > 1:
-        spans += [
-            range(first + u, first + sp_size, ulysses)
-            for first in range(0, world_size, sp_size)
-            for u in range(ulysses)
-        ]
-    mine = [group for span in spans for group in [dist.new_group(list(span))] if rank in span]
-    return mine[0], mine[1] if ring_size > 1 else None
 
 
 def _short_name(name: str) -> str:

@@ -16,6 +16,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing
@@ -92,23 +93,18 @@ def contiguous_sp_group(sp_size: int) -> dist.ProcessGroup:
 
 
 def ulysses_and_ring_groups(ulysses: int, ring: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's Ulysses and ring groups, SP groups being contiguous blocks of ulysses x ring
-    ranks: inside one, rank r is Ulysses member r % ulysses of ring rank r // ulysses, Ulysses
-    groups are consecutive ranks and ring groups stride by `ulysses` (every rank creates every
-    group, once)."""
+    """This rank's Ulysses and ring groups over contiguous SP groups of ulysses x ring ranks, as
+    a job's layout places them (build_process_groups: rank r of an SP group is Ulysses member
+    r % ulysses of ring rank r // ulysses); built once per split, every rank building every group."""
     if (ulysses, ring) not in _ring_groups:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        sp = ulysses * ring
-        mine: list[dist.ProcessGroup] = []
-        for first in range(0, world, sp):
-            for start in range(first, first + sp, ulysses):
-                group = dist.new_group(list(range(start, start + ulysses)))
-                mine += [group] if start <= rank < start + ulysses else []
-            for member in range(ulysses):
-                ranks = list(range(first + member, first + sp, ulysses))
-                group = dist.new_group(ranks)
-                mine += [group] if rank in ranks else []
-        _ring_groups[(ulysses, ring)] = (mine[0], mine[1])
+        world, sp = dist.get_world_size(), ulysses * ring
+        layout = ParallelLayout.from_sp_groups(
+            tuple(tuple(range(first, first + sp)) for first in range(0, world, sp)),
+            ring_size=ring,
+        )
+        groups = build_process_groups(layout)
+        assert groups.ring is not None
+        _ring_groups[(ulysses, ring)] = (groups.ulysses, groups.ring)
     return _ring_groups[(ulysses, ring)]
 
 
