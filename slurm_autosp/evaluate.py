@@ -100,6 +100,7 @@ class Evaluator:
             sp_rank=dims.sp_rank,
             sp_size=dims.sp_size,
             document_ids=torch.stack(documents).to(dims.device) if documents else None,
+            ring_size=dims.ring_size,
         )
 
     def report(self, step: int, result: EvalResult, writer: SummaryWriter | None) -> None:

@@ -27,7 +27,7 @@ from slurm_autosp.lifecycle.save_schedule import SaveSchedule
 from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
-from slurm_autosp.sp import prepare_sp_inputs, set_sp_group
+from slurm_autosp.sp import prepare_sp_inputs, set_sp_groups
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.sp.offload import ActivationOffload
 
@@ -48,7 +48,8 @@ def compile_for_sp(
     tile_tokens: int = 0,
     backend: AutoSPBackend | None = None,
 ) -> AutoSPBackend | None:
-    """Compile the model with the AutoSP backend over this rank's SP group (if enabled),
+    """Compile the model with the AutoSP backend over this rank's SP group (if enabled): the
+    all-to-alls over its Ulysses group, ring attention over its ring group (ring_size > 1),
     checkpointing activations by `spec`, its MLPs in sequence tiles of `tile_tokens` (0: untiled).
     Passing the `backend` an earlier model of the same shapes was compiled with reuses its
     graphs: Dynamo serves a graph only to the backend object that compiled it."""
@@ -56,9 +57,9 @@ def compile_for_sp(
         if tile_tokens:
             tile_mlps(model, tile_tokens)
         return None
-    backend = backend or AutoSPBackend(dims.sp_size, spec)
+    backend = backend or AutoSPBackend(dims.sp_size, spec, dims.ring_size)
     log.info("AutoSP: %r%s", backend, f", MLP tiles of {tile_tokens} tokens" if tile_tokens else "")
-    set_sp_group(dims.sp_group)
+    set_sp_groups(dims.ulysses_group, dims.ring_group)
     compile_model(model, backend, per_layer=cfg.compile.per_layer, tile_tokens=tile_tokens)
     return backend
 
@@ -203,6 +204,7 @@ def optimizer_step(
                 sp_rank=dims.sp_rank,
                 sp_size=dims.sp_size,
                 document_ids=None if s.document_ids is None else s.document_ids.to(dims.device),
+                ring_size=dims.ring_size,
             )
             for s in samples
         ]

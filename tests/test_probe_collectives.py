@@ -4,10 +4,12 @@ between a barrier and a synchronize, whose launch latency and barrier skew would
 an NVLink transfer. Checked on 2 real gloo ranks."""
 
 import statistics
+from pathlib import Path
 
 import pytest
 
-from slurm_autosp.probe.collectives import CollectiveTiming
+from slurm_autosp.config import load_config
+from slurm_autosp.probe.collectives import CollectiveTiming, step_messages
 from slurm_autosp.probe.timing import CALLS, SAMPLES, WARMUP
 from tests._dist_pool import dist_pools as dist_pools  # the session's pools
 
@@ -15,6 +17,7 @@ NBYTES = 1 << 16
 # nccl-tests' bus bandwidth factors for n ranks (doc/PERFORMANCE.md): what crosses each link
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n}
 BUS["all_to_all"] = BUS["reduce_scatter"]
+BUS["send_recv"] = lambda n: 1.0  # nccl-tests' sendrecv: each byte crosses one link
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def test_a_sample_is_calls_back_to_back_and_the_time_is_per_call(pool2, collecti
         assert rank["seconds"] == pytest.approx(per_call, rel=0.1)
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all", "send_recv"])
 def test_bus_bandwidth_is_nccl_tests_formula_over_the_time_per_call(pool2, collective):
     for rank in pool2.run("probe_cases:timed_calls", collective, NBYTES):
         sent, seconds, latency = rank["message"]
@@ -43,3 +46,20 @@ def test_bus_bandwidth_is_nccl_tests_formula_over_the_time_per_call(pool2, colle
         assert sent == NBYTES and 0 < latency and 0 < seconds
         assert timing.algbw_gb_per_s == pytest.approx(NBYTES / seconds / 1e9)
         assert timing.busbw_gb_per_s == pytest.approx(NBYTES / seconds / 1e9 * BUS[collective](2))
+
+
+def test_under_a_ring_the_all_to_alls_are_the_ulysses_groups_and_the_ring_passes_its_blocks():
+    """tiny_cpu (4 query heads, 2 KV heads, head_dim 16, 256 tokens, micro-batch 2, fp32) as
+    SP=4 = Ulysses 2 x ring 2: the all-to-alls carry a rank's 64 tokens (no KV repeat over 2
+    Ulysses ranks); a ring block is K and V of 1 KV head over 128 tokens, dK/dV in fp32."""
+    tiny = f"cfg={Path(__file__).parents[1] / 'configs' / 'tiny_cpu.yaml'}"
+    cfg = load_config(
+        [tiny, "parallel.sp_size=4", "parallel.ring_size=2", "cluster.tasks_per_node=4"]
+    )
+    messages = {(m.collective, m.what, m.group): m.nbytes for m in step_messages(cfg, 1)}
+    assert messages[("all_to_all", "q / attention out", "sp")] == 2 * 4 * 64 * 16 * 4
+    assert messages[("all_to_all", "k / v", "sp")] == 2 * 2 * 64 * 16 * 4
+    assert messages[("send_recv", "ring k / v block", "ring")] == 2 * 2 * 1 * 128 * 16 * 4
+    assert messages[("send_recv", "ring dk / dv (fp32)", "ring")] == 2 * 2 * 1 * 128 * 16 * 4
+    ulysses_only = load_config([tiny, "parallel.sp_size=2", "parallel.ring_size=1"])
+    assert all(m.group != "ring" for m in step_messages(ulysses_only, 1))

@@ -18,11 +18,13 @@ plan, `slurm_autosp.memory_plan.activation_checkpoint_spec_for`):
   the rest is recomputed. Attention's kernels save only O(S) tensors (output, logsumexp), and
   nothing in the graph builds an S x S tensor, so no O(S^2) tensor can be saved.
 - `none`: nothing is recomputed; every tensor the backward needs is saved.
-- `full`: everything but the layer's inputs is recomputed, attention included.
+- `full`: everything but the layer's inputs is recomputed, attention included (but ring
+  attention, below).
 - `torch_default`: no tags; the partitioner's own heuristics.
 Under every policy but `torch_default`, `recompute_all_to_all` decides whether the Ulysses
 all-to-alls are run again in backward (less memory, more communication) or their outputs
-are saved.
+are saved. Ring attention's outputs (output and log-sum-exp, O(S) like the SDPA kernels') are
+saved under every policy: running it again would pass every K/V block around the ring again.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch.utils.flop_counter import flop_registry
 
 import slurm_autosp.sp.all_to_all as all_to_all
 import slurm_autosp.sp.document_attention as document_attention
+import slurm_autosp.sp.ring_attention as ring_attention
 from slurm_autosp.compat.torch_api import (
     CustomGraphPass,
     run_and_save_rng_state,
@@ -52,9 +55,11 @@ ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
 
 DOCUMENT_ATTENTION = torch.ops.slurm_autosp.document_attention.default
 DOCUMENT_ATTENTION_BACKWARD = torch.ops.slurm_autosp.document_attention_backward.default
+RING_ATTENTION = torch.ops.slurm_autosp.ring_attention.default
+RING_ATTENTION_BACKWARD = torch.ops.slurm_autosp.ring_attention_backward.default
 
 # SDPA forward kernels (what F.scaled_dot_product_attention decomposes to in the joint graph),
-# and packed rows' attention, an opaque op in the joint graph.
+# and packed rows' and the ring's attention, opaque ops in the joint graph.
 ATTENTION_OPS = frozenset(
     op
     for name in (
@@ -67,7 +72,7 @@ ATTENTION_OPS = frozenset(
     )
     if hasattr(aten, name)
     for op in [getattr(aten, name).default]
-) | {DOCUMENT_ATTENTION}
+) | {DOCUMENT_ATTENTION, RING_ATTENTION}
 
 
 # Their backward kernels: QK^T is recomputed, then dP, dS, dQ, dK, dV: ~2.5x the forward.
@@ -80,7 +85,7 @@ ATTENTION_BACKWARD_OPS = frozenset(
         "_scaled_dot_product_cudnn_attention_backward",
     )
     if hasattr(aten, name)
-) | {DOCUMENT_ATTENTION_BACKWARD}
+) | {DOCUMENT_ATTENTION_BACKWARD, RING_ATTENTION_BACKWARD}
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,8 @@ def is_attention(node: fx.Node) -> bool:
 def _attention_flops(node: fx.Node) -> int:
     """FLOPs of an SDPA kernel: 4*B*H*Sq*Skv*D forward (QK^T and PV), 2.5x that backward,
     halved when causal. Document attention counts as causal over the whole row: its documents'
-    lengths are data, so this is its bound (reached by a row of one document without a window)."""
+    lengths are data, so this is its bound (reached by a row of one document without a window).
+    Ring attention's keys are the whole sequence, ring_size times its local block."""
     op, args, kwargs = wrapped_op(node)
     backward = op in ATTENTION_BACKWARD_OPS
     names = [a.name for a in op._schema.arguments]
@@ -175,8 +181,15 @@ def _attention_flops(node: fx.Node) -> int:
     query, key = argument("query", None), argument("key", None)
     batch, heads, s_q, d = _shapes(query)
     s_kv = _shapes(key)[-2]
+    ring = op in (RING_ATTENTION, RING_ATTENTION_BACKWARD)
+    if ring:
+        s_kv *= argument("ring_size", 1)
     flops = 4 * batch * heads * s_q * s_kv * d * (5 if backward else 2) // 2
-    causal = op in (DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_BACKWARD) or argument("is_causal", False)
+    causal = (
+        ring
+        or op in (DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_BACKWARD)
+        or argument("is_causal", False)
+    )
     return flops // 2 if causal else flops
 
 
@@ -304,7 +317,10 @@ def tag_joint_graph(graph: fx.Graph, spec: ActivationCheckpointSpec) -> dict[str
     for node in nodes:
         if node.target is operator.getitem:
             continue  # follows its producer, below
-        if node.target in ATTENTION_OPS:
+        if node.target is RING_ATTENTION:  # under every policy: see the module docstring
+            decisions[node] = save
+            counts["attention_kept"] += 1
+        elif node.target in ATTENTION_OPS:
             decisions[node] = recompute if spec.policy is ActivationCheckpointing.full else save
             counts["attention_kept"] += spec.policy is not ActivationCheckpointing.full
         elif node.target is ALL_TO_ALL:
@@ -346,7 +362,12 @@ def code_key() -> str:
     policy, and the custom ops' backward formulas (AOTAutograd's cache keys on the graph, which
     names an op but not its formula), so a changed formula is never served from a cache."""
     digest = hashlib.sha256()
-    for source in (__file__, all_to_all.__file__, document_attention.__file__):
+    for source in (
+        __file__,
+        all_to_all.__file__,
+        document_attention.__file__,
+        ring_attention.__file__,
+    ):
         digest.update(Path(str(source)).read_bytes())
     return digest.hexdigest()[:16]
 

@@ -19,6 +19,7 @@ from torch.fx.node import Argument
 
 import slurm_autosp.sp.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
 import slurm_autosp.sp.document_attention  # noqa: F401 - registers its op
+import slurm_autosp.sp.ring_attention  # noqa: F401 - registers torch.ops.slurm_autosp.ring_attention
 from slurm_autosp.compat.torch_api import compile_fx
 from slurm_autosp.compile.activation_checkpointing import (
     ActivationCheckpointSpec,
@@ -42,6 +43,8 @@ _HEAD_DIM, _SEQ_DIM = 1, 2
 _ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
 # causal attention within each document; returns (output, logsumexp), handles grouped KV heads
 _DOCUMENT_ATTENTION = torch.ops.slurm_autosp.document_attention.default
+# causal attention over the ring's sequence blocks; returns (output, logsumexp)
+_RING_ATTENTION = torch.ops.slurm_autosp.ring_attention.default
 
 
 class AutoSPCompileError(RuntimeError):
@@ -151,10 +154,59 @@ def _call(
     return node
 
 
-def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
+def _refuse_documents_in_ring(
+    node: fx.Node, arguments: dict[str, Argument], ring_size: int
+) -> None:
+    what = (
+        "packed documents (or left padding)"
+        if arguments.get("cu_seqlens") is not None
+        else "a sliding window shorter than the sequence"
+    )
+    raise AutoSPCompileError(
+        f"attention at {_where(node)} needs {what}, which ring attention "
+        f"(parallel.ring_size={ring_size}) does not run: use parallel.ring_size=1 (Ulysses alone, "
+        "parallel.sp_size up to the query heads), or train unpacked rows (data.documents=concat, "
+        "right padding) of a model without sliding windows"
+    )
+
+
+def _ring_attention_instead(
+    graph: fx.Graph, node: fx.Node, arguments: dict[str, Argument], ring_size: int
+) -> fx.Node:
+    """Replace the SDPA call `node` (its q, k, v already Ulysses-scattered) by ring attention
+    over `ring_size` ranks; returns the node of its output."""
+    if arguments.get("dropout_p"):
+        raise AutoSPCompileError(
+            f"scaled_dot_product_attention at {_where(node)} has dropout_p={arguments['dropout_p']}; "
+            f"ring attention (parallel.ring_size={ring_size}) has no dropout: set the model's "
+            "attention_dropout=0, or parallel.ring_size=1"
+        )
+    query = arguments["query"]
+    assert isinstance(query, fx.Node)
+    scale = arguments.get("scale")  # a float, or a node: Dynamo makes a changed float symbolic
+    if scale is None:
+        scale = int(query.meta["example_value"].shape[-1]) ** -0.5
+    if isinstance(scale, int):
+        scale = float(scale)
+    with graph.inserting_before(node):
+        ring = _call(
+            graph,
+            _RING_ATTENTION,
+            (query, arguments["key"], arguments["value"], scale, ring_size),
+        )
+        output = _call(graph, operator.getitem, (ring, 0))
+    node.replace_all_uses_with(output)
+    graph.erase_node(node)
+    return output
+
+
+def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int, ring_size: int = 1) -> None:
+    ulysses = sp_size // ring_size
     documents = node.target is _DOCUMENT_ATTENTION
     if documents:  # the cumulative lengths are global: they hold for the whole sequence as is
         arguments = _document_arguments(node)
+        if ring_size > 1:
+            _refuse_documents_in_ring(node, arguments, ring_size)
     else:
         arguments = _sdpa_arguments(node)
         _check_causal_without_mask(node, arguments)
@@ -165,21 +217,27 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
             f"scaled_dot_product_attention at {_where(node)} gets {query.meta['example_value'].dim()}-D "
             "queries; AutoSP needs [batch, heads, sequence, head_dim]"
         )
-    layout = HeadLayout(
-        query_heads=int(query.meta["example_value"].shape[_HEAD_DIM]),
-        kv_heads=int(key.meta["example_value"].shape[_HEAD_DIM]),
-        sp_size=sp_size,
+    layout = _head_layout(
+        int(query.meta["example_value"].shape[_HEAD_DIM]),
+        int(key.meta["example_value"].shape[_HEAD_DIM]),
+        sp_size,
+        ring_size,
     )
 
     def scatter_heads(tensor: fx.Node, repeat: int) -> fx.Node:
         if repeat > 1:
             tensor = _call(graph, torch.repeat_interleave, (tensor, repeat), {"dim": _HEAD_DIM})
-        return _call(graph, _ALL_TO_ALL, (tensor, _HEAD_DIM, _SEQ_DIM, sp_size))
+        return _call(graph, _ALL_TO_ALL, (tensor, _HEAD_DIM, _SEQ_DIM, ulysses))
 
     with graph.inserting_before(node):
         arguments["query"] = scatter_heads(query, 1)
         arguments["key"] = scatter_heads(key, layout.kv_repeat)
         arguments["value"] = scatter_heads(value, layout.kv_repeat)
+    if ring_size > 1:  # it reads grouped KV heads as they are
+        _gather_heads_after(
+            graph, _ring_attention_instead(graph, node, arguments, ring_size), ulysses
+        )
+        return
     if not documents:
         arguments["enable_gqa"] = layout.local_grouped
     node.args = ()
@@ -194,7 +252,22 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int) -> None:
             item.meta["example_value"] = node.meta["example_value"][item.args[1]]
         outputs = [item for item in items if item.args[1] == 0]
     for local in outputs:
-        _gather_heads_after(graph, local, sp_size)
+        _gather_heads_after(graph, local, ulysses)
+
+
+def _head_layout(query_heads: int, kv_heads: int, sp_size: int, ring_size: int) -> HeadLayout:
+    """How the heads split over the Ulysses ranks: all SP ranks without a ring, a ring rank's
+    sp_size / ring_size with one (the ring splits the sequence, not the heads)."""
+    if ring_size == 1:
+        return HeadLayout(query_heads, kv_heads, sp_size)
+    try:
+        return HeadLayout(query_heads, kv_heads, sp_size // ring_size)
+    except AutoSPCompileError as error:
+        raise AutoSPCompileError(
+            f"{error} (with parallel.ring_size={ring_size} the heads split over the Ulysses size "
+            f"parallel.sp_size / parallel.ring_size = {sp_size} / {ring_size}: choose a ring_size "
+            f"that leaves one of those)"
+        ) from error
 
 
 def _gather_heads_after(graph: fx.Graph, local: fx.Node, sp_size: int) -> None:
@@ -204,9 +277,10 @@ def _gather_heads_after(graph: fx.Graph, local: fx.Node, sp_size: int) -> None:
     local.replace_all_uses_with(output, delete_user_cb=lambda user: user is not output)
 
 
-def rewrite_sdpa_for_sp(gm: fx.GraphModule, sp_size: int) -> int:
+def rewrite_sdpa_for_sp(gm: fx.GraphModule, sp_size: int, ring_size: int = 1) -> int:
     """Wrap every attention call in `gm` (scaled_dot_product_attention, document_attention)
-    with the Ulysses all-to-alls.
+    with the Ulysses all-to-alls over sp_size / ring_size ranks; with `ring_size` > 1 SDPA
+    becomes ring attention across the ring (packed documents and windows are refused).
 
     Returns how many calls were rewritten; a graph without any is legal (e.g. the lm_head
     graph after a graph break).
@@ -217,7 +291,7 @@ def rewrite_sdpa_for_sp(gm: fx.GraphModule, sp_size: int) -> int:
         if n.op == "call_function" and n.target in (_SDPA, _DOCUMENT_ATTENTION)
     ]
     for node in calls:
-        _rewrite_one(gm.graph, node, sp_size)
+        _rewrite_one(gm.graph, node, sp_size, ring_size)
     if calls:
         gm.graph.lint()
         gm.recompile()
@@ -238,28 +312,43 @@ def compile_with_inductor(
 
 
 class AutoSPBackend:
-    """A torch.compile backend making SDPA attention Ulysses sequence parallel over `sp_size`
-    ranks. The SP process group is set at run time with `set_sp_group`.
+    """A torch.compile backend making SDPA attention sequence parallel over `sp_size` ranks:
+    Ulysses over all of them, or (`ring_size` > 1) Ulysses over sp_size / ring_size ranks and
+    ring attention across `ring_size` such groups. The process groups are set at run time with
+    `set_sp_group` (`set_sp_groups(ulysses, ring)` with a ring).
 
     Reuse one instance for a run: Dynamo's cache only serves graphs compiled by the same
     backend object. `sdpa_calls_rewritten` counts attention calls rewritten so far, over
     every graph this backend compiled.
     """
 
-    def __init__(self, sp_size: int, checkpointing: ActivationCheckpointSpec | None = None) -> None:
+    def __init__(
+        self,
+        sp_size: int,
+        checkpointing: ActivationCheckpointSpec | None = None,
+        ring_size: int = 1,
+    ) -> None:
         if sp_size < 1:
             raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+        if ring_size < 1 or sp_size % ring_size:
+            raise ValueError(
+                f"ring_size={ring_size} must divide sp_size={sp_size} (sp_size = ulysses x ring)"
+            )
         self.sp_size = sp_size
+        self.ring_size = ring_size
         self.checkpointing = checkpointing or ActivationCheckpointSpec(
             ActivationCheckpointing.torch_default
         )
         self.sdpa_calls_rewritten = 0
 
     def __repr__(self) -> str:
-        return f"AutoSPBackend(sp_size={self.sp_size}, checkpointing={self.checkpointing.key()})"
+        ring = f", ring_size={self.ring_size}" if self.ring_size > 1 else ""
+        return (
+            f"AutoSPBackend(sp_size={self.sp_size}{ring}, checkpointing={self.checkpointing.key()})"
+        )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
-        rewritten = rewrite_sdpa_for_sp(gm, self.sp_size)
+        rewritten = rewrite_sdpa_for_sp(gm, self.sp_size, self.ring_size)
         compiled = compile_with_inductor(gm, example_inputs, self.checkpointing)
         self.sdpa_calls_rewritten += (
             rewritten  # only now: inductor may make Dynamo retrace and call again

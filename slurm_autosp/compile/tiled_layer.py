@@ -393,6 +393,12 @@ def tile_layers(
     changes the tile size."""
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
+    if backend is not None and backend.ring_size > 1:
+        raise AutoSPCompileError(
+            f"tiled decoder layers (compile.tile_tokens with compile.activation_checkpointing=full) run "
+            f"Ulysses attention themselves, not ring attention (parallel.ring_size="
+            f"{backend.ring_size}): use parallel.ring_size=1, or another checkpointing policy"
+        )
     if not isinstance(model, PreTrainedModel):
         raise AutoSPCompileError(
             f"tiling whole decoder layers needs a Hugging Face model (its attention function is "

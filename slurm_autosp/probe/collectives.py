@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
+from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.memory_plan import model_size
 from slurm_autosp.memory_plan.terms import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.model import hf_config
 from slurm_autosp.probe.stop import AgreedStop
-from slurm_autosp.probe.timing import BUS_FACTOR, CALLS, Message, nvlink_bandwidth, time_message
+from slurm_autosp.probe.timing import CALLS, Message, bus_factor, nvlink_bandwidth, time_message
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class CollectiveTiming:
     collective: str
     what: str
     group: str
-    group_index: int  # which SP (or DP) group this rank is in
+    group_index: int  # which Ulysses (the SP group without a ring) or DP group this rank is in
     group_size: int
     nbytes: int
     seconds: float  # per call: the median sample of CALLS back-to-back calls, over CALLS
@@ -39,8 +40,7 @@ class CollectiveTiming:
 
     @property
     def busbw_gb_per_s(self) -> float:
-        n = self.group_size
-        return self.algbw_gb_per_s * BUS_FACTOR[self.collective] * (n - 1) / n
+        return self.algbw_gb_per_s * bus_factor(self.collective, self.group_size)
 
 
 def _element_bytes(cfg: JobConfig) -> tuple[torch.dtype, int]:
@@ -48,19 +48,24 @@ def _element_bytes(cfg: JobConfig) -> tuple[torch.dtype, int]:
 
 
 def step_messages(cfg: JobConfig, zero_stage: int) -> list[Message]:
-    """The Ulysses all-to-alls of one attention call (q and the output [B, H, S/P, D]; k and v
-    with their heads repeated up to P when fewer) and the gradient reduction over DP groups
-    (ZeRO-1: DeepSpeed's bucket, at most the model; ZeRO-3: one layer's fp32 gradient)."""
+    """The Ulysses all-to-alls of one attention call over the Ulysses group of U ranks (the SP
+    group without a ring: q and the output [B, H, S/P, D]; k and v with their heads repeated up
+    to U when fewer) and the gradient reduction over DP groups (ZeRO-1: DeepSpeed's bucket, at
+    most the model; ZeRO-3: one layer's fp32 gradient). Under a ring of R, also ring
+    attention's pass of one K/V block to the next ring rank (its Ulysses rank's KV heads over
+    S/R tokens; each is sent R-1 times forward and backward) and of its fp32 dK/dV (R times)."""
     hf = hf_config(cfg.model)
     dtype, b = _element_bytes(cfg)
     sp, micro = cfg.parallel.sp_size, cfg.train.micro_batch
+    ring = ring_size_for(cfg)
+    ulysses = sp // ring
     local = -(-cfg.data.seq_len // sp)
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    sent_kv = kv_heads if kv_heads % sp == 0 else sp
+    sent_kv = kv_heads if kv_heads % ulysses == 0 else ulysses
     messages = []
-    if sp > 1:
+    if ulysses > 1:
         messages.append(
             Message(
                 "all_to_all", "q / attention out", "sp", micro * heads * local * head_dim * b, dtype
@@ -69,6 +74,12 @@ def step_messages(cfg: JobConfig, zero_stage: int) -> list[Message]:
         messages.append(
             Message("all_to_all", "k / v", "sp", micro * sent_kv * local * head_dim * b, dtype)
         )
+    if ring > 1:  # K and V travel packed; a rank holds sent_kv / U of them over S / R tokens
+        block = micro * 2 * max(1, sent_kv // ulysses) * local * ulysses * head_dim
+        messages += [
+            Message("send_recv", "ring k / v block", "ring", block * b, dtype),
+            Message("send_recv", "ring dk / dv (fp32)", "ring", block * 4, torch.float32),
+        ]
     if cfg.dp_size > 1:
         size = model_size(cfg)
         if zero_stage == 3:
@@ -110,9 +121,20 @@ def time_collectives(
     """Time every message of `step_messages` on this rank's group (every rank takes part); an
     agreed stop request ends the timing between two messages."""
     groups = {
-        "sp": (dims.sp_group, dims.dp_rank, dims.sp_size),
+        # the all-to-alls' ranks: the Ulysses group, ring_size of them in each SP group
+        "sp": (
+            dims.ulysses_group,
+            dims.dp_rank * dims.ring_size + dims.ring_rank,
+            dims.ulysses_size,
+        ),
         "dp": (dims.dp_group, dims.sp_rank, dims.dp_size),
     }
+    if dims.ring_group is not None:  # ring ranks: the same Ulysses position, ulysses_size rings
+        groups["ring"] = (
+            dims.ring_group,
+            dims.dp_rank * dims.ulysses_size + dims.ulysses_rank,
+            dims.ring_size,
+        )
     timings: list[CollectiveTiming] = []
     for m in step_messages(cfg, zero_stage):
         if stop is not None and stop.requested(f"{len(timings)} collectives timed"):

@@ -47,13 +47,21 @@ NVLINK_GB_PER_S = (
 BUS_FACTOR = {"all_to_all": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}  # x (n-1)/n
 
 
+def bus_factor(collective: str, ranks: int) -> float:
+    """busbw / algbw: what crosses each link per byte a rank sends or contributes; a ring pass
+    (`send_recv`, ring attention's block to the next rank) sends every byte over one link."""
+    if collective == "send_recv":
+        return 1.0
+    return BUS_FACTOR[collective] * (ranks - 1) / ranks
+
+
 @dataclass(frozen=True)
 class Message:
     """One collective the training step runs, at its size."""
 
-    collective: str  # all_to_all | all_reduce | reduce_scatter
+    collective: str  # all_to_all | all_reduce | reduce_scatter | send_recv (a ring pass)
     what: str  # what training sends with it
-    group: str  # sp | dp
+    group: str  # sp (the Ulysses group) | ring | dp
     nbytes: int  # per rank
     dtype: torch.dtype
 
@@ -72,6 +80,18 @@ def nvlink_bandwidth(device: torch.device) -> tuple[float | None, str]:
 def _call(collective: str, send: torch.Tensor, group: dist.ProcessGroup) -> Callable[[], None]:
     """The collective on preallocated buffers, so a timed call allocates nothing."""
     n = dist.get_world_size(group)
+    if collective == "send_recv":  # ring attention's: to the next ring rank, from the previous
+        received, rank = torch.empty_like(send), dist.get_rank(group)
+
+        def ring_pass() -> None:
+            ops = [
+                dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % n),
+                dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % n),
+            ]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+        return ring_pass
     if collective == "all_to_all":
         received = torch.empty_like(send)
         return lambda: dist.all_to_all_single(received, send, group=group)

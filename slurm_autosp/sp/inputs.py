@@ -8,6 +8,13 @@ per row) get positions that restart per document, an ignored label at each docum
 and the cumulative document lengths of the whole batch, which every rank's attention reads
 after its all-to-all. The compiled graph then sees only local tensors (and those lengths) and
 is identical on every rank.
+
+With ring attention (`ring_size` R > 1, an SP group of U x R ranks) the sequence is cut into 2R
+chunks and ring rank i = sp_rank // U holds chunks i and 2R-1-i, so that causal attention costs
+every ring rank the same (zigzag); Ulysses member u = sp_rank % U holds the u-th contiguous 1/U
+of those two chunks laid end to end, so the Ulysses all-to-all (gathering along the sequence in
+group order) hands ring rank i exactly chunk i ++ chunk 2R-1-i. Without a ring each rank holds
+one contiguous 1/P of the sequence.
 """
 
 from dataclasses import dataclass
@@ -139,6 +146,33 @@ def _pad_to_multiple(tensor: torch.Tensor, multiple: int, value: int) -> torch.T
     return torch.nn.functional.pad(tensor, (0, missing), value=value)
 
 
+def sp_token_positions(seq: int, sp_rank: int, sp_size: int, ring_size: int = 1) -> torch.Tensor:
+    """Which positions of a sequence of `seq` tokens (a multiple of 2 x sp_size under a ring,
+    of sp_size without) SP rank `sp_rank` holds, in its order: see the module docstring."""
+    if ring_size == 1:
+        shard = seq // sp_size
+        return torch.arange(sp_rank * shard, (sp_rank + 1) * shard)
+    ulysses = sp_size // ring_size
+    ring_rank, member = divmod(sp_rank, ulysses)
+    chunks = torch.arange(seq).view(2 * ring_size, -1)
+    held = torch.cat([chunks[ring_rank], chunks[2 * ring_size - 1 - ring_rank]])
+    return held.view(ulysses, -1)[member]
+
+
+def _check_ring(sp_size: int, ring_size: int, packed: bool) -> None:
+    if ring_size < 1 or sp_size % ring_size:
+        raise ValueError(
+            f"parallel.ring_size={ring_size} must divide parallel.sp_size={sp_size} "
+            "(sp_size = ulysses x ring)"
+        )
+    if packed and ring_size > 1:
+        raise PackedRowsError(
+            f"packed rows and left padding (documents within a row) need document attention, which "
+            f"ring attention (parallel.ring_size={ring_size}) does not run: use "
+            "parallel.ring_size=1, or data.documents=concat and right padding"
+        )
+
+
 def prepare_sp_inputs(
     input_ids: torch.Tensor,
     labels: torch.Tensor | None = None,
@@ -149,6 +183,7 @@ def prepare_sp_inputs(
     sp_size: int,
     pad_token_id: int = 0,
     document_ids: torch.Tensor | None = None,
+    ring_size: int = 1,
 ) -> SPBatch:
     """Shard a [B, S] causal-LM batch for SP rank `sp_rank` of `sp_size`.
 
@@ -158,7 +193,9 @@ def prepare_sp_inputs(
     positions counted from the row's start as Hugging Face counts them. S need not divide by `sp_size`: the batch is
     padded with `pad_token_id` tokens whose labels are ignored. A row holds several documents
     when its `position_ids` restart at 0 or its `document_ids` [B, S] change; attention then
-    stays within each document, and no label predicts across a boundary.
+    stays within each document, and no label predicts across a boundary. With `ring_size` > 1
+    the SP group is ulysses x ring ranks and the shard is this rank's zigzag share (module
+    docstring; the batch is padded to a multiple of 2 x sp_size); packed rows are refused.
     """
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} is outside the SP group of size {sp_size}")
@@ -183,14 +220,20 @@ def prepare_sp_inputs(
     shift_labels = torch.cat([labels[:, 1:], ignored_last], dim=1)
     if starts is not None:  # a document's last token predicts nothing: the next token is another's
         shift_labels[:, :-1].masked_fill_(starts[:, 1:], IGNORE_INDEX)
-    padding = -seq % sp_size
+    _check_ring(sp_size, ring_size, starts is not None)
+    multiple = sp_size if ring_size == 1 else 2 * sp_size
+    padding = -seq % multiple
     position_tail = position_ids[:, -1:] + torch.arange(1, padding + 1, device=position_ids.device)
     position_ids = torch.cat([position_ids, position_tail], dim=1)
-    input_ids = _pad_to_multiple(input_ids, sp_size, pad_token_id)
-    shift_labels = _pad_to_multiple(shift_labels, sp_size, IGNORE_INDEX)
+    input_ids = _pad_to_multiple(input_ids, multiple, pad_token_id)
+    shift_labels = _pad_to_multiple(shift_labels, multiple, IGNORE_INDEX)
 
-    shard = input_ids.shape[1] // sp_size
-    local = slice(sp_rank * shard, (sp_rank + 1) * shard)
+    if ring_size == 1:
+        shard = input_ids.shape[1] // sp_size
+        local: slice | torch.Tensor = slice(sp_rank * shard, (sp_rank + 1) * shard)
+    else:
+        positions = sp_token_positions(input_ids.shape[1], sp_rank, sp_size, ring_size)
+        local = positions.to(input_ids.device)
     local_labels = shift_labels[:, local].contiguous()
     cu_seqlens = None if starts is None else cumulative_lengths(starts, input_ids.shape[1])
     return SPBatch(

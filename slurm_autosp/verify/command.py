@@ -7,7 +7,8 @@ The configured model is shrunk to a CPU-sized copy with the same head layout (th
 num_attention_heads and num_key_value_heads, hence the same grouped-query ratio and the same
 way heads split over the SP ranks), the same model class, RoPE settings and compile mode
 (compile.per_layer), but 2 layers, head_dim 8 and a 256-token vocabulary. Then
-parallel.sp_size x dp local CPU ranks (gloo) run one AutoSP training step in fp32, on a batch
+parallel.sp_size x dp local CPU ranks (gloo) run one AutoSP training step in fp32 (Ulysses x
+ring when parallel.ring_size > 1: the ranks' Ulysses and ring groups as a job builds them), on a batch
 whose sequence length is not divisible by the SP size and whose ignored labels are spread
 unevenly over the shards, and one device runs the plain model on the same batch. Gradients
 are averaged over all ranks, as DeepSpeed ZeRO-1 does, with slurm_autosp.compile.loss_scale.
@@ -18,7 +19,8 @@ the tolerance (1e-5), 1 when one is not, 2 for a bad configuration or a failed r
 
 Arguments:
   cfg=PATH.yaml           the job config, with any key=value overrides, as for submit
-                          (e.g. parallel.sp_size=2 to check fewer ranks than the config asks)
+                          (e.g. parallel.sp_size=2 to check fewer ranks than the config asks;
+                          parallel.sp_size=4 parallel.ring_size=2 to check Ulysses 2 x ring 2)
   --dp N                  also run N data-parallel replicas (world = sp_size x N); verify.dp=N
   verify.layers=2         decoder layers of the shrunk copy
   verify.head_dim=8       head dimension of the shrunk copy (hidden = heads x head_dim)
@@ -47,6 +49,7 @@ import torch.multiprocessing as mp
 from slurm_autosp.admission import admit_model
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache
+from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.config import ConfigError, JobConfig, load_config
 from slurm_autosp.verify.options import (
     VerifyOptions,
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(job_args)
         admit_model(cfg)  # as submit would
         admit_model(cfg, verify_seq_len(cfg.parallel.sp_size, options))  # and what verify runs
-        verify_layout(cfg.parallel.sp_size, options)  # refuses a layout that cannot be had
+        cfg.parallel.ring_size = ring_size_for(cfg)  # null: the split a job would get
+        verify_layout(cfg.parallel.sp_size, options, cfg.parallel.ring_size)  # one that can be had
         use_private_compile_cache(cfg.compile.cache_dir)  # the ranks inherit it
     except ConfigError as err:
         return config_error(err)

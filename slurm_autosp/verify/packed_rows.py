@@ -118,8 +118,17 @@ def choose_layout(seq_len: int, sp_size: int, documents: int) -> DocumentLayout:
     return layout
 
 
-def verify_layout(sp_size: int, options: VerifyOptions) -> DocumentLayout | None:
-    """The packed rows `verify.documents` asks for; None for one sequence per row."""
+def verify_layout(
+    sp_size: int, options: VerifyOptions, ring_size: int = 1
+) -> DocumentLayout | None:
+    """The packed rows `verify.documents` asks for; None for one sequence per row. Ring
+    attention does not run packed rows: asking for them with a ring is refused."""
     if not options.documents:
         return None
+    if ring_size > 1:
+        raise ConfigError(
+            f"verify.documents={options.documents} with parallel.ring_size={ring_size}: ring "
+            "attention does not run packed documents; check them with parallel.ring_size=1, or "
+            "drop verify.documents"
+        )
     return choose_layout(verify_seq_len(sp_size, options), sp_size, options.documents)

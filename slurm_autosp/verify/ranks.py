@@ -10,10 +10,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import JobConfig, ModelConfig
 from slurm_autosp.model import build_model
-from slurm_autosp.sp import IGNORE_INDEX, loss_scale, prepare_sp_inputs, set_sp_group
+from slurm_autosp.sp import (
+    IGNORE_INDEX,
+    loss_scale,
+    prepare_sp_inputs,
+    set_sp_groups,
+    sp_token_positions,
+)
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -116,11 +123,14 @@ def run_rank(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     try:
-        sp_size = cfg.parallel.sp_size
+        sp_size, ring_size = cfg.parallel.sp_size, cfg.parallel.ring_size or 1
         sp_rank, dp_rank = rank % sp_size, rank // sp_size
-        sp_groups = [
-            dist.new_group(list(range(s, s + sp_size))) for s in range(0, world_size, sp_size)
-        ]
+        # contiguous SP groups, their Ulysses and ring groups as a job's layout places them
+        parallel = ParallelLayout.from_sp_groups(
+            tuple(tuple(range(s, s + sp_size)) for s in range(0, world_size, sp_size)),
+            ring_size=ring_size,
+        )
+        groups = build_process_groups(parallel)
         model_cfg = shrink_model_config(cfg.model, options)
         seq_len = verify_seq_len(sp_size, options)
         assert model_cfg.vocab_size is not None  # shrink_model_config sets it
@@ -135,7 +145,7 @@ def run_rank(
 
         rows = slice(dp_rank * options.rows, (dp_rank + 1) * options.rows)
         local = {key: value[rows] for key, value in batch.items()}
-        shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size)
+        shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
         if options.inject is Inject.per_shard_shift:
             buggy = shift_labels_per_shard(local["labels"], sp_rank, sp_size)
             shard = dataclasses.replace(
@@ -144,9 +154,9 @@ def run_rank(
         count = torch.tensor(shard.valid_labels)
         dist.all_reduce(count)
 
-        backend = AutoSPBackend(sp_size)
+        backend = AutoSPBackend(sp_size, ring_size=ring_size)
         compile_model(model, backend, per_layer=cfg.compile.per_layer)
-        set_sp_group(sp_groups[dp_rank])
+        set_sp_groups(groups.ulysses, groups.ring)
         out = model(**shard.model_kwargs(count.clamp(min=1)))
         (out.loss * loss_scale(world_size, grad_accum=1)).backward()
         backend.require_sdpa_found()
@@ -166,10 +176,13 @@ def run_rank(
 
         ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch, layout)
         # gathered[rank] is (dp_rank, sp_rank)'s [rows, shard]: rows by DP, sequence by SP
-        replicas = [
-            torch.cat(gathered[d * sp_size : (d + 1) * sp_size], dim=1) for d in range(options.dp)
-        ]
-        full = torch.cat(replicas, dim=0)
+        # (sp_rank's positions: a contiguous slice, its zigzag share under a ring)
+        padded = per_token.shape[1] * sp_size
+        full = per_token.new_empty(options.rows * options.dp, padded)
+        for r, tokens in enumerate(gathered):
+            d, s = divmod(r, sp_size)
+            positions = sp_token_positions(padded, s, sp_size, ring_size)
+            full[d * options.rows : (d + 1) * options.rows, positions] = tokens
         token_diff = (full[:, :seq_len] - ref_per_token).abs()
         mismatched = sorted(
             {int(p) for p in (token_diff > options.tolerance).nonzero()[:, 1].tolist()}
@@ -215,12 +228,14 @@ def _describe(
     )
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     assert heads is not None and kv is not None  # shrink_model_config sets both
-    padded = seq_len + (-seq_len % sp)
+    ring_size = cfg.parallel.ring_size or 1
+    ring = f" (Ulysses {sp // ring_size} x ring {ring_size})" if ring_size > 1 else ""
+    padded = seq_len + (-seq_len % (sp if ring_size == 1 else 2 * sp))
     return (
         f"AutoSP verify: {model.model_type}, {heads} query heads / {kv} KV heads (GQA {heads // kv}:1), shrunk to "
         f"{model.num_hidden_layers} layers, head_dim {model.head_dim}, hidden {model.hidden_size}, "
         f"vocab {model.vocab_size}\n"
-        f"  sp_size={sp} x dp={options.dp} local CPU ranks (gloo), fp32, "
+        f"  sp_size={sp}{ring} x dp={options.dp} local CPU ranks (gloo), fp32, "
         f"compile.per_layer={cfg.compile.per_layer}; batch {batch['input_ids'].shape[0]} x {seq_len} tokens "
         f"(padded to {padded} = {sp} shards of {padded // sp}), {count} valid labels{injected}"
         + ("" if layout is None else f"\n  packed: {layout.describe()}")

@@ -16,12 +16,24 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
 from slurm_autosp.compile import AutoSPBackend, compile_model
-from slurm_autosp.sp import IGNORE_INDEX, loss_scale, prepare_sp_inputs, set_sp_group
+from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
+from slurm_autosp.config import ActivationCheckpointing
+from slurm_autosp.sp import (
+    IGNORE_INDEX,
+    communication_counts,
+    loss_scale,
+    prepare_sp_inputs,
+    set_sp_group,
+    set_sp_groups,
+    sp_token_positions,
+)
 
 VOCAB = 256
-_backends: dict[tuple[int, bool], AutoSPBackend] = {}
+_backends: dict[tuple[int, bool, int], AutoSPBackend] = {}
 _sp_groups: dict[int, dist.ProcessGroup] = {}
+_ring_groups: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class Case:
     pass_position_ids: bool = True
     per_layer: bool = False
     window: int | None = None  # mistral: its sliding_window on every layer; qwen2: on layer 1 only
+    query_heads: int = 4
 
 
 def tiny_model(
@@ -46,6 +59,7 @@ def tiny_model(
     attn_implementation: str = "sdpa",
     layers: int = 2,
     window: int | None = None,
+    query_heads: int = 4,
 ) -> PreTrainedModel:
     """The same weights on every rank and for the reference (fixed seed), in fp32."""
     torch.manual_seed(0)
@@ -53,7 +67,7 @@ def tiny_model(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
-        num_attention_heads=4,
+        num_attention_heads=query_heads,
         num_key_value_heads=kv_heads,
         vocab_size=VOCAB,
         attn_implementation=attn_implementation,
@@ -78,9 +92,40 @@ def contiguous_sp_group(sp_size: int) -> dist.ProcessGroup:
     return _sp_groups[sp_size]
 
 
-def backend_for(sp_size: int, per_layer: bool) -> AutoSPBackend:
+def ulysses_and_ring_groups(ulysses: int, ring: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's Ulysses and ring groups over contiguous SP groups of ulysses x ring ranks, as
+    a job's layout places them (build_process_groups: rank r of an SP group is Ulysses member
+    r % ulysses of ring rank r // ulysses); built once per split, every rank building every group."""
+    if (ulysses, ring) not in _ring_groups:
+        world, sp = dist.get_world_size(), ulysses * ring
+        layout = ParallelLayout.from_sp_groups(
+            tuple(tuple(range(first, first + sp)) for first in range(0, world, sp)),
+            ring_size=ring,
+        )
+        groups = build_process_groups(layout)
+        assert groups.ring is not None
+        _ring_groups[(ulysses, ring)] = (groups.ulysses, groups.ring)
+    return _ring_groups[(ulysses, ring)]
+
+
+def register_sp_groups(sp_size: int, ring_size: int = 1) -> None:
+    """Register this rank's SP groups: contiguous SP groups, split ulysses x ring under a ring."""
+    if ring_size == 1:
+        set_sp_group(contiguous_sp_group(sp_size))
+    else:
+        set_sp_groups(*ulysses_and_ring_groups(sp_size // ring_size, ring_size))
+
+
+# under a ring, what training runs (auto resolves to sac): attention and the ring kept
+RING_CHECKPOINTING = ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
+
+
+def backend_for(sp_size: int, per_layer: bool, ring_size: int = 1) -> AutoSPBackend:
     """One backend per layout and process, so Dynamo's cache serves every case that fits."""
-    return _backends.setdefault((sp_size, per_layer), AutoSPBackend(sp_size))
+    if (sp_size, per_layer, ring_size) not in _backends:
+        spec = RING_CHECKPOINTING if ring_size > 1 else None
+        _backends[(sp_size, per_layer, ring_size)] = AutoSPBackend(sp_size, spec, ring_size)
+    return _backends[(sp_size, per_layer, ring_size)]
 
 
 def make_batch(case: Case) -> dict[str, torch.Tensor]:
@@ -121,7 +166,7 @@ def reference_step(
     case: Case, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Single-device loss, per-token losses [B, S] and gradients of the plain HF model."""
-    model = tiny_model(case.family, case.kv_heads, window=case.window)
+    model = tiny_model(case.family, case.kv_heads, window=case.window, query_heads=case.query_heads)
     labels = batch["labels"]
     if "attention_mask" in batch:
         labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
@@ -136,16 +181,16 @@ def reference_step(
 Reference = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
-def sp_step(case: Case, sp_size: int) -> dict[str, float]:
-    """One SP step with gradients reduced the way DeepSpeed ZeRO-1 does (mean over the world),
-    compared with the reference. Returns relative loss error, max per-token error on this
-    rank's shard, and the worst parameter's max|g - g_ref| / max|g_ref|."""
+def sp_step(case: Case, sp_size: int, ring_size: int = 1) -> dict[str, float]:
+    """One SP step (sp_size = ulysses x `ring_size`) with gradients reduced the way DeepSpeed
+    ZeRO-1 does (mean over the world), compared with the reference. Returns relative loss error,
+    max per-token error on this rank's shard, and the worst parameter's max|g - g_ref| / max|g_ref|."""
     batch = make_batch(case)
     if case.labels == "first_shard_ignored":
         batch["labels"] = _ignore_first_shard(batch["labels"], -(-case.seq // sp_size))
     reference = reference_step(case, batch)
-    model = tiny_model(case.family, case.kv_heads, window=case.window)
-    return step_against(model, case.per_layer, batch, reference, sp_size)
+    model = tiny_model(case.family, case.kv_heads, window=case.window, query_heads=case.query_heads)
+    return step_against(model, case.per_layer, batch, reference, sp_size, ring_size)
 
 
 def step_against(
@@ -154,28 +199,32 @@ def step_against(
     batch: dict[str, torch.Tensor],
     reference: Reference,
     sp_size: int,
+    ring_size: int = 1,
 ) -> dict[str, float]:
     """Compile `model` for SP, take one step on this rank's rows and shard of the global `batch`
     (rows split over data parallelism, gradients averaged over the world as ZeRO-1 does) and
-    compare with the single-device `reference` (loss, per-token losses [B, S], gradients)."""
+    compare with the single-device `reference` (loss, per-token losses [B, S], gradients).
+    Also returns the ring attention forwards that ran during backward (checkpointing must
+    never re-run one) and the backwards."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    sp_group = contiguous_sp_group(sp_size)
     sp_rank, dp_rank, dp_size = rank % sp_size, rank // sp_size, world // sp_size
     ref_loss, ref_per_token, ref_grads = reference
     batch_rows = batch["input_ids"].shape[0]
     rows = slice(dp_rank * batch_rows // dp_size, (dp_rank + 1) * batch_rows // dp_size)
     local = {key: value[rows] for key, value in batch.items()}
-    shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size)
+    shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
     count = torch.tensor(shard.valid_labels)
     dist.all_reduce(count)
 
-    backend = backend_for(sp_size, per_layer)
+    backend = backend_for(sp_size, per_layer, ring_size)
     compile_model(model, backend, per_layer=per_layer)
     kwargs = shard.model_kwargs(count)
     for name in ("input_ids", "position_ids", "shift_labels"):
         torch._dynamo.mark_dynamic(kwargs[name], 1)
-    set_sp_group(sp_group)
+    register_sp_groups(sp_size, ring_size)
     out = model(**kwargs)
+    forwards_before_backward = communication_counts.ring_forwards
+    backwards_before = communication_counts.ring_backwards
     (out.loss * loss_scale(world, grad_accum=1)).backward()
     backend.require_sdpa_found()
 
@@ -184,9 +233,9 @@ def step_against(
     per_token = F.cross_entropy(
         out.logits.detach().transpose(1, 2), shard.shift_labels, reduction="none"
     )
-    shard_len = shard.input_ids.shape[1]
-    padded_ref = F.pad(ref_per_token, (0, shard_len * sp_size - ref_per_token.shape[1]))
-    ref_local = padded_ref[rows, sp_rank * shard_len : (sp_rank + 1) * shard_len]
+    padded = shard.input_ids.shape[1] * sp_size
+    padded_ref = F.pad(ref_per_token, (0, padded - ref_per_token.shape[1]))
+    ref_local = padded_ref[rows][:, sp_token_positions(padded, sp_rank, sp_size, ring_size)]
     grad_error = 0.0
     for name, param in model.named_parameters():
         dist.all_reduce(param.grad)
@@ -201,4 +250,6 @@ def step_against(
         "grad_rel_error": grad_error,
         "finite": bool(torch.isfinite(out.loss)),
         "packed": shard.cu_seqlens is not None,
+        "ring_forwards_in_backward": communication_counts.ring_forwards - forwards_before_backward,
+        "ring_backwards": communication_counts.ring_backwards - backwards_before,
     }

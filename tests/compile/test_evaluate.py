@@ -30,3 +30,11 @@ def test_sp_eval_loss_equals_single_device_eval_loss(pool2, held_out, sp_size, t
     assert result["tokens"] == result["ref_tokens"], result
     assert result["rel_error"] <= TOLERANCE, result
     assert result["still_training"], result
+
+
+@pytest.mark.slow
+def test_eval_over_a_ring_equals_single_device_eval_loss(pool2, held_out):
+    """SP=2 as a ring of 2: evaluation shards each round in zigzag order (dims.ring_size)."""
+    result = pool2.run(held_out_eval, held_out, 2, 0, 2, 5, 2)[0]
+    assert result["tokens"] == result["ref_tokens"], result
+    assert result["rel_error"] <= TOLERANCE, result

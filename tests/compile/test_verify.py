@@ -87,6 +87,24 @@ def test_llama8b_head_layout_with_sp2_and_packed_documents_matches_single_device
     assert "packed: 3 documents per row (document_ids), lengths 5, 11, 45" in done.stdout
 
 
+@pytest.mark.slow
+def test_sp4_as_ulysses_2_by_ring_2_matches_single_device(run_verify):
+    done = run_verify(
+        "cfg=configs/tiny_cpu.yaml",
+        "parallel.sp_size=4",
+        "parallel.ring_size=2",
+        "cluster.tasks_per_node=4",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sp_size=4 (Ulysses 2 x ring 2)" in done.stdout and "PASS" in done.stdout
+
+
+def test_packed_documents_with_a_ring_exit_2_naming_ring_size(capsys):
+    arguments = ["parallel.sp_size=4", "parallel.ring_size=2", "cluster.tasks_per_node=4"]
+    assert main(["cfg=configs/tiny_cpu.yaml", *arguments, "verify.documents=3"]) == 2
+    assert "verify.documents=3 with parallel.ring_size=2" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "seq_len,sp_size,documents",
     [(61, 2, 3), (61, 2, 2), (61, 2, 17), (125, 4, 2), (125, 4, 6), (3, 2, 2)],

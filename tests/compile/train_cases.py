@@ -14,7 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
+from sp_cases import (
+    VOCAB,
+    backend_for,
+    contiguous_sp_group,
+    register_sp_groups,
+    tiny_model,
+    ulysses_and_ring_groups,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from slurm_autosp.checkpoint.export import export_hf
@@ -48,12 +55,14 @@ def _micro_batches(batch: dict, dp_size: int, dp_rank: int, grad_accum: int) -> 
     ]
 
 
-def _sp_shards(batch: dict, sp_size: int, grad_accum: int) -> tuple[list, torch.Tensor]:
+def _sp_shards(
+    batch: dict, sp_size: int, grad_accum: int, ring_size: int = 1
+) -> tuple[list, torch.Tensor]:
     """This rank's SP shards of its micro-batches, and the step's global valid-label count."""
     rank = dist.get_rank()
     dp_size = dist.get_world_size() // sp_size
     shards = [
-        prepare_sp_inputs(**micro, sp_rank=rank % sp_size, sp_size=sp_size)
+        prepare_sp_inputs(**micro, sp_rank=rank % sp_size, sp_size=sp_size, ring_size=ring_size)
         for micro in _micro_batches(batch, dp_size, rank // sp_size, grad_accum)
     ]
     count = torch.tensor(sum(shard.valid_labels for shard in shards))
@@ -72,18 +81,20 @@ def _grad_error(grad: torch.Tensor, reference: torch.Tensor) -> float:
     return float((grad - reference).abs().max() / reference.abs().max())
 
 
-def grad_accum_step(sp_size: int, grad_accum: int) -> dict | None:
-    """One optimizer step of grad_accum micro-batches on SP x DP ranks, reduced as DeepSpeed
-    does (each backward divided by grad_accum, summed over micro-steps, averaged over the
-    world), against one single-device batch holding every sequence of the step."""
+def grad_accum_step(sp_size: int, grad_accum: int, ring_size: int = 1) -> dict | None:
+    """One optimizer step of grad_accum micro-batches on SP x DP ranks (SP = ulysses x
+    `ring_size`), reduced as DeepSpeed does (each backward divided by grad_accum, summed over
+    micro-steps, averaged over the world), against one single-device batch holding every
+    sequence of the step."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = world // sp_size * grad_accum
     batch = make_batch(rows, SEQ, VOCAB, seed=11)
-    shards, count = _sp_shards(batch, sp_size, grad_accum)
+    shards, count = _sp_shards(batch, sp_size, grad_accum, ring_size)
 
     model = tiny_model("llama", 2)
-    compile_model(model, backend_for(sp_size, True), per_layer=True)  # the graph zero1_steps reuses
-    set_sp_group(contiguous_sp_group(sp_size))
+    # the graph zero1_steps reuses
+    compile_model(model, backend_for(sp_size, True, ring_size), per_layer=True)
+    register_sp_groups(sp_size, ring_size)
     step_loss = torch.zeros(())
     for shard in shards:
         loss = model(**_kwargs(shard, count)).loss
@@ -156,6 +167,7 @@ def take_steps(
     grad_accum: int,
     forward_context: Callable[[], AbstractContextManager] = nullcontext,
     after_backward: Callable[[int], None] = lambda micro: None,
+    ring_size: int = 1,
 ) -> tuple[list[float], list[float]]:
     """Optimizer steps `steps` through `engine`, each of grad_accum micro-batches of its own
     seeded global batch (rows split over DP, sequences over SP); every forward runs under
@@ -165,7 +177,7 @@ def take_steps(
     losses, grad_norms = [], []
     for step in steps:
         batch = make_batch(rows, SEQ, VOCAB, seed=100 + step)
-        shards, count = _sp_shards(batch, sp_size, grad_accum)
+        shards, count = _sp_shards(batch, sp_size, grad_accum, ring_size)
         step_loss = torch.zeros(())
         for micro, shard in enumerate(shards):
             with forward_context():
@@ -180,7 +192,9 @@ def take_steps(
     return losses, grad_norms
 
 
-def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> dict | None:
+def engine_steps(
+    zero_stage: int, sp_size: int, grad_accum: int, steps: int, ring_size: int = 1
+) -> dict | None:
     """`steps` optimizer steps through the engine for `zero_stage` (DeepSpeed ZeRO-1, or FSDP2
     parameter sharding; torch AdamW and our LR schedule in both) on SP x DP ranks, with the
     engine's own loss scale and the production chunked loss, against torch AdamW on one device
@@ -199,8 +213,8 @@ def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> 
 
     engine = _engine(zero_stage, cfg)
     initial = _whole_weights(engine)
-    compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
-    set_sp_group(contiguous_sp_group(sp_size))
+    compile_model(engine.module, backend_for(sp_size, True, ring_size), per_layer=True)
+    register_sp_groups(sp_size, ring_size)
     first_grads: dict[str, torch.Tensor] = {}
 
     def keep_first_grads(micro: int) -> None:
@@ -210,7 +224,12 @@ def engine_steps(zero_stage: int, sp_size: int, grad_accum: int, steps: int) -> 
             )
 
     losses, grad_norms = take_steps(
-        engine, range(steps), sp_size, grad_accum, after_backward=keep_first_grads
+        engine,
+        range(steps),
+        sp_size,
+        grad_accum,
+        after_backward=keep_first_grads,
+        ring_size=ring_size,
     )
     params = _whole_weights(engine)
     engine.close()
@@ -484,35 +503,54 @@ def fsdp2_held_bytes() -> dict:
 EVAL_SEQ = 61  # odd: the SP padding
 
 
-def contiguous_dims(sp_size: int) -> ParallelDims:
-    """This rank's dims on CPU over contiguous SP groups (contiguous_sp_group's), the DP groups
-    across them, as the job builds them for one node (every rank creates every group, once)."""
+def contiguous_dims(sp_size: int, ring_size: int = 1) -> ParallelDims:
+    """This rank's dims on CPU over contiguous SP groups (contiguous_sp_group's; under a ring
+    their Ulysses and ring groups, sp_cases.ulysses_and_ring_groups'), the DP groups across
+    them, as the job builds them for one node (every rank creates every group, once)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = ParallelLayout.from_sp_groups(
-        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size))
+        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size)),
+        ring_size=ring_size,
     )
     if sp_size not in _dp_groups:
         groups = [dist.new_group(list(ranks)) for ranks in layout.dp_groups]
         _dp_groups[sp_size] = groups[layout.sp_rank(rank)]
     sp_group = contiguous_sp_group(sp_size)
+    ulysses_group, ring_group = (
+        (sp_group, None)
+        if ring_size == 1
+        else ulysses_and_ring_groups(sp_size // ring_size, ring_size)
+    )
     return ParallelDims(
-        rank, rank, torch.device("cpu"), layout, sp_group, _dp_groups[sp_size], sp_group, None
+        rank,
+        rank,
+        torch.device("cpu"),
+        layout,
+        sp_group,
+        _dp_groups[sp_size],
+        ulysses_group,
+        ring_group,
     )
 
 
 def held_out_eval(
-    path: str, sp_size: int, tile_tokens: int, micro_batch: int, samples: int
+    path: str, sp_size: int, tile_tokens: int, micro_batch: int, samples: int, ring_size: int = 1
 ) -> dict | None:
-    """Evaluator over the AutoSP-compiled model (MLPs tiled by `tile_tokens`) on SP x DP ranks,
-    after a training forward and backward (the graphs then run again without grad), against
-    the single-device loss of the same held-out samples; None on ranks other than 0."""
+    """Evaluator over the AutoSP-compiled model (MLPs tiled by `tile_tokens`) on SP x DP ranks
+    (SP = Ulysses x `ring_size`), after a training forward and backward (the graphs then run
+    again without grad), against the single-device loss of the same held-out samples; None on
+    ranks other than 0."""
     rank = dist.get_rank()
     source = TokenFileSource(path, EVAL_SEQ, VOCAB)
     model = tiny_model("llama", 2)
-    compile_model(model, backend_for(sp_size, True), per_layer=True, tile_tokens=tile_tokens)
-    set_sp_group(contiguous_sp_group(sp_size))
+    backend = backend_for(sp_size, True, ring_size)
+    compile_model(model, backend, per_layer=True, tile_tokens=tile_tokens)
+    register_sp_groups(sp_size, ring_size)
     shard = prepare_sp_inputs(
-        source.sample(0).input_ids[None], sp_rank=rank % sp_size, sp_size=sp_size
+        source.sample(0).input_ids[None],
+        sp_rank=rank % sp_size,
+        sp_size=sp_size,
+        ring_size=ring_size,
     )
     causal_lm_loss(model, shard.model_kwargs(torch.tensor(1)), chunk_tokens=LOSS_CHUNK).backward()
     evaluator = Evaluator(
@@ -520,7 +558,7 @@ def held_out_eval(
         samples=samples,
         every=0,
         last_step=1,
-        dims=contiguous_dims(sp_size),
+        dims=contiguous_dims(sp_size, ring_size),
         micro_batch=micro_batch,
         chunk_tokens=LOSS_CHUNK,
     )

@@ -1,0 +1,151 @@
+"""Ulysses x ring on 4 CPU ranks: what each split of SP=4 costs per step, sends per layer and
+keeps for backward.
+
+    python bench/ring_bench.py                    # S = 16384 over 4 CPU ranks
+    python bench/ring_bench.py --seq 4096 --steps 2
+
+A tiny Llama (hidden 64, 4 query heads, 2 KV heads, 2 layers, fp32), its decoder layers
+compiled per layer by our backend with SAC at budget 0 (the production policy for long
+sequences), one sequence of S tokens over 4 CPU ranks (gloo) as Ulysses x ring = 4 x 1, 2 x 2
+and 1 x 4. Columns, per rank (the largest over the ranks):
+- step: median wall time of forward+backward (the machine has 2 cores for 4 ranks: compare
+  the rows with each other, not with a GPU);
+- sent/layer: bytes this rank sent per layer per step, counted in the ops
+  (sp.communication_counts): the Ulysses all-to-alls' (what leaves the rank: (U-1)/U of each
+  tensor) and ring attention's point-to-point sends (K/V blocks, and dK/dV in backward);
+- saved B/tok/layer: bytes of distinct storages saved for backward per local token and layer
+  (bench/saved_bytes.py);
+- loss: the step's loss, the same for every split (each is exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORLD = 4
+LAYERS = 2
+SPLITS = [(4, 1), (2, 2), (1, 4)]  # (ulysses, ring)
+
+
+def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from saved_bytes import DecoderSavedBytes
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
+    from slurm_autosp.compile import AutoSPBackend, compile_model
+    from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
+    from slurm_autosp.config import ActivationCheckpointing
+    from slurm_autosp.sp import (
+        communication_counts,
+        loss_scale,
+        prepare_sp_inputs,
+        set_sp_groups,
+    )
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_implementation="sdpa",
+            use_cache=False,
+        )
+    )
+    spec = ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
+    compile_model(model, AutoSPBackend(WORLD, spec, ring), per_layer=True, dynamic=False)
+    groups = build_process_groups(
+        ParallelLayout.from_sp_groups((tuple(range(WORLD)),), ring_size=ring)
+    )
+    set_sp_groups(groups.ulysses, groups.ring)
+    input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
+    shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=WORLD, ring_size=ring)
+    count = torch.tensor(shard.valid_labels)
+    dist.all_reduce(count)
+    kwargs = shard.model_kwargs(count)
+    saved_bytes = DecoderSavedBytes(model)
+    times, sent = [], 0
+    for step in range(steps + 1):  # the first compiles
+        model.zero_grad(set_to_none=True)
+        saved_bytes.clear()
+        communication_counts.reset()
+        dist.barrier()
+        start = time.perf_counter()
+        with saved_bytes.counting():
+            loss = model(**kwargs).loss
+        (loss * loss_scale(WORLD, 1)).backward()
+        if step:
+            times.append(time.perf_counter() - start)
+            sent = communication_counts.all_to_all_bytes + communication_counts.ring_bytes
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return {
+        "split": f"{ulysses} x {ring}",
+        "step_s": statistics.median(times),
+        "sent_per_layer": sent / LAYERS,
+        "saved_per_token_layer": saved_bytes.bytes / LAYERS / shard.input_ids.shape[1],
+        "loss": float(total),
+    }
+
+
+def rank_main(rank: int, init_file: str, seq: int, steps: int, out: str) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    rows = []
+    for ulysses, ring in SPLITS:
+        rows.append(run_split(ulysses, ring, seq, steps, rank))
+        print(f"[rank {rank}] seq {seq}: {json.dumps(rows[-1])}", flush=True)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def render(seq: int, ranks: list[list[dict]]) -> str:
+    lines = [
+        f"| S={seq}, SP=4 (Ulysses x ring) | step (s) | sent/layer (MiB) | saved B/tok/layer | loss |",
+        "|---|---|---|---|---|",
+    ]
+    for rows in zip(*ranks, strict=True):
+        worst = {k: max(r[k] for r in rows) for k in ("step_s", "sent_per_layer")}
+        saved = max(r["saved_per_token_layer"] for r in rows)
+        lines.append(
+            f"| {rows[0]['split']} | {worst['step_s']:.2f} | {worst['sent_per_layer'] / 2**20:.2f} | "
+            f"{saved:,.0f} | {rows[0]['loss']:.6f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    from spawn import spawn_ranks
+
+    ranks = spawn_ranks(rank_main, (args.seq, args.steps), WORLD)
+    print(render(args.seq, ranks))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

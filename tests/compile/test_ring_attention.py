@@ -1,0 +1,286 @@
+"""Ulysses x ring sequence parallelism: ring attention alone equals full causal attention, the
+zigzag shards cover the sequence, and a model compiled with ring_size > 1 trains exactly as
+one device (loss and every gradient), with ring attention never run again in backward."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ring_cases import ring_op_against_full_attention, ring_reruns_under
+from sp_cases import Case, sp_step, tiny_model
+from test_sp_equivalence import assert_matches_reference
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from train_cases import engine_steps, grad_accum_step
+
+from slurm_autosp.compat.torch_api import (
+    FakeTensorMode,
+    flash_attention_backward,
+    flash_attention_forward,
+)
+from slurm_autosp.compile import (
+    AutoSPBackend,
+    compile_model,
+    rewrite_sdpa_for_sp,
+)
+from slurm_autosp.compile.activation_checkpointing import node_flops
+from slurm_autosp.compile.backend import HeadLayout
+from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs, sp_token_positions
+from slurm_autosp.sp.documents import PackedRowsError
+from slurm_autosp.sp.kernel_check import GRADIENT_BOUND, OUTPUT_BOUND
+from slurm_autosp.sp.ring_attention import (
+    RingAttentionError,
+    block_backward,
+    block_forward,
+    ring_attention,
+)
+
+TOLERANCE = 1e-5
+ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
+RING = torch.ops.slurm_autosp.ring_attention.default
+
+
+# ------------------------------------------------------------------ the op alone
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "one_kv_head"])
+@pytest.mark.parametrize("ring", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["r2", "r4"])
+def test_ring_attention_forward_and_backward_match_full_causal_attention(ring, kv_heads, request):
+    pool = request.getfixturevalue(f"pool{ring}")
+    results = pool.run(ring_op_against_full_attention, kv_heads)
+    worst = {key: max(r[key] for r in results) for key in results[0]}
+    print(f"ring {ring}, {kv_heads} KV heads, worst over ranks: {worst}")
+    assert all(error <= TOLERANCE for error in worst.values()), worst
+
+
+def test_ring_attention_in_bf16_stays_within_the_document_kernels_bf16_bounds(pool2):
+    """bf16 blocks merged in fp32: errors are bf16 rounding (kernel_check's bounds for one
+    kernel), not 0 and not a mistake's size."""
+    for result in pool2.run(ring_op_against_full_attention, 2, 8, torch.bfloat16):
+        print(f"bf16 ring of 2: {result}")
+        assert 1e-4 < result["out"] < OUTPUT_BOUND, result
+        assert all(result[g] < GRADIENT_BOUND for g in ("dq", "dk", "dv")), result
+
+
+def test_ring_attention_fake_follows_a_symbolic_sequence_length():
+    traced = make_fx(lambda q, k, v: ring_attention(q, k, v, 0.5, 2), tracing_mode="symbolic")(
+        torch.randn(1, 4, 6, 2), torch.randn(1, 1, 6, 2), torch.randn(1, 1, 6, 2)
+    )
+    ring_node = next(n for n in traced.graph.nodes if n.target is RING)
+    output, lse = ring_node.meta["val"]
+    query = next(n for n in traced.graph.nodes if n.op == "placeholder").meta["val"]
+    assert output.shape == query.shape and output.is_contiguous()
+    assert lse.shape == query.shape[:3] and lse.dtype == torch.float32
+
+
+class FlashCalls(TorchDispatchMode):
+    """Records the flash varlen calls (then runs them: on fake tensors, their meta kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[object, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (flash_attention_forward, flash_attention_backward):
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def test_cuda_block_kernel_returns_what_the_ring_merges_on_a_fake_cuda_device():
+    """The flash varlen kernel's blocks, as the ring runs them (own block causal, the first
+    chunk of an earlier rank's, the second chunk's queries over a later rank's), on fake CUDA
+    tensors (torch's meta kernels give the shapes; nothing runs): the output and fp32
+    log-sum-exp of the block's queries, gradients with the KV heads as they came; flash called
+    with each row one sequence, the block's lengths, its causality and the scale both ways, no
+    dropout; fp32 refused by name."""
+    chunk = 6
+    with FakeTensorMode(), FlashCalls() as recorded:
+        query = torch.empty(2, 4, 2 * chunk, 64, dtype=torch.bfloat16, device="cuda")
+        key = torch.empty(2, 1, 2 * chunk, 64, dtype=torch.bfloat16, device="cuda")
+        # (start, length) of the queries and keys; narrow: indexing needs a CUDA build
+        blocks = [
+            ((0, 2 * chunk), (0, 2 * chunk), True),
+            ((0, 2 * chunk), (0, chunk), False),
+            ((chunk, chunk), (0, 2 * chunk), False),
+        ]
+        for (q_start, q_len), (k_start, k_len), causal in blocks:
+            q, k = query.narrow(2, q_start, q_len), key.narrow(2, k_start, k_len)
+            output, lse = block_forward(q, k, k, causal, 0.125)
+            assert output.shape == q.shape and output.dtype == torch.bfloat16
+            assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+            grads = block_backward(torch.empty_like(output), q, k, k, output, lse, causal, 0.125)
+            assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+        with pytest.raises(RingAttentionError, match="train.precision=bf16"):
+            block_forward(query.float(), key.float(), key.float(), True, 0.125)
+    calls = recorded.calls
+    assert [c[0] for c in calls] == [flash_attention_forward, flash_attention_backward] * 3
+    for index, ((_, q_len), (_, k_len), causal) in enumerate(blocks):
+        for at, (_, args, kwargs) in ((3, calls[2 * index]), (6, calls[2 * index + 1])):
+            assert kwargs["scale"] == 0.125 and args[at + 4] == 0.0 and args[at + 5] is causal
+            assert args[at + 2 : at + 4] == (q_len, k_len)
+            assert args[at].shape == args[at + 1].shape == (3,)  # 2 rows: [0, S, 2S]
+
+
+def test_ring_attention_flops_count_the_whole_sequences_keys_causally():
+    """The checkpointing pass's cost of one ring call: causal attention of the local queries
+    over ring_size blocks of keys, 4 * B * H * S_local * (R * S_local) * D / 2."""
+    batch, heads, local, dim, ring = 1, 4, 6, 2, 4
+    traced = make_fx(lambda q, k, v: ring_attention(q, k, v, 0.5, ring), tracing_mode="fake")(
+        torch.randn(batch, heads, local, dim),
+        torch.randn(1, 1, local, dim),
+        torch.randn(1, 1, local, dim),
+    )
+    ring_node = next(n for n in traced.graph.nodes if n.target is RING)
+    assert node_flops(ring_node) == 4 * batch * heads * local * ring * local * dim // 2
+
+
+# ------------------------------------------------------------------ zigzag shards
+
+
+def test_zigzag_ring_rank_i_holds_chunks_i_and_2r_minus_1_minus_i_split_over_its_ulysses_ranks():
+    seq, ulysses, ring = 32, 2, 2  # 4 chunks of 8
+    held = [sp_token_positions(seq, r, ulysses * ring, ring).tolist() for r in range(4)]
+    chunk = [list(range(c * 8, c * 8 + 8)) for c in range(4)]
+    assert held[0] + held[1] == chunk[0] + chunk[3]  # ring rank 0, Ulysses members 0 and 1
+    assert held[2] + held[3] == chunk[1] + chunk[2]
+    assert sp_token_positions(seq, 1, 4).tolist() == list(range(8, 16))  # no ring: contiguous
+
+
+def test_ring_shards_pad_to_a_multiple_of_2_sp_with_ignored_labels_and_global_positions():
+    ids = torch.arange(1, 28).unsqueeze(0)  # 27 tokens: padded to 32 = 2 x 2 x 2 x 4
+    shards = [prepare_sp_inputs(ids, sp_rank=r, sp_size=4, ring_size=2) for r in range(4)]
+    assert [s.input_ids.shape[1] for s in shards] == [8] * 4
+    for rank, shard in enumerate(shards):
+        positions = sp_token_positions(32, rank, 4, 2)
+        assert shard.position_ids[0].tolist() == positions.tolist()
+        real = positions < 27
+        assert shard.input_ids[0, real].tolist() == (positions[real] + 1).tolist()
+        labels = torch.where(positions < 26, positions + 2, IGNORE_INDEX)
+        assert shard.shift_labels[0].tolist() == labels.tolist()
+    assert sum(s.valid_labels for s in shards) == 26
+
+
+def test_packed_rows_under_a_ring_are_refused_naming_ring_size():
+    ids = torch.arange(1, 17).unsqueeze(0)
+    documents = torch.tensor([[0] * 6 + [1] * 10])
+    with pytest.raises(PackedRowsError, match="parallel.ring_size=2.*parallel.ring_size=1"):
+        prepare_sp_inputs(ids, sp_rank=0, sp_size=2, ring_size=2, document_ids=documents)
+
+
+# ------------------------------------------------------------------ the backend
+
+
+def _rewritten_graph(sp_size: int, ring_size: int, heads: int = 4, kv_heads: int = 2):
+    """The FX graph of one causal SDPA call after the backend's rewrite (the original runs)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        original = copy.deepcopy(gm)
+        rewrite_sdpa_for_sp(gm, sp_size, ring_size)
+        graphs.append(gm.graph)
+        return original.forward
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    torch._dynamo.reset()
+    q = torch.randn(1, heads, 8, 4)
+    k = torch.randn(1, kv_heads, 8, 4)
+    torch.compile(attention, backend=backend, fullgraph=True)(q, k, k)
+    return graphs[0]
+
+
+def test_ring_size_1_keeps_the_ulysses_graph_and_ring_2_puts_ring_attention_in_place_of_sdpa():
+    ulysses_only = [n.target for n in _rewritten_graph(4, 1).nodes if n.op == "call_function"]
+    assert RING not in ulysses_only and F.scaled_dot_product_attention in ulysses_only
+    ring = _rewritten_graph(4, 2)
+    targets = [n.target for n in ring.nodes if n.op == "call_function"]
+    assert targets.count(RING) == 1 and F.scaled_dot_product_attention not in targets
+    all_to_alls = [n.args for n in ring.nodes if n.target is ALL_TO_ALL]
+    assert len(all_to_alls) == 4 and all(args[3] == 2 for args in all_to_alls)  # Ulysses of 2
+    ring_node = next(n for n in ring.nodes if n.target is RING)
+    assert ring_node.args[3:] == (0.5, 2)  # head_dim 4: scale 1/2, over a ring of 2
+
+
+def test_heads_split_over_the_ulysses_size_only_and_a_refusal_names_ring_size():
+    assert HeadLayout(2, 1, 4 // 2).kv_repeat == 2  # 2 query heads: SP=4 runs as 2 x 2
+    with pytest.raises(Exception, match=r"parallel.ring_size=2.*8 / 2"):
+        _rewritten_graph(8, 2, heads=2, kv_heads=1)
+
+
+def test_sliding_window_under_a_ring_is_refused_naming_ring_size():
+    model = tiny_model("mistral", 2, window=16)
+    torch._dynamo.reset()
+    compile_model(model, AutoSPBackend(2, ring_size=2), per_layer=False)
+    ids = torch.randint(0, 256, (1, 32))
+    with pytest.raises(Exception, match="sliding window.*parallel.ring_size=2"):
+        model(input_ids=ids, use_cache=False)
+
+
+def test_backend_refuses_a_ring_size_that_does_not_divide_sp_size():
+    with pytest.raises(ValueError, match="ring_size=3 must divide sp_size=4"):
+        AutoSPBackend(4, ring_size=3)
+
+
+# ------------------------------------------------------------------ whole models, one device's numbers
+
+
+def test_sp2_as_ring_2_trains_like_one_device_and_never_reruns_ring_attention_in_backward(pool2):
+    """SP=2 as 1 x 2 (Ulysses x ring), 127 tokens (padded to 128), uneven ignored labels,
+    activation checkpointing sac at budget 0: everything but attention recomputed."""
+    results = pool2.run(sp_step, Case(seq=127, labels="uneven"), 2, 2)
+    assert_matches_reference(results)
+    assert all(r["ring_forwards_in_backward"] == 0 for r in results), results
+    assert all(r["ring_backwards"] == 2 for r in results), results  # one per layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "none"])
+def test_ring_attention_is_never_run_again_in_backward_under_any_policy(pool2, policy):
+    """Under `full` too (which recomputes SDPA): re-running the ring would send every block
+    around it again. (sac is the fast tier's whole-model case.)"""
+    for result in pool2.run(ring_reruns_under, policy):
+        assert result == {"forwards_in_backward": 0, "backwards": 2}, result
+
+
+SP4_RING_CASES = {
+    "2x2_two_query_heads_one_kv_head": (
+        Case(seq=127, labels="uneven", query_heads=2, kv_heads=1),
+        2,
+    ),
+    "1x4_one_kv_head": (Case(seq=127, labels="uneven", kv_heads=1), 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, ring", SP4_RING_CASES.values(), ids=SP4_RING_CASES.keys())
+def test_sp4_with_a_ring_matches_single_device(pool4, case, ring):
+    results = pool4.run(sp_step, case, 4, ring)
+    assert_matches_reference(results)
+    assert all(r["ring_forwards_in_backward"] == 0 for r in results), results
+
+
+@pytest.mark.slow
+def test_ring2_dp2_grad_accum2_equals_one_single_device_batch(pool4):
+    result = pool4.run(grad_accum_step, 2, 2, 2)[0]
+    print(result)
+    assert result["loss_rel_error"] <= TOLERANCE, result
+    assert result["grad_rel_error"] <= TOLERANCE, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4], ids=["ring2", "ring2_dp2"])
+@pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
+def test_ring2_engine_steps_match_torch_adamw_on_one_device(world, zero_stage, request):
+    """Three optimizer steps of two micro-batches through DeepSpeed ZeRO-1 or FSDP2 with SP=2
+    as a ring of 2 (x DP=2 on four ranks); under FSDP2 the first step's gathered gradients are
+    compared too."""
+    pool = request.getfixturevalue(f"pool{world}")
+    result = pool.run(engine_steps, zero_stage, 2, 2, 3, 2)[0]
+    print(result)
+    assert max(result["loss_rel_errors"]) <= TOLERANCE, result
+    assert result["param_rel_error"] <= 1e-2, result
+    if zero_stage == 3:
+        assert result["grad_rel_error"] <= TOLERANCE, result
