@@ -81,6 +81,7 @@ def test_a_step_no_slurm_signal_delay_can_cover_is_refused_naming_what_shortens_
         "cfg=configs/llama8b_32m.yaml",
         "cluster.nodes=8",
         "parallel.sp_size=64",
+        "cluster.host_memory_gb=4096",  # 8 nodes of 2 TB cannot hold its offloaded activations
         "dry_run=true",
         f"run.output_root={tmp_path}",
     )

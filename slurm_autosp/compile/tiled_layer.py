@@ -7,7 +7,9 @@ for Llama-8B in bf16, more than the layer's input and output together). All of i
 is token-wise, so a tiled layer runs it in tiles of `tile_tokens` tokens:
 
 - forward: (1) the layer's own forward runs on each tile until it calls attention, which records
-  the tile's q, k, v and stops it (`_AttentionReached`); (2) Ulysses attention runs once over the
+  the tile's q, k, v and stops it (`_AttentionReached`); (2) Ulysses attention (ring attention after the
+  Ulysses all-to-all under a ring, whose output and log-sum-exp are kept for the backward, so
+  the ring never runs again) runs once over the
   whole q, k, v (all-to-alls in chunks of a tile, so their buffers are a tile's, not the
   sequence's); (3) the layer's forward runs on each tile again, its attention call answered with
   that tile's slice of the attention output. Only the layer's input is kept for backward.
@@ -45,6 +47,7 @@ from slurm_autosp.compile.tiling import sequence_tiles
 from slurm_autosp.config import ActivationCheckpointing
 from slurm_autosp.sp.all_to_all import sp_all_to_all
 from slurm_autosp.sp.attention_pattern import check_attention_call
+from slurm_autosp.sp.ring_attention import ring_attention, ring_attention_backward
 
 _HEADS, _SEQ = 1, 2  # of attention's [batch, heads, sequence, head_dim] tensors
 _TOKEN_KWARGS = ("position_ids", "cache_position")  # per-token layer arguments, sliced per tile
@@ -156,10 +159,18 @@ def _sequence_to_heads(x: torch.Tensor, sp_size: int, chunk: int) -> torch.Tenso
 @dataclass
 class _Attention:
     """One layer's attention over the whole sequence: its inputs after the all-to-alls (leaves,
-    with autograd when `grad`), its output there and on this rank's tokens."""
+    with autograd when `grad`), its output there and on this rank's tokens.
+
+    Under a ring (`ring_size` > 1) the all-to-alls span the Ulysses group and attention is ring
+    attention over the ring's blocks; its (output, log-sum-exp) from the forward pass (`ring`)
+    serve the backward pass, which never runs the ring's forward again: the backward's q, k, v
+    are recomputed tile by tile as without a ring, and ring attention's backward reads them."""
 
     layout: HeadLayout
     chunk: int
+    ring_size: int = 1
+    ring: tuple[torch.Tensor, torch.Tensor] | None = None  # the ring's (output, log-sum-exp)
+    scale: float = 1.0
     qkv: list[torch.Tensor] = field(default_factory=list)
     output: torch.Tensor | None = None  # [B, H/P, S, D]
     local_output: torch.Tensor | None = None  # [B, S/P, H, D], as HF's attention returns it
@@ -176,17 +187,24 @@ class _Attention:
                 t = t.repeat_interleave(repeat, dim=_HEADS)
             self.qkv.append(_heads_to_sequence(t, sp, self.chunk).requires_grad_(grad))
             del t
-        with torch.set_grad_enabled(grad):
-            query, key, value = self.qkv
-            output = torch.nn.functional.scaled_dot_product_attention(
-                query,
-                key,
-                value,
-                is_causal=True,
-                scale=tap.scaling,
-                enable_gqa=self.layout.local_grouped,
-            )
-            del query, key, value
+        query, key, value = self.qkv
+        self.scale = tap.scaling if tap.scaling is not None else query.shape[-1] ** -0.5
+        if self.ring_size > 1:
+            if self.ring is None:
+                with torch.no_grad():
+                    self.ring = ring_attention(query, key, value, self.scale, self.ring_size)
+            output = self.ring[0]
+        else:
+            with torch.set_grad_enabled(grad):
+                output = torch.nn.functional.scaled_dot_product_attention(
+                    query,
+                    key,
+                    value,
+                    is_causal=True,
+                    scale=self.scale,
+                    enable_gqa=self.layout.local_grouped,
+                )
+        del query, key, value
         if not grad:
             self.qkv = []
         self.local_output = _sequence_to_heads(output.detach(), sp, self.chunk).transpose(1, 2)
@@ -203,7 +221,19 @@ class _Attention:
         frees attention's tensors as it goes."""
         sp, repeat = self.layout.sp_size, self.layout.kv_repeat
         assert self.output is not None, "attention ran without autograd"
-        torch.autograd.backward(self.output, grad_output)
+        if self.ring is not None:
+            output, logsumexp = self.ring
+            self.ring = None
+            for leaf, grad in zip(
+                self.qkv,
+                ring_attention_backward(
+                    grad_output, *self.qkv, output, logsumexp, self.scale, self.ring_size
+                ),
+                strict=True,
+            ):
+                leaf.grad = grad
+        else:
+            torch.autograd.backward(self.output, grad_output)
         self.output = None
         grads: list[torch.Tensor] = []
         while self.qkv:
@@ -258,7 +288,9 @@ class _TiledLayer(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.layer, ctx.kwargs = layer, kwargs  # the kwargs (rotary cos/sin) are every layer's
         ctx.save_for_backward(hidden)
-        local_output = layer.attend(hidden, kwargs, grad=False).local_output
+        attention = layer.attend(hidden, kwargs, grad=False)
+        ctx.ring = attention.ring  # the ring's output and log-sum-exp, kept for the backward
+        local_output = attention.local_output
         assert local_output is not None
         out = torch.empty_like(hidden)
         for tile in sequence_tiles(hidden.shape[1], layer.tile_tokens):
@@ -269,7 +301,8 @@ class _TiledLayer(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (hidden,) = ctx.saved_tensors
         layer, kwargs = ctx.layer, ctx.kwargs
-        attention = layer.attend(hidden, kwargs, grad=True)
+        attention = layer.attend(hidden, kwargs, grad=True, ring=ctx.ring)
+        ctx.ring = None
         local_output = attention.local_output
         assert local_output is not None
         attention.local_output = None
@@ -304,6 +337,7 @@ class SequenceTiledLayer(torch.nn.Module):
 
     tile_tokens: int
     sp_size: int
+    ring_size: int  # SP = Ulysses x ring: the all-to-alls span sp_size / ring_size ranks
     tile_forward: Callable[..., Any]  # the class's own forward, compiled: (layer, hidden, kwargs)
     untiled_forward: Callable[..., Any]  # set on each tiled class
 
@@ -333,8 +367,15 @@ class SequenceTiledLayer(torch.nn.Module):
             except _AttentionReached:
                 return tap.qkv
 
-    def attend(self, hidden: torch.Tensor, kwargs: dict[str, Any], grad: bool) -> _Attention:
-        """q, k, v tile by tile (no autograd), then attention over the whole sequence."""
+    def attend(
+        self,
+        hidden: torch.Tensor,
+        kwargs: dict[str, Any],
+        grad: bool,
+        ring: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> _Attention:
+        """q, k, v tile by tile (no autograd), then attention over the whole sequence (under a
+        ring, with `ring`, the forward's: not run again)."""
         tap = _AttentionTap()
         qkv: list[torch.Tensor] = []
         for tile in sequence_tiles(hidden.shape[1], self.tile_tokens):
@@ -356,9 +397,11 @@ class SequenceTiledLayer(torch.nn.Module):
         del qkv
         q, k = tap.qkv[0], tap.qkv[1]
         layout = HeadLayout(
-            query_heads=int(q.shape[_HEADS]), kv_heads=int(k.shape[_HEADS]), sp_size=self.sp_size
+            query_heads=int(q.shape[_HEADS]),
+            kv_heads=int(k.shape[_HEADS]),
+            sp_size=self.sp_size // self.ring_size,
         )
-        attention = _Attention(layout, self.tile_tokens)
+        attention = _Attention(layout, self.tile_tokens, self.ring_size, ring)
         attention.run(tap, grad)
         return attention
 
@@ -393,12 +436,6 @@ def tile_layers(
     changes the tile size."""
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
-    if backend is not None and backend.ring_size > 1:
-        raise AutoSPCompileError(
-            f"tiled decoder layers (compile.tile_tokens with compile.activation_checkpointing=full) run "
-            f"Ulysses attention themselves, not ring attention (parallel.ring_size="
-            f"{backend.ring_size}): use parallel.ring_size=1, or another checkpointing policy"
-        )
     if not isinstance(model, PreTrainedModel):
         raise AutoSPCompileError(
             f"tiling whole decoder layers needs a Hugging Face model (its attention function is "
@@ -424,4 +461,5 @@ def tile_layers(
         assert isinstance(layer, SequenceTiledLayer)
         layer.tile_tokens = tile_tokens
         layer.sp_size = backend.sp_size if backend is not None else 1
+        layer.ring_size = backend.ring_size if backend is not None else 1
         layer.tile_forward = tile_forward

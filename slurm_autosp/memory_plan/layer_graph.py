@@ -29,7 +29,6 @@ from slurm_autosp.compat.torch_api import (
 )
 from slurm_autosp.compile.activation_checkpointing import (
     ALL_TO_ALL,
-    ATTENTION_BACKWARD_OPS,
     ActivationCheckpointSpec,
     inductor_config_patches,
     is_attention,
@@ -213,8 +212,10 @@ def _partitioned_graphs(
     dtype: torch.dtype,
     specs: list[ActivationCheckpointSpec],
     tiled: bool,
+    ring_size: int,
 ) -> tuple[list[tuple[fx.GraphModule, fx.GraphModule]], list[bool]]:
-    """Trace the joint graph once; partition a copy of it under each spec."""
+    """Trace the joint graph once, rewritten as the AutoSP backend rewrites it (under a ring
+    with ring attention, which every policy saves); partition a copy of it under each spec."""
     layer_class, rotary_class = hf_layer_classes(model)
     config = hf_config(model)
     config._attn_implementation = SP_ATTENTION
@@ -228,7 +229,7 @@ def _partitioned_graphs(
         return partitions[0]
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> Any:
-        rewrite_sdpa_for_sp(gm, sp_size)
+        rewrite_sdpa_for_sp(gm, sp_size * ring_size, ring_size)
         is_parameter.extend(isinstance(i, torch.nn.Parameter) for i in example_inputs)
         return aot_module_simplified(
             gm,
@@ -281,9 +282,9 @@ def trace_decoder_layer(
     """Trace one decoder layer once and partition it under each spec; nothing is allocated.
 
     `sp_size` is the Ulysses size (the all-to-alls' ranks); under a ring of `ring_size` (SP =
-    Ulysses x ring) each rank's attention holds one block of the sequence, which is what the
-    layer traced at `local_seq` over `sp_size` holds, and meets every earlier block in turn:
-    attention's FLOPs are counted `ring_size` times (balanced causal blocks), its memory once.
+    Ulysses x ring) the layer is traced with ring attention in place of SDPA, as the backend
+    compiles it: its output and log-sum-exp saved under every policy, its FLOPs those of its
+    queries over the whole ring's keys (balanced causal blocks).
 
     `tiled`: the MLP runs in sequence tiles outside the layer's graph (compile.tiling), so the
     layer is traced without it; its one saved tensor, the MLP input, and the forward it
@@ -321,7 +322,7 @@ def _trace(
     ring_size: int,
 ) -> list[LayerTrace]:
     partitions, is_parameter = _partitioned_graphs(
-        model, local_seq, sp_size, micro_batch, dtype, specs, tiled
+        model, local_seq, sp_size, micro_batch, dtype, specs, tiled, ring_size
     )
     traces = [
         _read_partition(
@@ -376,8 +377,7 @@ def _read_partition(
     )
 
     def flops_of(node: fx.Node) -> int:
-        attention = is_attention(node) or node.target in ATTENTION_BACKWARD_OPS
-        return node_flops(node) * (ring_size if attention else 1)
+        return node_flops(node)  # ring attention's count its keys over the whole ring
 
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     parameters = {p for p, is_param in zip(placeholders, is_parameter, strict=False) if is_param}
@@ -489,6 +489,20 @@ def tiled_layer_trace(
         ),
         *(t for t in whole.saved if t.kind in ("shared", "parameter")),
     ]
+    ring = whole.ring_size > 1
+    if ring:  # the ring's output and log-sum-exp, kept from the forward: the ring never reruns
+        saved += [
+            SavedTensor(
+                "ring_attention_output",
+                (tokens, q // b),
+                str(dtype).removeprefix("torch."),
+                o * tokens,
+                "activation",
+            ),
+            SavedTensor(
+                "ring_attention_logsumexp", (tokens, heads), "float32", lse * tokens, "activation"
+            ),
+        ]
     recompute = whole.forward_flops + 2 * projections
     return LayerTrace(
         spec=spec,
@@ -501,7 +515,7 @@ def tiled_layer_trace(
         forward_flops=whole.forward_flops + projections,
         backward_flops=whole.backward_flops + recompute,
         recompute_flops=recompute,
-        recomputed_attention=1,
+        recomputed_attention=0 if ring else 1,
         all_to_all_forward=whole.all_to_all_forward,
         all_to_all_backward=2 * whole.all_to_all_forward,
         largest_forward_bytes=max(q, h) * tokens,

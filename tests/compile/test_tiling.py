@@ -195,6 +195,18 @@ def test_sp2_tiled_matches_single_device(pool2, whole_layers):
 
 
 @pytest.mark.slow
+def test_sp2_as_ring_2_tiled_layers_match_single_device_and_never_rerun_the_ring(pool2):
+    """Tiled whole layers (full checkpointing) under a ring, SP=2 as 1 x 2: attention is ring
+    attention over the ring's blocks, its output and log-sum-exp kept from the forward for the
+    backward, which recomputes q, k, v tile by tile but never the ring."""
+    case = Case(batch=1, seq=127, labels="uneven", per_layer=True)
+    results = pool2.run(tiled_sp_step, case, 2, SP_TILE, True, 2)
+    assert_tiled_matches_reference(results)
+    assert all(r["ring_forwards_in_backward"] == 0 for r in results), results
+    assert all(r["ring_backwards"] == 2 for r in results), results  # one per layer
+
+
+@pytest.mark.slow
 def test_sp2_tiled_qwen2_layers_of_a_batch_of_two_with_one_kv_head_match_single_device(pool2):
     """Qwen2's q, k, v projections have biases; its one KV head is repeated to both SP ranks
     (the tiled layer's own all-to-alls, and the sum of the copies' gradients in backward). Two

@@ -29,17 +29,21 @@ from slurm_autosp.compile.tiling import SequenceTiled
 from slurm_autosp.config import ActivationCheckpointing
 from slurm_autosp.sp import set_sp_group
 
-_full_backends: dict[tuple[int, bool], AutoSPBackend] = {}
+_full_backends: dict[tuple[int, bool, int], AutoSPBackend] = {}
 _sp_cases_backend_for = sp_cases.backend_for  # before _sp_step_compiles_tiled replaces it
 
 
-def backend_for(sp_size: int, per_layer: bool, whole_layers: bool = False) -> AutoSPBackend:
+def backend_for(
+    sp_size: int, per_layer: bool, whole_layers: bool = False, ring_size: int = 1
+) -> AutoSPBackend:
     """sp_cases' backend, or under `full` (where tile_tokens tiles whole decoder layers) one per
     layout and process of our own."""
     if not whole_layers:
-        return _sp_cases_backend_for(sp_size, per_layer)
+        return _sp_cases_backend_for(sp_size, per_layer, ring_size)
     spec = ActivationCheckpointSpec(ActivationCheckpointing.full)
-    return _full_backends.setdefault((sp_size, per_layer), AutoSPBackend(sp_size, spec))
+    return _full_backends.setdefault(
+        (sp_size, per_layer, ring_size), AutoSPBackend(sp_size, spec, ring_size)
+    )
 
 
 def _tiled(model: torch.nn.Module) -> int:
@@ -58,8 +62,8 @@ def _sp_step_compiles_tiled(tile_tokens: int, whole_layers: bool) -> Iterator[li
         compile_model(model, *args, **kwargs, tile_tokens=tile_tokens)
         tiled.append(_tiled(model))
 
-    def backend(sp_size: int, per_layer: bool) -> AutoSPBackend:
-        return backend_for(sp_size, per_layer, whole_layers)
+    def backend(sp_size: int, per_layer: bool, ring_size: int = 1) -> AutoSPBackend:
+        return backend_for(sp_size, per_layer, whole_layers, ring_size)
 
     originals = sp_cases.compile_model, sp_cases.backend_for
     sp_cases.compile_model, sp_cases.backend_for = compile_tiled, backend
@@ -69,11 +73,13 @@ def _sp_step_compiles_tiled(tile_tokens: int, whole_layers: bool) -> Iterator[li
         sp_cases.compile_model, sp_cases.backend_for = originals
 
 
-def tiled_sp_step(case: Case, sp_size: int, tile_tokens: int, whole_layers: bool = False) -> dict:
+def tiled_sp_step(
+    case: Case, sp_size: int, tile_tokens: int, whole_layers: bool = False, ring_size: int = 1
+) -> dict:
     """sp_cases.sp_step (errors against the plain single-device model) with the SP model's MLPs
     (or, `whole_layers`, its decoder layers) tiled, plus how many it tiled."""
     with _sp_step_compiles_tiled(tile_tokens, whole_layers) as tiled:
-        result = sp_step(case, sp_size)
+        result = sp_step(case, sp_size, ring_size)
     return {**result, "tiled": tiled}
 
 
