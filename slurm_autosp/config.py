@@ -269,6 +269,9 @@ class TrainConfig:
     eval_every: int = 0
     # held-out samples per evaluation (fewer if the eval data holds fewer); 0: no evaluation
     eval_samples: int = 64
+    # before step 1 an SP job compares its shrunk model's AutoSP step with one device on its own
+    # ranks and stops if they differ (verify/start_check.py); false: no check
+    start_check: bool = True
 
 
 @dataclass

@@ -30,6 +30,7 @@ from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
 from slurm_autosp.sp import prepare_sp_inputs, set_sp_groups
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.sp.offload import ActivationOffload
+from slurm_autosp.verify.start_check import run_start_check
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def compile_for_sp(
 
 
 def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
+    start_check = run_start_check(cfg, dims)  # before any state exists: raises if SP is inexact
     choices = training_choices(cfg)
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, dims.device, choices.zero_stage, choices.offload_optimizer)
@@ -100,6 +102,8 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
     tracer = StepTracer(
         cfg, dims.rank, dims.world_size, dims.device, engine.module, first_step, dims.layout
     )
+    if start_check is not None:
+        tracer.note("run/exactness_check", start_check.line, first_step)
     if store.set_aside:
         tracer.note("run/damaged_checkpoints", damage_report(store.set_aside), first_step)
     losses = []

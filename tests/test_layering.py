@@ -1,6 +1,6 @@
 """The dependency order holds, one floor a package where packages depend on each other:
 config -> cluster -> run lifecycle -> SP runtime -> compiler -> data and model -> training
-state -> engines -> memory plan -> admission -> train -> launch -> the commands (each
+state -> engines -> memory plan -> admission -> evaluation and verify -> train -> launch -> the commands (each
 package's __main__ is a command). No module imports one of a later layer, or another package of its own layer, at
 the top or inside a function: no two packages import each other."""
 
@@ -22,11 +22,11 @@ LAYERS = [
     {"engine"},
     {"memory_plan"},
     {"admission"},
-    {"evaluate"},
+    {"evaluate", "verify"},
     {"train"},
     {"launch"},
     {"probe"},
-    {"submit", "run", "plan", "status", "summary", "verify"},
+    {"submit", "run", "plan", "status", "summary"},
 ]
 LAYER = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

@@ -21,10 +21,21 @@ import submitit
 from slurm_autosp.cluster.scheduler import Liveness, slurm_job_liveness
 from slurm_autosp.compat import submitit_api
 from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.verify.start_check import StartCheckFailed
 
 
 class JobFailed(RuntimeError):
-    """A rank of the job raised or died; the message names the rank and shows its log."""
+    """A rank of the job raised or died; the message names the rank and shows its log.
+    `inexact`: it stopped before step 1 because its start check found AutoSP inexact."""
+
+    def __init__(self, message: str, inexact: bool = False):
+        super().__init__(message)
+        self.inexact = inexact
+
+
+# `submit` and `status --follow` exit with this when the job's start check failed: the model
+# would train differently from one device (1 is a failed job, 2 a refused config)
+EXIT_INEXACT = 3
 
 
 @dataclass
@@ -100,6 +111,10 @@ def _first_failure(tasks: list[submitit.Job]) -> JobFailed | None:
             continue
         outcome, payload = submitit_api.pickle_load(task.paths.result_pickle)
         if outcome == "error":
+            marker = f"{StartCheckFailed.__name__}: "
+            if marker in str(payload):  # verify's report says it all; no traceback or log tail
+                report = str(payload).split(marker, 1)[1].rstrip()
+                return JobFailed(f"stopped before step 1:\n{report}", inexact=True)
             return JobFailed(
                 f"rank {rank} failed:\n{str(payload).rstrip()}\n" + _log_tail(task, rank)
             )
@@ -143,14 +158,15 @@ def tensorboard_command(run_dir: Path) -> str:
 
 
 def follow(job: submitit.Job, run_dir: Path) -> int:
-    """Echo rank 0's log until the job ends: 0 when every rank finished, 1 when one failed.
+    """Echo rank 0's log until the job ends: 0 when every rank finished, 1 when one failed,
+    EXIT_INEXACT when the start check stopped it.
     Ctrl-C detaches from a SLURM job, which runs on (a terminal never cancels a multi-node
     job by itself), and cancels local processes."""
     try:
         wait_for_job(job, echo=lambda line: print(line, flush=True))
     except JobFailed as err:
         print(f"error: job {job.job_id}: {err}", file=sys.stderr)
-        return 1
+        return EXIT_INEXACT if err.inexact else 1
     except KeyboardInterrupt:
         if isinstance(job, submitit.SlurmJob):
             print(f"\ndetached: job {job.job_id} keeps running\n{next_steps(job, run_dir)}")

@@ -103,6 +103,12 @@ class RunDir:
         return self.root / "step_time.json"
 
     @property
+    def start_check(self) -> Path:
+        """The job's exactness check before step 1: its outcome and report, and the torch and
+        transformers versions it ran with (verify.start_check)."""
+        return self.root / "start_check.json"
+
+    @property
     def probe_run(self) -> RunDir:
         """The run directory of this run's probe, `<run.name>_probe` beside it."""
         return RunDir(self.root.with_name(probe_run_name(self.root.name)))

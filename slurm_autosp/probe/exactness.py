@@ -18,8 +18,7 @@ eagerly, for a CPU self-test of this code rather than of the compiled kernels.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ from slurm_autosp.model import build_model
 from slurm_autosp.probe.kernels import FAIL, PASS, KernelCheck
 from slurm_autosp.sp import prepare_sp_inputs
 from slurm_autosp.sp.offload import ActivationOffload
+from slurm_autosp.verify.ranks import full_fp32
 
 FACTOR = 2.0
 FLOOR = 1e-3
@@ -72,20 +72,6 @@ def _model(shape: Shape) -> torch.nn.Module:
             num_key_value_heads=shape.kv_heads,
         )
     )
-
-
-@contextmanager
-def _full_fp32() -> Iterator[None]:
-    """No TF32 for the reference's fp32 matmuls: the comparison is against exact fp32."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    precision = torch.get_float32_matmul_precision()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-        torch.set_float32_matmul_precision(precision)
 
 
 def _step(
@@ -136,7 +122,7 @@ def check_rewrites(device: torch.device, tiny: bool, compiled: bool = True) -> l
     input_ids = torch.randint(
         1, shape.vocab, (1, shape.seq), generator=torch.Generator().manual_seed(1)
     ).to(device)
-    with _full_fp32():
+    with full_fp32():
         exact = _step(copy.deepcopy(reference).to(device), input_ids)
     rows = []
     baselines: dict[ActivationCheckpointing, float] = {}

@@ -30,6 +30,8 @@ Arguments:
   verify.documents=0      documents packed per row (document_ids), N >= 2 of uneven lengths: one
                           spans a shard boundary, one is shorter than a shard, one shard holds
                           only a document's tail; the reference trains each document alone
+  verify.window=0         where the model windows attention, the shrunk copy's window in tokens
+                          (shorter than verify.seq_len, so the window matters); 0: the model's
   verify.tolerance=1e-5   the largest relative error that passes
   verify.seed=0           weights and batch
   verify.inject=none      testing hook: per_shard_shift shifts labels inside each shard, the

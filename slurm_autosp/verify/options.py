@@ -30,6 +30,7 @@ class VerifyOptions:
     seq_len: int = 0  # 0: 32 * sp_size - 3
     rows: int = 2
     documents: int = 0  # documents packed per row (verify.documents); 0: one sequence per row
+    window: int = 0  # the shrunk copy's sliding window where the model has one; 0: the model's
     tolerance: float = 1e-5
     seed: int = 0
     inject: Inject = Inject.none
@@ -76,6 +77,8 @@ def load_options(overrides: list[str]) -> VerifyOptions:
         )
     if options.seq_len < 0:
         raise ConfigError(f"verify.seq_len={options.seq_len} must be >= 0 (0 picks one)")
+    if options.window < 0:
+        raise ConfigError(f"verify.window={options.window} must be >= 0 (0: the model's own)")
     if options.documents < 0:
         raise ConfigError(
             f"verify.documents={options.documents} must be >= 0 (0: one sequence per row)"
@@ -144,6 +147,8 @@ def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConf
     extra = {k: v for k, v in fields.items() if k not in typed and k not in shrunk}
     extra.update({k: v for k, v in model.extra.items() if k not in shrunk})
     extra.update(_special_ids_within(model, shrunk["vocab_size"]))
+    if options.window and extra.get("sliding_window"):
+        extra["sliding_window"] = options.window
     kept = {k: v for k, v in fields.items() if k in typed and k not in shrunk and k != "extra"}
     kept.pop("model_type", None)
     return dataclasses.replace(

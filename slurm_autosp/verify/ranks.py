@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -11,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
+from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import JobConfig, ModelConfig
 from slurm_autosp.model import build_model
@@ -31,11 +34,18 @@ from slurm_autosp.verify.packed_rows import DocumentLayout, verify_layout
 from slurm_autosp.verify.report import Report
 
 
-def force_full_fp32() -> None:
-    """No TF32 or reduced-precision matmuls: the comparison is against exact fp32."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+@contextmanager
+def full_fp32() -> Iterator[None]:
+    """No TF32 or reduced-precision matmuls inside: the comparison is against exact fp32."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    precision = torch.get_float32_matmul_precision()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        torch.set_float32_matmul_precision(precision)
 
 
 def make_batch(rows: int, seq_len: int, vocab_size: int, seed: int) -> dict[str, Any]:
@@ -88,14 +98,14 @@ def _reference(
     sequences = _sequences(batch, layout)
     labels = batch["labels"]
     count = sum(int((labels[r, s + 1 : e] != IGNORE_INDEX).sum()) for r, s, e in sequences)
-    loss = torch.zeros(())
-    per_token = torch.zeros(labels.shape)
+    loss = torch.zeros((), device=labels.device)
+    per_token = torch.zeros(labels.shape, device=labels.device)
     for row, start, end in sequences:
         piece = labels[row : row + 1, start:end]
         out = model(
             input_ids=batch["input_ids"][row : row + 1, start:end],
             labels=piece,
-            num_items_in_batch=torch.tensor(max(count, 1)),
+            num_items_in_batch=torch.tensor(max(count, 1), device=labels.device),
             use_cache=False,
         )
         loss = loss + out.loss
@@ -114,99 +124,146 @@ def run_rank(
     init_file: str,
     result_file: str,
 ) -> None:
-    """One rank: an AutoSP step on its shard, gradients averaged over the world; rank 0 also
-    runs the reference and writes the report."""
+    """One spawned CPU rank of `python -m slurm_autosp.verify`: joins a gloo group, lays the
+    ranks out as a job would (contiguous SP groups, their Ulysses and ring groups) and runs
+    `compare_sp_step`; rank 0 writes the report."""
 
     torch.set_num_threads(1)
-    force_full_fp32()
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     try:
-        sp_size, ring_size = cfg.parallel.sp_size, cfg.parallel.ring_size or 1
-        sp_rank, dp_rank = rank % sp_size, rank // sp_size
-        # contiguous SP groups, their Ulysses and ring groups as a job's layout places them
-        parallel = ParallelLayout.from_sp_groups(
+        sp_size = cfg.parallel.sp_size
+        layout = ParallelLayout.from_sp_groups(
             tuple(tuple(range(s, s + sp_size)) for s in range(0, world_size, sp_size)),
-            ring_size=ring_size,
+            ring_size=cfg.parallel.ring_size or 1,
         )
-        groups = build_process_groups(parallel)
-        model_cfg = shrink_model_config(cfg.model, options)
-        seq_len = verify_seq_len(sp_size, options)
-        assert model_cfg.vocab_size is not None  # shrink_model_config sets it
-        batch = make_batch(options.rows * options.dp, seq_len, model_cfg.vocab_size, options.seed)
-        layout = verify_layout(sp_size, options)
-        if layout is not None:
-            batch["document_ids"] = layout.document_ids().repeat(options.rows * options.dp, 1)
-
-        torch.manual_seed(options.seed)
-        model = build_model(model_cfg).float()
-        reference_model = copy.deepcopy(model) if rank == 0 else None
-
-        rows = slice(dp_rank * options.rows, (dp_rank + 1) * options.rows)
-        local = {key: value[rows] for key, value in batch.items()}
-        shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
-        if options.inject is Inject.per_shard_shift:
-            buggy = shift_labels_per_shard(local["labels"], sp_rank, sp_size)
-            shard = dataclasses.replace(
-                shard, shift_labels=buggy, valid_labels=int((buggy != -100).sum())
-            )
-        count = torch.tensor(shard.valid_labels)
-        dist.all_reduce(count)
-
-        backend = AutoSPBackend(sp_size, ring_size=ring_size)
-        compile_model(model, backend, per_layer=cfg.compile.per_layer)
-        set_sp_groups(groups.ulysses, groups.ring)
-        out = model(**shard.model_kwargs(count.clamp(min=1)))
-        (out.loss * loss_scale(world_size, grad_accum=1)).backward()
-        backend.require_sdpa_found()
-
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        per_token = _per_token_loss(out.logits, shard.shift_labels).contiguous()
-        gathered = [torch.empty_like(per_token) for _ in range(world_size)]
-        dist.all_gather(gathered, per_token)
-        grads = {}
-        for name, param in model.named_parameters():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            dist.all_reduce(grad)
-            grads[name] = grad / world_size
-        if rank != 0:
-            return
-
-        ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch, layout)
-        # gathered[rank] is (dp_rank, sp_rank)'s [rows, shard]: rows by DP, sequence by SP
-        # (sp_rank's positions: a contiguous slice, its zigzag share under a ring)
-        padded = per_token.shape[1] * sp_size
-        full = per_token.new_empty(options.rows * options.dp, padded)
-        for r, tokens in enumerate(gathered):
-            d, s = divmod(r, sp_size)
-            positions = sp_token_positions(padded, s, sp_size, ring_size)
-            full[d * options.rows : (d + 1) * options.rows, positions] = tokens
-        token_diff = (full[:, :seq_len] - ref_per_token).abs()
-        mismatched = sorted(
-            {int(p) for p in (token_diff > options.tolerance).nonzero()[:, 1].tolist()}
+        groups = build_process_groups(layout)
+        dims = ParallelDims(
+            rank,
+            rank,
+            torch.device("cpu"),
+            layout,
+            groups.sp,
+            groups.dp,
+            groups.ulysses,
+            groups.ring,
         )
-        grad_errors = {}
-        for name, reference in ref_grads.items():
-            scale = reference.abs().max().clamp(min=1e-30)
-            grad_errors[_short_name(name)] = float((grads[name] - reference).abs().max() / scale)
-        report = Report(
-            description=_describe(
-                cfg, model_cfg, options, seq_len, count=int(count), batch=batch, layout=layout
-            ),
-            sp_size=sp_size,
-            seq_len=seq_len,
-            shard_len=shard.input_ids.shape[1],
-            loss=float(loss),
-            ref_loss=ref_loss,
-            token_error=float(token_diff.max()),
-            mismatched_positions=mismatched,
-            grad_errors=grad_errors,
-        )
-        torch.save(dataclasses.asdict(report), result_file)
+        with full_fp32():
+            report = compare_sp_step(cfg, options, dims)
+        if report is not None:
+            torch.save(dataclasses.asdict(report), result_file)
     finally:
         dist.destroy_process_group()
+
+
+def compare_sp_step(
+    cfg: JobConfig,
+    options: VerifyOptions,
+    dims: ParallelDims,
+    dtype: torch.dtype = torch.float32,
+) -> Report | None:
+    """One AutoSP step of the shrunk model on this rank's shard, over `dims`' Ulysses and ring
+    groups and on its device, gradients averaged over the world; rank 0 also runs the
+    unmodified model on one device (fp32) and returns the report, every other rank None.
+
+    Every rank of the world calls it: verify's spawned ranks, and a job's own ranks before
+    training (its start check). `dtype` is the AutoSP step's: bf16 where a device's kernels
+    compute nothing else (the reference stays fp32)."""
+
+    sp_size, ring_size, world_size = dims.sp_size, dims.ring_size, dims.world_size
+    model_cfg = shrink_model_config(cfg.model, options)
+    seq_len = verify_seq_len(sp_size, options)
+    assert model_cfg.vocab_size is not None  # shrink_model_config sets it
+    batch = make_batch(options.rows * dims.dp_size, seq_len, model_cfg.vocab_size, options.seed)
+    layout = verify_layout(sp_size, options)
+    if layout is not None:
+        batch["document_ids"] = layout.document_ids().repeat(options.rows * dims.dp_size, 1)
+    batch = {key: value.to(dims.device) for key, value in batch.items()}
+
+    torch.manual_seed(options.seed)
+    model = build_model(model_cfg).float()
+    reference_model = copy.deepcopy(model).to(dims.device) if dims.rank == 0 else None
+    model.to(device=dims.device, dtype=dtype)
+
+    rows = slice(dims.dp_rank * options.rows, (dims.dp_rank + 1) * options.rows)
+    local = {key: value[rows] for key, value in batch.items()}
+    shard = prepare_sp_inputs(**local, sp_rank=dims.sp_rank, sp_size=sp_size, ring_size=ring_size)
+    if options.inject is Inject.per_shard_shift:
+        buggy = shift_labels_per_shard(local["labels"], dims.sp_rank, sp_size)
+        shard = dataclasses.replace(
+            shard, shift_labels=buggy, valid_labels=int((buggy != -100).sum())
+        )
+    count = torch.tensor(shard.valid_labels, device=dims.device)
+    dist.all_reduce(count)
+
+    backend = AutoSPBackend(sp_size, ring_size=ring_size)
+    compile_model(model, backend, per_layer=cfg.compile.per_layer)
+    set_sp_groups(dims.ulysses_group, dims.ring_group)
+    out = model(**shard.model_kwargs(count.clamp(min=1)))
+    (out.loss * loss_scale(world_size, grad_accum=1)).backward()
+    backend.require_sdpa_found()
+
+    loss = out.loss.detach().float()
+    dist.all_reduce(loss)
+    per_token = _per_token_loss(out.logits, shard.shift_labels).contiguous()
+    gathered = [torch.empty_like(per_token) for _ in range(world_size)]
+    dist.all_gather(gathered, per_token)
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = (param.grad if param.grad is not None else torch.zeros_like(param)).float()
+        dist.all_reduce(grad)
+        grads[name] = grad / world_size
+    if dims.rank != 0:
+        return None
+
+    assert reference_model is not None
+    low = None
+    if dtype != torch.float32:  # what the dtype alone costs: the unmodified model in it
+        low = _reference(copy.deepcopy(reference_model).to(dtype), batch, layout)
+    ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch, layout)
+    baseline = None
+    if low is not None:
+        low_loss, low_per_token, low_grads = low
+        baseline = max(
+            abs(low_loss - ref_loss) / max(abs(ref_loss), 1e-30),
+            float((low_per_token - ref_per_token).abs().max()),
+            *(_relative(low_grads[name], grad) for name, grad in ref_grads.items()),
+        )
+    # gathered[rank] is (dp_rank, sp_rank)'s [rows, shard]: rows by DP, sequence by SP
+    # (sp_rank's positions: a contiguous slice, its zigzag share under a ring)
+    padded = per_token.shape[1] * sp_size
+    full = per_token.new_empty(options.rows * dims.dp_size, padded)
+    for r, tokens in enumerate(gathered):
+        d, s = dims.layout.dp_rank(r), dims.layout.sp_rank(r)
+        positions = sp_token_positions(padded, s, sp_size, ring_size).to(dims.device)
+        full[d * options.rows : (d + 1) * options.rows, positions] = tokens
+    token_diff = (full[:, :seq_len] - ref_per_token).abs()
+    mismatched = sorted({int(p) for p in (token_diff > options.tolerance).nonzero()[:, 1].tolist()})
+    grad_errors = {
+        _short_name(name): _relative(grads[name], reference)
+        for name, reference in ref_grads.items()
+    }
+    return Report(
+        description=_describe(
+            cfg, dims, dtype, model_cfg, options, seq_len, int(count), batch, layout
+        ),
+        sp_size=sp_size,
+        seq_len=seq_len,
+        shard_len=shard.input_ids.shape[1],
+        loss=float(loss),
+        ref_loss=ref_loss,
+        token_error=float(token_diff.max()),
+        mismatched_positions=mismatched,
+        grad_errors=grad_errors,
+        baseline_error=baseline,
+    )
+
+
+def _relative(grad: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |g - g_ref| / max |g_ref|."""
+    scale = reference.abs().max().clamp(min=1e-30)
+    return float((grad.float() - reference).abs().max() / scale)
 
 
 def _short_name(name: str) -> str:
@@ -215,6 +272,8 @@ def _short_name(name: str) -> str:
 
 def _describe(
     cfg: JobConfig,
+    dims: ParallelDims,
+    dtype: torch.dtype,
     model: ModelConfig,
     options: VerifyOptions,
     seq_len: int,
@@ -222,20 +281,20 @@ def _describe(
     batch: dict[str, Any],
     layout: DocumentLayout | None,
 ) -> str:
-    sp = cfg.parallel.sp_size
+    sp, ring_size = dims.sp_size, dims.ring_size
     injected = (
         f"; INJECTED BUG: {options.inject.value}" if options.inject is not Inject.none else ""
     )
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     assert heads is not None and kv is not None  # shrink_model_config sets both
-    ring_size = cfg.parallel.ring_size or 1
     ring = f" (Ulysses {sp // ring_size} x ring {ring_size})" if ring_size > 1 else ""
     padded = seq_len + (-seq_len % (sp if ring_size == 1 else 2 * sp))
     return (
         f"AutoSP verify: {model.model_type}, {heads} query heads / {kv} KV heads (GQA {heads // kv}:1), shrunk to "
         f"{model.num_hidden_layers} layers, head_dim {model.head_dim}, hidden {model.hidden_size}, "
         f"vocab {model.vocab_size}\n"
-        f"  sp_size={sp}{ring} x dp={options.dp} local CPU ranks (gloo), fp32, "
+        f"  sp_size={sp}{ring} x dp={dims.dp_size} {dims.device.type} ranks, {str(dtype).removeprefix('torch.')} "
+        f"(reference fp32), "
         f"compile.per_layer={cfg.compile.per_layer}; batch {batch['input_ids'].shape[0]} x {seq_len} tokens "
         f"(padded to {padded} = {sp} shards of {padded // sp}), {count} valid labels{injected}"
         + ("" if layout is None else f"\n  packed: {layout.describe()}")

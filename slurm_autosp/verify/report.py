@@ -19,6 +19,14 @@ class Report:
     token_error: float
     mismatched_positions: list[int]  # sequence positions whose per-token loss differs
     grad_errors: dict[str, float] = field(default_factory=dict)  # parameter -> relative error
+    # an AutoSP step in bf16: the worst figure of the unmodified model in bf16 on one device
+    baseline_error: float | None = None
+
+    @property
+    def worst_error(self) -> float:
+        """The largest of the loss's relative error, the per-token loss difference and the
+        worst parameter's gradient error."""
+        return max([self.loss_error, self.token_error, *self.grad_errors.values()])
 
     @property
     def loss_error(self) -> float:
