@@ -70,6 +70,7 @@ def test_torch_dynamo_and_inductor_settings_we_set_exist():
         ("torch._prims.rng_prims", "run_and_save_rng_state"),
         ("torch._ops", "OpOverload"),
         ("torch._dynamo", "maybe_mark_dynamic"),  # compile.inputs: packed rows' document count
+        ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),  # engine.fsdp2
     ],
 )
 def test_private_torch_names_still_exist(module, name):

@@ -1,6 +1,7 @@
 """torch's private names that slurm_autosp uses: the compiler's, the plan's layer tracing and
 the CUDA kernel of document attention (the flash varlen forward and backward that
-torch.nn.attention.varlen calls, with its arguments)."""
+torch.nn.attention.varlen calls, with its arguments), and the reset of DTensor's sharding
+caches, which outlive the process groups of their meshes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.cuda._pin_memory_utils import pin_memory as register_pinned
 from torch.cuda._pin_memory_utils import unpin_memory as unregister_pinned
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear_sharding_prop_cache
 
 # (query, key, value [T, H, D], cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
 #  return_debug_mask, *, scale, window_size_left, window_size_right, ...)
@@ -32,6 +34,7 @@ __all__ = [
     "CustomGraphPass",
     "FakeTensorMode",
     "aot_module_simplified",
+    "clear_sharding_prop_cache",
     "compile_fx",
     "dynamo_config",
     "flash_attention_backward",

@@ -39,6 +39,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from slurm_autosp.checkpoint.export import distinct_tensors
+from slurm_autosp.compat.torch_api import clear_sharding_prop_cache
 from slurm_autosp.compile import AutoSPCompileError, decoder_layers
 from slurm_autosp.config import ConfigError, JobConfig
 from slurm_autosp.model import compute_dtype
@@ -59,6 +60,11 @@ class FSDP2Engine:
         offload_optimizer: bool = False,
     ):
         world = dist.get_world_size()
+        # DTensor's sharding caches live as long as the process and take a cached mesh for an
+        # equal one (same ranks, whatever its process group): sharded without this, parameters
+        # may carry the mesh of an engine over an earlier, destroyed group (a start check's),
+        # whose group name now resolves to nothing or to another group
+        clear_sharding_prop_cache()
         mesh = init_device_mesh(device.type, (world,))
         self._device = device
         self._compute_dtype = compute_dtype(cfg.precision)
