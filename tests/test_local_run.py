@@ -1,5 +1,6 @@
 """The embedded default job runs end to end through submitit's local executor."""
 
+import json
 import os
 import re
 import time
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import StepTime
+from slurm_autosp.verify.start_check import INJECT_ENV
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,23 @@ def test_run_directory_holds_config_logs_and_events(tiny_run):
     assert {"train/lr", "train/grad_norm", "throughput/tokens_per_s", "memory/peak_mib"} <= set(
         events.Tags()["scalars"]
     )
+
+
+def test_the_job_proves_its_sp_exact_before_step_1(tiny_run):
+    """Rank 0's log, TensorBoard's text and the run directory hold the start check: what it
+    compared, its worst error and how long it took."""
+    run_dir, stdout = tiny_run
+    line = next(line for line in stdout.splitlines() if "exactness check:" in line)
+    assert "exactness check: passed: llama shrunk to 2 layers, SP 2 x DP 1 on cpu" in line
+    worst = float(re.search(r"worst relative error (\S+) \(limit 1e-05\)", line).group(1))
+    assert worst <= 1e-5
+    assert stdout.index("exactness check:") < stdout.index("| loss ")
+    record = json.loads(RunDir(run_dir).start_check.read_text())
+    assert record["passed"] and record["worst_error"] == pytest.approx(worst, rel=0.1)
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("run/exactness_check/text_summary")[0].tensor_proto.string_val[0]
+    assert text.decode().startswith("exactness check: passed")
 
 
 def test_training_records_its_step_for_the_next_submissions_signal_delay(tiny_run):
@@ -148,3 +167,24 @@ def test_ring_run_trains_the_ulysses_runs_steps(tiny_run, tmp_path):
         reference[:3],
     )
     assert ring[-1] < ring[0] - 1.0
+
+
+@pytest.mark.slow
+def test_a_job_whose_sp_is_wrong_stops_before_step_1_naming_the_mismatch(tmp_path):
+    """The shard-boundary bug injected into the job's own check: every rank stops before any
+    state exists, submit exits 3 (not a crash's 1) with verify's report, and the run directory
+    holds the report and nothing trained."""
+    proc = submit_local(
+        f"run.output_root={tmp_path}",
+        "train.steps=3",
+        env={**os.environ, INJECT_ENV: "per_shard_shift"},
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "stopped before step 1:\nexactness check: FAILED" in proc.stderr
+    assert "the label pair crossing each shard boundary is lost" in proc.stderr
+    report = proc.stderr.split("stopped before step 1")[1].split("nothing was trained")[0]
+    assert "Traceback" not in report and "FAIL: AutoSP does not match" in report
+    run = RunDir(tmp_path / "tiny_cpu")
+    assert json.loads(run.start_check.read_text())["passed"] is False
+    assert not list(run.checkpoints.glob("step_*")) and not run.tensorboard.exists()
+    assert "| loss " not in proc.stdout

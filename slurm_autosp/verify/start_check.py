@@ -201,8 +201,12 @@ def _recorded(cfg: JobConfig, compared: str) -> StartCheck | None:
 
 
 def _record(cfg: JobConfig, check: StartCheck) -> None:
-    """Write the outcome whole or not at all: a half-written record is never read as passed."""
+    """Write the outcome whole or not at all: a half-written record is never read as passed.
+    A record that cannot be written costs only a repeat of the check next time."""
     path = RunDir(cfg.run.dir).start_check
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(asdict(check), indent=1) + "\n")
-    os.replace(partial, path)
+    try:
+        partial.write_text(json.dumps(asdict(check), indent=1) + "\n")
+        os.replace(partial, path)
+    except OSError as err:
+        log.warning("could not record the exactness check in %s: %s", path, err)
