@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from slurm_autosp.config import DocumentBoundaries, JobConfig
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.model import hf_config
 from slurm_autosp.sp.attention_pattern import windowed_attention
-from slurm_autosp.sp.kernel_check import check_document_kernel
+from slurm_autosp.sp.kernel_check import KernelCheck, check_document_kernel
 from slurm_autosp.verify.options import Inject, VerifyOptions, verify_seq_len
 from slurm_autosp.verify.ranks import compare_sp_step, full_fp32
 from slurm_autosp.verify.report import Report, failures, format_report
@@ -95,6 +95,9 @@ def run_start_check(cfg: JobConfig, dims: ParallelDims) -> StartCheck | None:
         report = compare_sp_step(cfg, options, dims, dtype)
     kernels = check_document_kernel(dims.device) if _document_kernel_used(cfg, dims) else []
     torch._dynamo.reset()  # the job's model compiles afresh: no shapes carried over as dynamic
+    by_rank: list[list[KernelCheck]] = [[] for _ in range(dims.world_size)]
+    dist.all_gather_object(by_rank, kernels)  # every GPU's kernel, reported by rank 0
+    kernels = [replace(k, case=f"{k.case}, rank {r}") for r, ks in enumerate(by_rank) for k in ks]
     check = None
     if report is not None:
         check = _outcome(report, options, compared, time.perf_counter() - start, kernels)
@@ -158,7 +161,7 @@ def _outcome(
     options: VerifyOptions,
     compared: str,
     seconds: float,
-    kernels: list,
+    kernels: list[KernelCheck],
 ) -> StartCheck:
     tolerance = options.tolerance
     if report.baseline_error is not None:
