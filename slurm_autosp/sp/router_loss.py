@@ -75,19 +75,24 @@ class LoadBalancing:
         return self.coef / tokens.micro_batches * share
 
 
+def missing_balancing_attributes(model: torch.nn.Module) -> list[str]:
+    """Which of the attributes an HF MoE causal LM passes its load-balancing loss it lacks."""
+    return [name for name in BALANCING_ATTRIBUTES if getattr(model, name, None) is None]
+
+
 def load_balancing_of(model: torch.nn.Module) -> LoadBalancing | None:
     """The model's load-balancing loss (None: it computes none, `output_router_logits` off)."""
     if not getattr(getattr(model, "config", None), "output_router_logits", False):
         return None
-    values = [getattr(model, name, None) for name in BALANCING_ATTRIBUTES]
-    if any(v is None for v in values):
-        missing = [n for n, v in zip(BALANCING_ATTRIBUTES, values, strict=True) if v is None]
+    missing = missing_balancing_attributes(model)
+    if missing:
         raise ValueError(
             f"{type(model).__name__} has output_router_logits=True but keeps no "
             f"{', '.join(missing)}: its load-balancing loss is not one AutoSP computes; set "
             "output_router_logits=false (model.extra.output_router_logits=false)"
         )
-    return LoadBalancing(int(values[0]), int(values[1]), float(values[2]))
+    experts, top_k, coef = (getattr(model, name) for name in BALANCING_ATTRIBUTES)
+    return LoadBalancing(int(experts), int(top_k), float(coef))
 
 
 def _probabilities(
@@ -166,8 +171,8 @@ def family_difference(
             return f"load_balancing_loss_func(logits, num_experts, top_k, mask) fails: {err}"
         ours = load_balancing_loss(tuple(ours_in), num_experts, top_k, real)
         (our_grad,) = torch.autograd.grad(ours, ours_in)
-        value_error = float((theirs - ours).abs() / ours.abs().clamp(min=1e-30))
-        grad_error = float((their_grad - our_grad).abs().max() / our_grad.abs().max())
+        value_error = ((theirs - ours).abs() / ours.abs().clamp(min=1e-30)).item()
+        grad_error = ((their_grad - our_grad).abs().max() / our_grad.abs().max()).item()
         if not max(value_error, grad_error) <= tolerance:
             where = "without" if mask is None else "with"
             return (
