@@ -101,7 +101,7 @@ def _output_embedding_as_identity(module: torch.nn.Module) -> Iterator[torch.nn.
         setattr(module, name, head)
 
 
-def logits_cross_entropy(
+def _logits_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int
 ) -> torch.Tensor:
     """Hugging Face's causal-LM loss on logits already computed: fp32 cross-entropy summed over
@@ -170,7 +170,7 @@ def causal_lm_forward(
         out = model(**kwargs)
     labels, count = batch_kwargs["shift_labels"], batch_kwargs["num_items_in_batch"]
     if head is None:
-        loss, logits = logits_cross_entropy(out.logits, labels, count), out.logits
+        loss, logits = _logits_cross_entropy(out.logits, labels, count), out.logits
     else:
         loss = chunked_cross_entropy(
             out.logits, head.weight, labels, count, chunk_tokens=chunk_tokens, bias=head.bias

@@ -55,7 +55,9 @@ class LoadBalancing:
     top_k: int
     coef: float
 
-    def share(self, router_logits: Sequence[torch.Tensor] | None, tokens: RouterTokens) -> Any:
+    def share(
+        self, router_logits: Sequence[torch.Tensor] | None, tokens: RouterTokens
+    ) -> torch.Tensor:
         """coef x this rank's share of its micro-batch's aux / the step's micro-batches."""
         if router_logits is None:
             raise RuntimeError(
