@@ -1,7 +1,8 @@
 """Held-out evaluation: loss and perplexity on data the run does not train on, under the
 training's SP layout. No optimizer step and no gradient (torch.no_grad, the model in eval mode);
 the loss is the sum over every valid label of the evaluated samples over their count, the
-single-device eval loss, whatever the layout."""
+single-device eval loss, whatever the layout (an MoE's router load-balancing loss left out:
+perplexity is the cross-entropy's)."""
 
 from __future__ import annotations
 

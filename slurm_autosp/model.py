@@ -23,6 +23,11 @@ from slurm_autosp.config import (
 from slurm_autosp.heads import pairs_text, ulysses_ring_pairs, valid_sp_sizes
 from slurm_autosp.sp.attention_pattern import unsupported_attention, windowed_attention
 from slurm_autosp.sp.chunked_loss import unsupported_logits
+from slurm_autosp.sp.router_loss import (
+    family_difference,
+    load_balancing_of,
+    missing_balancing_attributes,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -128,8 +133,9 @@ def _attention_sinks(config: Any) -> list[str]:
 
 
 def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> None:
-    """Refuse, before any rank starts, a model whose attention or logits the compiled SP graph
-    or the chunked loss would compute differently from the model itself (never silently).
+    """Refuse, before any rank starts, a model whose attention, logits or auxiliary loss the
+    compiled SP graph, the chunked loss or the router loss would compute differently from the
+    model itself (never silently).
 
     `seq_len` defaults to data.seq_len; it is padded to the SP size as training pads it.
     """
@@ -174,6 +180,56 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
             + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
             "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
         )
+    refuse_inexact_router_loss(cfg, config)
+
+
+Z_LOSS_FIELDS = ("router_z_loss_coef", "z_loss_coefficient")
+
+
+def refuse_inexact_router_loss(cfg: JobConfig, config: Any) -> None:
+    """An MoE's router load-balancing loss (`output_router_logits`) is computed by
+    `sp.router_loss` under every layout, one device included, so its family's own
+    `load_balancing_loss_func` must be that function: checked on random router logits (with and
+    without padding), so a new family is admitted or refused by what it computes, not by its
+    name. A z-loss (the model's mean over only the tokens it sees) is refused too."""
+    problems = [
+        f"a z-loss ({field}={getattr(config, field)}) averaged over each rank's tokens only; "
+        f"set model.extra.{field}=0"
+        for field in Z_LOSS_FIELDS
+        if getattr(config, field, 0)
+    ]
+    if getattr(config, "output_router_logits", False):
+        problems += [
+            f"the router's load-balancing loss (output_router_logits=True): {why}; set "
+            "model.extra.output_router_logits=false to train without it"
+            for why in _router_loss_differences(cfg.model, config)
+        ]
+    if problems:
+        source = (
+            f"model.pretrained_path={cfg.model.pretrained_path}"
+            if cfg.model.pretrained_path
+            else f"model.model_type={cfg.model.model_type}"
+        )
+        raise ConfigError(
+            f"{source}: an auxiliary loss AutoSP does not compute exactly:\n  - "
+            + "\n  - ".join(problems)
+        )
+
+
+def _router_loss_differences(model: ModelConfig, config: Any) -> list[str]:
+    """Why the family's load-balancing loss is not `sp.router_loss`'s (empty: it is)."""
+    model_class = _hf_model_class(config)
+    family = getattr(sys.modules[model_class.__module__], "load_balancing_loss_func", None)
+    if family is None:
+        return [f"{model_class.__name__}'s module has no load_balancing_loss_func"]
+    skeleton = build_skeleton(model)
+    missing = missing_balancing_attributes(skeleton)
+    if missing:
+        return [f"{model_class.__name__} keeps no {', '.join(missing)}"]
+    balancing = load_balancing_of(skeleton)
+    assert balancing is not None  # output_router_logits is on
+    differs = family_difference(family, balancing.num_experts, balancing.top_k)
+    return [] if differs is None else [f"{model_class.__name__}: {differs}"]
 
 
 def _refuse_unsplit_heads(cfg: JobConfig, config: Any) -> None:

@@ -30,6 +30,7 @@ from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
 from slurm_autosp.sp import prepare_sp_inputs, set_sp_groups
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.sp.offload import ActivationOffload
+from slurm_autosp.sp.router_loss import RouterTokens
 from slurm_autosp.verify.start_check import run_start_check
 
 log = logging.getLogger(__name__)
@@ -192,9 +193,11 @@ def optimizer_step(
     """One optimizer step over `grad_accum` micro-batches; returns the step's global loss.
 
     Every rank of an SP group reads the same sequences and keeps its shard. The objective is
-    the mean over every valid label of the step (all micro-batches, all ranks): each rank's
-    loss is its label sum over that global count, times the factor that undoes the engine's
-    gradient reduction (`engine.loss_scale`). `phases` times data / forward / backward / optimizer (and, on traced
+    the mean over every valid label of the step (all micro-batches, all ranks), plus for an MoE
+    coef x the mean of its micro-batches' router load-balancing losses: each rank's loss is its
+    label sum over that global count (and its share of its micro-batch's aux over the step's
+    micro-batches, `RouterTokens`), times the factor that undoes the engine's gradient
+    reduction (`engine.loss_scale`). `phases` times data / forward / backward / optimizer (and, on traced
     steps, marks them on the memory timeline). With `offload`, what each forward keeps for backward waits in host memory.
     """
     with phases("data"):
@@ -215,11 +218,15 @@ def optimizer_step(
         valid = torch.tensor(sum(b.valid_labels for b in batches), device=dims.device)
         dist.all_reduce(valid)
     num_items = valid.clamp(min=1)
+    micro_batches = dims.dp_size * cfg.train.grad_accum
     step_loss = torch.zeros((), device=dims.device)
     for batch in batches:
         with phases("forward"), offload.saving() if offload else nullcontext():
             loss = causal_lm_loss(
-                engine, batch.model_kwargs(num_items), chunk_tokens=cfg.compile.loss_chunk_tokens
+                engine,
+                batch.model_kwargs(num_items),
+                chunk_tokens=cfg.compile.loss_chunk_tokens,
+                router=RouterTokens(batch.real_tokens, dims.sp_size, micro_batches),
             )
         with phases("backward"):
             engine.backward(loss * engine.loss_scale)

@@ -19,6 +19,7 @@ from slurm_autosp.metrics import StepTracer
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.plot import PEAK, PEAK_MARK, PHASE_COLORS, memory_trace_figure
 from slurm_autosp.metrics.rank_memory import MemoryReader, MemoryTimeline, MemoryTrace
+from slurm_autosp.model import build_skeleton
 
 MIB = 2**20
 
@@ -49,6 +50,23 @@ def test_flop_count_is_six_n_per_token_plus_causal_attention():
     assert flops.dense_params == dense
     assert flops.per_sequence == 6 * dense * 256 + 6 * 2 * 64 * 256**2  # causal: half of 12*L*d*S^2
     assert flops.per_step == 4 * flops.per_sequence
+
+
+@pytest.mark.parametrize("family,shared", [("mixtral", False), ("qwen2_moe", True)])
+def test_moe_flops_count_the_experts_a_token_runs_not_all_of_them(family, shared):
+    """Each token runs top_k of the E routed experts (and any shared expert): the FLOPs count
+    those; the memory plan counts every expert."""
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml", f"model.model_type={family}"])
+    model = build_skeleton(cfg.model)
+    experts, top_k = model.num_experts, model.config.num_experts_per_tok
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    everything = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    flops = count_flops(model, seq_len=256, sequences_per_step=1)
+    assert flops.idle_expert_params == routed * (experts - top_k) // experts
+    assert flops.dense_params == everything - embedding - flops.idle_expert_params
+    assert any(".shared_expert." in n for n, _ in model.named_parameters()) == shared
+    assert "routed experts a token skips" in flops.describe()
 
 
 def test_cpu_has_no_peak_flops_unless_configured():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers.models.mixtral import modeling_mixtral
 
 from slurm_autosp.checkpoint.export import export_hf, whole_weights
 from slurm_autosp.config import ConfigError, ModelConfig, load_config
@@ -77,4 +78,71 @@ def test_a_model_transformers_cannot_run_with_sdpa_gets_our_message():
     with pytest.raises(
         ConfigError, match=r'cannot run Gemma2ForCausalLM with attn_implementation="sdpa"'
     ):
+        refuse_unsupported_attention(cfg)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
+def test_moe_families_whose_router_loss_is_ours_are_admitted(family):
+    refuse_unsupported_attention(
+        load_config(
+            [
+                "cfg=configs/tiny_cpu.yaml",
+                f"model.model_type={family}",
+                "model.extra.output_router_logits=true",
+            ]
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "family,why",
+    [
+        ("doge", "load_balancing_loss_func(logits, num_experts, top_k, mask) fails"),
+        ("jetmoe", "JetMoeForCausalLM keeps no router_aux_loss_coef"),
+    ],
+)
+def test_a_moe_family_with_another_router_loss_is_refused_naming_output_router_logits(family, why):
+    cfg = load_config(
+        [
+            "cfg=configs/tiny_cpu.yaml",
+            f"model.model_type={family}",
+            "model.extra.output_router_logits=true",
+        ]
+    )
+    with pytest.raises(ConfigError, match="set model.extra.output_router_logits=false") as refused:
+        refuse_unsupported_attention(cfg)
+    assert why in str(refused.value)
+    cfg.model.extra["output_router_logits"] = False
+    refuse_unsupported_attention(cfg)
+
+
+def test_a_router_loss_that_counts_padding_is_refused_by_what_it_computes(monkeypatch):
+    """The check compares values and gradients, so a family is refused for its semantics
+    (here: padding counted), not for its name."""
+    original = modeling_mixtral.load_balancing_loss_func
+    monkeypatch.setattr(
+        modeling_mixtral,
+        "load_balancing_loss_func",
+        lambda logits, experts, top_k, mask=None: original(logits, experts, top_k, None),
+    )
+    cfg = load_config(
+        [
+            "cfg=configs/tiny_cpu.yaml",
+            "model.model_type=mixtral",
+            "model.extra.output_router_logits=true",
+        ]
+    )
+    with pytest.raises(ConfigError, match="differs with a padding mask.*output_router_logits"):
+        refuse_unsupported_attention(cfg)
+
+
+def test_a_z_loss_is_refused_naming_its_field():
+    cfg = load_config(
+        [
+            "cfg=configs/tiny_cpu.yaml",
+            "model.model_type=mixtral",
+            "model.extra.router_z_loss_coef=0.001",
+        ]
+    )
+    with pytest.raises(ConfigError, match=r"z-loss \(router_z_loss_coef=0.001\).*=0"):
         refuse_unsupported_attention(cfg)

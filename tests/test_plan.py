@@ -30,6 +30,7 @@ from slurm_autosp.memory_plan.terms import (
     policy_memory,
     ring_blocks_per_token,
 )
+from slurm_autosp.model import build_skeleton
 from slurm_autosp.plan import main as plan_main
 from slurm_autosp.sp.host_arena import SLAB_BYTES
 
@@ -384,6 +385,27 @@ def test_zero3_terms_are_fsdp2_fp32_shards_plus_gathered_bf16_layers(llama70b_pl
         4 + 2
     )  # no DeepSpeed buckets under ZeRO-3 (ZeRO-1's: an fp32 reduce, a bf16 all-gather)
     assert "gathered_weights" not in zero1
+
+
+def test_an_moe_counts_every_expert_of_every_layer_and_gathers_its_largest_layer():
+    """DeepSeek-V3's first layer is dense, the others hold every routed expert: the plan's
+    parameters are the model's, and the layer FSDP2 gathers is an MoE one."""
+    cfg = load_config(
+        [
+            "cfg=configs/tiny_cpu.yaml",
+            "model.model_type=deepseek_v3",
+            "model.num_hidden_layers=3",
+            "model.extra.first_k_dense_replace=1",
+            "model.extra.n_routed_experts=8",
+            "model.extra.n_group=1",
+            "model.extra.topk_group=1",
+        ]
+    )
+    skeleton = build_skeleton(cfg.model)
+    size = model_size(cfg)
+    assert size.total == sum(p.numel() for p in skeleton.parameters())
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in skeleton.model.layers]
+    assert size.layer == max(layers) == layers[1] > layers[0]
 
 
 def test_plan_prints_every_term_and_the_longest_sequence_per_policy(llama70b_plan):

@@ -59,8 +59,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from slurm_autosp.cluster.placement import ring_size_for
-from slurm_autosp.compat.torch_api import FakeTensorMode
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
 from slurm_autosp.memory_plan.layer_graph import LayerTrace, hf_layer_classes
@@ -157,28 +158,38 @@ HOST_USABLE = 0.8
 
 @dataclass(frozen=True)
 class ModelSize:
-    """Parameter counts by FSDP2 group: one decoder layer, and the root (embedding, final norm, lm_head)."""
+    """Parameter counts by FSDP2 group: the largest decoder layer (where an MoE has dense
+    layers too, an MoE one with every expert), and the root (embedding, final norm, lm_head)."""
 
     layer: int
     layers: int
     root: int
     head: int  # the lm_head weight (the embedding's when tied)
+    in_layers: int  # every decoder layer's parameters together
 
     @property
     def total(self) -> int:
-        return self.layer * self.layers + self.root
+        return self.in_layers + self.root
 
 
 def model_size(cfg: JobConfig) -> ModelSize:
-    """Parameter counts of the configured model, from one fake decoder layer (nothing allocated)."""
+    """Parameter counts of the configured model, from its decoder layers built on the meta
+    device (nothing allocated; an MoE's layers hold every expert, not only those a token runs)."""
     layer_class, _ = hf_layer_classes(cfg.model)
     config = hf_config(cfg.model)
-    with FakeTensorMode():
-        layer = sum(p.numel() for p in layer_class(config, 0).parameters())
+    with torch.device("meta"):
+        layers = [
+            sum(p.numel() for p in layer_class(config, i).parameters())
+            for i in range(config.num_hidden_layers)
+        ]
     embedding = config.vocab_size * config.hidden_size
     head = 0 if getattr(config, "tie_word_embeddings", False) else embedding
     return ModelSize(
-        int(layer), config.num_hidden_layers, embedding + head + config.hidden_size, embedding
+        int(max(layers)),
+        config.num_hidden_layers,
+        embedding + head + config.hidden_size,
+        embedding,
+        int(sum(layers)),
     )
 
 

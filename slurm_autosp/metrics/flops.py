@@ -2,9 +2,11 @@
 
 Per sequence of S tokens, forward + backward (backward = 2x forward):
 
-    6 * N * S                 matmuls with the dense weights: N = all parameters except the
-                              input embedding (a lookup, not a matmul; counted when it is tied
-                              to the output head, which is a matmul)
+    6 * N * S                 matmuls with the weights a token runs through: N = all parameters
+                              except the input embedding (a lookup, not a matmul; counted when
+                              it is tied to the output head, which is a matmul) and, in an MoE,
+                              the routed experts a token is not sent to (it runs top_k of E;
+                              shared experts and the router run for every token)
   + 6 * L * d_attn * S^2      attention scores QK^T and their use AV: 2 * S^2 * d_attn FLOPs
                               each per layer forward, x3 for forward + backward = 12 * L *
                               d_attn * S^2, halved because attention is causal and the
@@ -50,11 +52,12 @@ ASSUMED_GPU = {Vendor.nvidia: ("H100", 67.0), Vendor.amd: ("MI300X", 163.4)}
 
 @dataclass(frozen=True)
 class FlopCount:
-    dense_params: int
+    dense_params: int  # the parameters each token's matmuls use (an MoE's active ones)
     layers: int | None  # None: not an HF-style model; the attention term is left out
     attn_width: int | None
     seq_len: int
     sequences_per_step: int
+    idle_expert_params: int = 0  # an MoE's routed expert weights a token does not run
 
     @property
     def per_sequence(self) -> float:
@@ -78,8 +81,13 @@ class FlopCount:
             if self.layers is not None
             else "attention term left out (no num_hidden_layers / num_attention_heads in the model config)"
         )
+        idle = (
+            f", routed experts a token skips ({self.idle_expert_params:,}) left out"
+            if self.idle_expert_params
+            else ""
+        )
         return (
-            f"FLOPs per sequence = 6 * N({self.dense_params:,}) * S({self.seq_len}) + {attention} "
+            f"FLOPs per sequence = 6 * N({self.dense_params:,}{idle}) * S({self.seq_len}) + {attention} "
             f"= {self.per_sequence:.4g} ({self.attention_share:.0%} attention, causal: half of S^2); "
             f"x {self.sequences_per_step} sequences per step = {self.per_step:.4g}"
         )
@@ -91,6 +99,7 @@ def count_flops(model: torch.nn.Module, seq_len: int, sequences_per_step: int) -
     if embedding is not None and not _tied_to_output(model, embedding):
         params -= embedding.numel()
     config = getattr(model, "config", None)
+    idle = _idle_expert_params(model, getattr(config, "num_experts_per_tok", None))
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None)
@@ -99,8 +108,36 @@ def count_flops(model: torch.nn.Module, seq_len: int, sequences_per_step: int) -
         head_dim = hidden // heads
     attn_width = heads * head_dim if heads and head_dim else None
     return FlopCount(
-        params, layers if attn_width else None, attn_width, seq_len, sequences_per_step
+        params - idle, layers if attn_width else None, attn_width, seq_len, sequences_per_step, idle
     )
+
+
+def _idle_expert_params(model: torch.nn.Module, config_top_k: int | None) -> int:
+    """The routed expert weights a token does not run: of each MoE block's E experts (its
+    `experts` child, HF's fused [E, ...] weights or a list of experts) a token runs top_k (the
+    block's or its router's `top_k`, else the config's num_experts_per_tok)."""
+    idle = 0
+    for block in model.modules():
+        experts = dict(block.named_children()).get("experts")
+        if experts is None:
+            continue
+        count = getattr(experts, "num_experts", None) or (
+            len(experts) if isinstance(experts, torch.nn.ModuleList) else None
+        )
+        top_k = _top_k(block) or config_top_k
+        if count and top_k and top_k < count:
+            weights = sum(p.numel() for p in experts.parameters())
+            idle += weights * (count - top_k) // count
+    return idle
+
+
+def _top_k(block: torch.nn.Module) -> int | None:
+    """The experts a token runs, as the MoE block or its router keeps it."""
+    for module in (block, *block.children()):
+        top_k = getattr(module, "top_k", None)
+        if isinstance(top_k, int):
+            return top_k
+    return None
 
 
 def _input_embedding(model: torch.nn.Module) -> torch.Tensor | None:

@@ -80,6 +80,16 @@ def registered_sp_size() -> int:
     return dist.get_world_size(_sp_group) * ring
 
 
+def all_reduce_over_sp(tensor: torch.Tensor) -> None:
+    """Sum `tensor` in place over every rank sharing this rank's sequences: over its Ulysses
+    group, then its ring group (one member of every Ulysses group), which together are the SP
+    group. Nothing to do when no group is registered (one device)."""
+    if _sp_group is not None:
+        dist.all_reduce(tensor, group=_sp_group)
+    if _ring_group is not None:
+        dist.all_reduce(tensor, group=_ring_group)
+
+
 @contextmanager
 def sp_group_context(
     group: dist.ProcessGroup, ring: dist.ProcessGroup | None = None

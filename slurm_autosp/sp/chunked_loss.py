@@ -5,13 +5,15 @@ Each chunk's logits are computed, reduced to a summed loss and dropped; backward
 one chunk at a time (activation checkpointing per chunk), so at most one chunk's logits and
 their gradient are alive. The arithmetic is Hugging Face's causal-LM loss: logits in the
 model's dtype, cast to fp32, summed cross-entropy over valid labels, divided by the step's
-global label count; only the order of the fp32 summation differs.
+global label count; only the order of the fp32 summation differs. Training, evaluation and
+verify all assemble their loss here, an MoE's router load-balancing loss included (its exact
+share on each SP rank: router_loss).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from slurm_autosp.sp.inputs import IGNORE_INDEX
+from slurm_autosp.sp.router_loss import RouterTokens, load_balancing_of
 
 LOGIT_TRANSFORMS = (
     "final_logit_softcapping",
@@ -98,14 +101,51 @@ def _output_embedding_as_identity(module: torch.nn.Module) -> Iterator[torch.nn.
         setattr(module, name, head)
 
 
-def causal_lm_loss(model: Any, batch_kwargs: dict[str, Any], *, chunk_tokens: int) -> torch.Tensor:
-    """The loss of an HF causal LM on `SPBatch.model_kwargs()`, computed in chunks.
+def _logits_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int
+) -> torch.Tensor:
+    """Hugging Face's causal-LM loss on logits already computed: fp32 cross-entropy summed over
+    valid labels (already shifted) / num_items_in_batch."""
+    total = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return total / torch.as_tensor(num_items_in_batch, device=total.device)
+
+
+def causal_lm_loss(
+    model: Any,
+    batch_kwargs: dict[str, Any],
+    *,
+    chunk_tokens: int,
+    router: RouterTokens | None = None,
+) -> torch.Tensor:
+    """`causal_lm_forward`'s loss."""
+    return causal_lm_forward(model, batch_kwargs, chunk_tokens=chunk_tokens, router=router)[0]
+
+
+def causal_lm_forward(
+    model: Any,
+    batch_kwargs: dict[str, Any],
+    *,
+    chunk_tokens: int,
+    router: RouterTokens | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss of an HF causal LM on `SPBatch.model_kwargs()`, computed in chunks, and its
+    logits (None when computed in chunks: they never exist whole).
 
     `model` is what runs the forward (the DeepSpeed engine, so its backward hooks are set on the
     outputs). The output embedding is swapped for an identity during the forward, so the model
     returns its final hidden states as `logits` (without labels it computes no loss of its own);
     the loss is then `chunked_cross_entropy` with the real output embedding. A model without a
     Linear output embedding, or chunk_tokens <= 0, takes the model's own loss.
+
+    An MoE with a router load-balancing loss (`output_router_logits`) is run without labels, so
+    it adds no aux of its own (on a shard, the wrong one); the cross-entropy comes from its
+    logits, plus, with `router`, this rank's exact share of the aux (`router_loss`). Without
+    `router` the loss is the cross-entropy alone (evaluation: its perplexity).
     """
     module = getattr(model, "module", model)
     problems = unsupported_logits(getattr(module, "config", None))
@@ -114,22 +154,28 @@ def causal_lm_loss(model: Any, batch_kwargs: dict[str, Any], *, chunk_tokens: in
             "; ".join(problems)
             + "; compute the loss unchunked (chunk_tokens=0, compile.loss_chunk_tokens=0)"
         )
-    if chunk_tokens <= 0:
-        return model(**batch_kwargs).loss
+    balancing = load_balancing_of(module)
     kwargs = {
         k: v
         for k, v in batch_kwargs.items()
         if k not in ("labels", "shift_labels", "num_items_in_batch")
     }
-    with _output_embedding_as_identity(module) as head:
-        if head is None:
-            return model(**batch_kwargs).loss
-        hidden = model(**kwargs).logits
-    return chunked_cross_entropy(
-        hidden,
-        head.weight,
-        batch_kwargs["shift_labels"],
-        batch_kwargs["num_items_in_batch"],
-        chunk_tokens=chunk_tokens,
-        bias=head.bias,
+    chunked: AbstractContextManager[torch.nn.Linear | None] = (
+        _output_embedding_as_identity(module) if chunk_tokens > 0 else nullcontext(None)
     )
+    with chunked as head:
+        if head is None and balancing is None:
+            out = model(**batch_kwargs)
+            return out.loss, out.logits
+        out = model(**kwargs)
+    labels, count = batch_kwargs["shift_labels"], batch_kwargs["num_items_in_batch"]
+    if head is None:
+        loss, logits = _logits_cross_entropy(out.logits, labels, count), out.logits
+    else:
+        loss = chunked_cross_entropy(
+            out.logits, head.weight, labels, count, chunk_tokens=chunk_tokens, bias=head.bias
+        )
+        logits = None
+    if balancing is not None and router is not None:
+        loss = loss + balancing.share(out.router_logits, router)
+    return loss, logits

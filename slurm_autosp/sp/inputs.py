@@ -40,7 +40,10 @@ class SPBatch:
 
     `valid_labels` counts the labels of this shard that enter the loss. Summed over every
     rank of the world and every micro-batch of the optimizer step, it is the step's loss
-    normaliser (`num_items_in_batch`). `cu_seqlens` (packed rows only) are the cumulative
+    normaliser (`num_items_in_batch`). `real_tokens` [B, S/P] marks the shard's tokens that the
+    model's own attention_mask would count, in the shard's order: not padding, not the SP
+    padding added here (an MoE's router load-balancing loss counts exactly those; a real token
+    whose label is ignored still counts). `cu_seqlens` (packed rows only) are the cumulative
     document lengths of the whole, padded batch, the same on every rank of the SP group, and
     `longest_document` the longest of those documents (0: not known). It is read once here, on
     the host: the CUDA kernel needs it, and reading it there would wait for the GPU in every
@@ -51,6 +54,7 @@ class SPBatch:
     shift_labels: torch.Tensor
     position_ids: torch.Tensor
     valid_labels: int
+    real_tokens: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     longest_document: int = 0
 
@@ -227,6 +231,7 @@ def prepare_sp_inputs(
     position_ids = torch.cat([position_ids, position_tail], dim=1)
     input_ids = _pad_to_multiple(input_ids, multiple, pad_token_id)
     shift_labels = _pad_to_multiple(shift_labels, multiple, IGNORE_INDEX)
+    real_tokens = torch.nn.functional.pad(valid, (0, padding), value=False)
 
     if ring_size == 1:
         shard = input_ids.shape[1] // sp_size
@@ -241,6 +246,7 @@ def prepare_sp_inputs(
         shift_labels=local_labels,
         position_ids=position_ids[:, local].contiguous(),
         valid_labels=int((local_labels != IGNORE_INDEX).sum()),
+        real_tokens=real_tokens[:, local].contiguous(),
         cu_seqlens=cu_seqlens,
         longest_document=0 if cu_seqlens is None else int(cu_seqlens.diff().max()),
     )

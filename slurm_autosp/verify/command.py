@@ -12,6 +12,9 @@ ring when parallel.ring_size > 1: the ranks' Ulysses and ring groups as a job bu
 whose sequence length is not divisible by the SP size and whose ignored labels are spread
 unevenly over the shards, and one device runs the plain model on the same batch. Gradients
 are averaged over all ranks, as DeepSpeed ZeRO-1 does, with slurm_autosp.compile.loss_scale.
+An MoE trained with its router's load-balancing loss (output_router_logits) is compared with
+the plain model's loss plus coef x its family's aux over each DP replica's rows as one
+micro-batch, averaged over the replicas (what training optimises).
 
 Printed: the loss of both, the largest per-token loss difference, and for every parameter
 max|g - g_ref| / max|g_ref| (the worst few named). Exit status 0 when every figure is at most

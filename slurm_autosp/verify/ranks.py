@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +25,8 @@ from slurm_autosp.sp import (
     set_sp_groups,
     sp_token_positions,
 )
+from slurm_autosp.sp.chunked_loss import causal_lm_forward
+from slurm_autosp.sp.router_loss import RouterTokens
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -89,17 +92,25 @@ def _sequences(batch: dict[str, Any], layout: DocumentLayout | None) -> list[tup
 
 
 def _reference(
-    model: Any, batch: dict[str, Any], layout: DocumentLayout | None
+    model: Any, batch: dict[str, Any], layout: DocumentLayout | None, replicas: int
 ) -> tuple[float, Any, dict[str, Any]]:
     """The unmodified model on one device, each sequence (document) alone, none of AutoSP's
     code involved: the loss is every token loss over the batch's label count. Returns it, the
-    per-token losses [B, S] and the gradients."""
+    per-token losses [B, S] and the gradients.
+
+    An MoE's router load-balancing loss is over a whole micro-batch, not a sum over sequences:
+    the model's own aux of each sequence is taken out, and coef x its family's
+    `load_balancing_loss_func` over each DP replica's rows as one micro-batch (their router
+    logits laid end to end: a token's router logits do not depend on the other sequences) is
+    put in, averaged over the replicas."""
 
     sequences = _sequences(batch, layout)
     labels = batch["labels"]
     count = sum(int((labels[r, s + 1 : e] != IGNORE_INDEX).sum()) for r, s, e in sequences)
     loss = torch.zeros((), device=labels.device)
     per_token = torch.zeros(labels.shape, device=labels.device)
+    routers: list[list[Any]] = [[] for _ in range(replicas)]
+    rows_per_replica = labels.shape[0] // replicas
     for row, start, end in sequences:
         piece = labels[row : row + 1, start:end]
         out = model(
@@ -109,8 +120,17 @@ def _reference(
             use_cache=False,
         )
         loss = loss + out.loss
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss - model.router_aux_loss_coef * out.aux_loss
+            routers[row // rows_per_replica].append(out.router_logits)
         shifted = F.pad(piece[:, 1:], (0, 1), value=IGNORE_INDEX)
         per_token[row, start:end] = _per_token_loss(out.logits, shifted)[0]
+    if any(routers):
+        family = sys.modules[type(model).__module__].load_balancing_loss_func
+        for pieces in routers:
+            logits = tuple(torch.cat(layer) for layer in zip(*pieces, strict=True))
+            aux = family(logits, model.num_experts, model.num_experts_per_tok, None)
+            loss = loss + model.router_aux_loss_coef * aux / replicas
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     return float(loss.detach()), per_token, grads
@@ -200,13 +220,17 @@ def compare_sp_step(
     backend = AutoSPBackend(sp_size, ring_size=ring_size)
     compile_model(model, backend, per_layer=cfg.compile.per_layer)
     set_sp_groups(dims.ulysses_group, dims.ring_group)
-    out = model(**shard.model_kwargs(count.clamp(min=1)))
-    (out.loss * loss_scale(world_size, grad_accum=1)).backward()
+    router = RouterTokens(shard.real_tokens, sp_size, micro_batches=dims.dp_size)
+    sp_loss, logits = causal_lm_forward(
+        model, shard.model_kwargs(count.clamp(min=1)), chunk_tokens=0, router=router
+    )
+    assert logits is not None  # unchunked
+    (sp_loss * loss_scale(world_size, grad_accum=1)).backward()
     backend.require_sdpa_found()
 
-    loss = out.loss.detach().float()
+    loss = sp_loss.detach().float()
     dist.all_reduce(loss)
-    per_token = _per_token_loss(out.logits, shard.shift_labels).contiguous()
+    per_token = _per_token_loss(logits, shard.shift_labels).contiguous()
     gathered = [torch.empty_like(per_token) for _ in range(world_size)]
     dist.all_gather(gathered, per_token)
     grads = {}
@@ -220,8 +244,8 @@ def compare_sp_step(
     assert reference_model is not None
     low = None
     if dtype != torch.float32:  # what the dtype alone costs: the unmodified model in it
-        low = _reference(copy.deepcopy(reference_model).to(dtype), batch, layout)
-    ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch, layout)
+        low = _reference(copy.deepcopy(reference_model).to(dtype), batch, layout, dims.dp_size)
+    ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch, layout, dims.dp_size)
     baseline = None
     if low is not None:
         low_loss, low_per_token, low_grads = low

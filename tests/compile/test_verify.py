@@ -99,6 +99,27 @@ def test_sp4_as_ulysses_2_by_ring_2_matches_single_device(run_verify):
     assert "sp_size=4 (Ulysses 2 x ring 2)" in done.stdout and "PASS" in done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family,layout",
+    [
+        ("mixtral", ("parallel.sp_size=2", "--dp", "2")),
+        ("qwen3_moe", ("parallel.sp_size=4", "parallel.ring_size=2", "cluster.tasks_per_node=4")),
+    ],
+)
+def test_moe_router_loss_matches_single_device(run_verify, family, layout):
+    """The router's load-balancing loss over each DP replica's micro-batch, as the unmodified
+    model computes it on one device (before: gate gradients 0.05-1.5 relative off)."""
+    done = run_verify(
+        "cfg=configs/tiny_cpu.yaml",
+        f"model.model_type={family}",
+        "model.extra.output_router_logits=true",
+        *layout,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS" in done.stdout
+
+
 def test_packed_documents_with_a_ring_exit_2_naming_ring_size(capsys):
     arguments = ["parallel.sp_size=4", "parallel.ring_size=2", "cluster.tasks_per_node=4"]
     assert main(["cfg=configs/tiny_cpu.yaml", *arguments, "verify.documents=3"]) == 2
