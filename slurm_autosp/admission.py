@@ -28,7 +28,11 @@ from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import SignalDelayTooShort
 from slurm_autosp.memory_plan import PlanVerdict, plan_verdict, training_choices
 from slurm_autosp.memory_plan.freeze import adopt_frozen_choices, freeze_choices
-from slurm_autosp.model import model_vocab_size, refuse_unsupported_attention
+from slurm_autosp.model import (
+    model_vocab_size,
+    refuse_tiled_router_loss,
+    refuse_unsupported_attention,
+)
 
 ADOPTED = (
     "memory plan: not planned again: a requeued start trains with the choices its first start "
@@ -95,6 +99,7 @@ def admit(
     else:
         plan = plan_verdict(cfg)
         freeze_choices(cfg, plan.choices)
+    refuse_tiled_router_loss(cfg, plan.choices.tile_tokens)
     if plan.late and plan.fits and saves_checkpoints:  # not fitting is refused first, by name
         raise SignalDelayTooShort(f"{plan.late}\n{plan.text}")
     refuse_another_runs_checkpoint(

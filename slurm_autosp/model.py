@@ -216,6 +216,21 @@ def refuse_inexact_router_loss(cfg: JobConfig, config: Any) -> None:
         )
 
 
+def refuse_tiled_router_loss(cfg: JobConfig, tile_tokens: int) -> None:
+    """Sequence tiling (configured, or chosen by the plan) with an MoE's load-balancing loss:
+    the tiles would not record the router's logits as the loss needs them (compile.tiling)."""
+    if not tile_tokens or cfg.model.builder:
+        return
+    if getattr(hf_config(cfg.model), "output_router_logits", False):
+        raise ConfigError(
+            f"compile.tile_tokens={tile_tokens} (configured, or the memory plan's choice: see "
+            "python -m slurm_autosp.plan) with an MoE's router load-balancing loss "
+            "(output_router_logits=true): sequence tiles do not record the router's logits as "
+            "the loss needs them; set model.extra.output_router_logits=false, or give the job "
+            "more GPUs (parallel.sp_size) so the plan fits without tiling"
+        )
+
+
 def _router_loss_differences(model: ModelConfig, config: Any) -> list[str]:
     """Why the family's load-balancing loss is not `sp.router_loss`'s (empty: it is)."""
     model_class = _hf_model_class(config)

@@ -5,9 +5,11 @@ import torch
 from transformers.models.mixtral import modeling_mixtral
 
 from slurm_autosp.checkpoint.export import export_hf, whole_weights
+from slurm_autosp.compile import tile_layers, tile_mlps
+from slurm_autosp.compile.backend import AutoSPCompileError
 from slurm_autosp.config import ConfigError, ModelConfig, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
-from slurm_autosp.model import build_model, refuse_unsupported_attention
+from slurm_autosp.model import build_model, refuse_tiled_router_loss, refuse_unsupported_attention
 
 
 def tiny_builder(cfg):
@@ -146,3 +148,25 @@ def test_a_z_loss_is_refused_naming_its_field():
     )
     with pytest.raises(ConfigError, match=r"z-loss \(router_z_loss_coef=0.001\).*=0"):
         refuse_unsupported_attention(cfg)
+
+
+def test_sequence_tiling_with_a_router_loss_is_refused_at_admission_and_where_it_runs():
+    """Tiles run the MoE block without autograd and again in backward: the router's logits
+    would be recorded per tile and pass, without their gradient."""
+    cfg = load_config(
+        [
+            "cfg=configs/tiny_cpu.yaml",
+            "model.model_type=mixtral",
+            "model.extra.output_router_logits=true",
+        ]
+    )
+    with pytest.raises(ConfigError, match=r"compile.tile_tokens=64 .*output_router_logits=false"):
+        refuse_tiled_router_loss(cfg, 64)
+    model = build_model(cfg.model)
+    with pytest.raises(AutoSPCompileError, match="output_router_logits=true"):
+        tile_mlps(model, 64)
+    with pytest.raises(AutoSPCompileError, match="output_router_logits=true"):
+        tile_layers(model, 64)
+    cfg.model.extra["output_router_logits"] = False
+    refuse_tiled_router_loss(cfg, 64)
+    tile_mlps(build_model(cfg.model), 64)

@@ -579,3 +579,35 @@ def test_predicted_activation_memory_is_within_15_percent_of_measured_on_cpu(
         assert abs(error) <= 0.15, (
             f"seq {seq}: predicted {predicted} B, measured {measured} B ({error:+.1%})"
         )
+
+
+MOE = [
+    "cfg=configs/llama8b_32k.yaml",
+    "model.model_type=mixtral",
+    "model.hidden_size=1024",
+    "model.intermediate_size=2048",
+    "model.num_hidden_layers=4",
+    "model.num_attention_heads=8",
+    "model.num_key_value_heads=2",
+    "model.extra.num_local_experts=8",
+    "model.extra.output_router_logits=true",
+]
+
+
+def test_an_moe_layer_is_traced_whole_its_saved_activations_growing_with_the_active_experts():
+    """The experts run as one grouped matmul over the tokens' top-k choices (shapes free of the
+    routing), so the layer traces as one graph on fake tensors; what it saves grows with top_k,
+    not with the experts a token skips."""
+    spec = [ActivationCheckpointSpec(ActivationCheckpointing.none)]
+    saved = {}
+    for top_k in (1, 2):
+        cfg = load_config([*MOE, f"model.extra.num_experts_per_tok={top_k}"])
+        (trace,) = trace_decoder_layer(cfg.model, local_seq=1024, sp_size=8, specs=spec)
+        saved[top_k] = sum(t.nbytes for t in trace.saved if t.kind == "activation")
+    assert saved[2] > saved[1] > 0, saved
+
+
+def test_the_plan_of_an_moe_job_prints_a_verdict():
+    proc = run_command(plan_main, *[a.replace("cfg=", f"cfg={REPO}/", 1) for a in MOE])
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert "verdict:" in proc.stdout and "Traceback" not in proc.stderr

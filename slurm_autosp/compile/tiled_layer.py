@@ -43,7 +43,7 @@ from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSp
 from slurm_autosp.compile.backend import AutoSPBackend, AutoSPCompileError, HeadLayout
 from slurm_autosp.compile.hf_attention import SP_ATTENTION, TILED_ATTENTION
 from slurm_autosp.compile.layers import decoder_layers
-from slurm_autosp.compile.tiling import sequence_tiles
+from slurm_autosp.compile.tiling import refuse_tiled_router_loss, sequence_tiles
 from slurm_autosp.config import ActivationCheckpointing
 from slurm_autosp.sp.all_to_all import sp_all_to_all
 from slurm_autosp.sp.attention_pattern import check_attention_call
@@ -436,6 +436,7 @@ def tile_layers(
     changes the tile size."""
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
+    refuse_tiled_router_loss(model)
     if not isinstance(model, PreTrainedModel):
         raise AutoSPCompileError(
             f"tiling whole decoder layers needs a Hugging Face model (its attention function is "

@@ -128,11 +128,25 @@ def _mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [mlp for mlp in mlps if isinstance(mlp, torch.nn.Module)]  # all of them, typed
 
 
+def refuse_tiled_router_loss(model: torch.nn.Module) -> None:
+    """A tile's forward runs without autograd and again in backward, so an MoE router's
+    logits, which the model records for its load-balancing loss, would be recorded once per
+    tile and pass, and without their gradient: refused by name, never trained wrongly."""
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise AutoSPCompileError(
+            "sequence tiling (compile.tile_tokens, or the memory plan's tiled rungs) does not "
+            "record an MoE router's logits for its load-balancing loss "
+            "(output_router_logits=true); set model.extra.output_router_logits=false, or "
+            "compile.tile_tokens=0 with a plan that fits without tiling"
+        )
+
+
 def tile_mlps(model: torch.nn.Module, tile_tokens: int) -> None:
     """Make every decoder layer's MLP run over tiles of `tile_tokens` tokens, in place;
     applied again, it changes the tile size."""
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
+    refuse_tiled_router_loss(model)
     for mlp in _mlps(model):
         if not isinstance(mlp, SequenceTiled):
             mlp.__class__ = _tiled_class(type(mlp))

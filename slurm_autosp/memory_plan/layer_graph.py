@@ -219,6 +219,9 @@ def _partitioned_graphs(
     layer_class, rotary_class = hf_layer_classes(model)
     config = hf_config(model)
     config._attn_implementation = SP_ATTENTION
+    # an MoE layer's experts as one grouped matmul over the tokens' top-k choices: its shapes do
+    # not depend on the routing, so fake tensors trace the layer whole
+    config._experts_implementation = "grouped_mm"
     partitions: list[tuple[fx.GraphModule, fx.GraphModule]] = []
     is_parameter: list[bool] = []
 
