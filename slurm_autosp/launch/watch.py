@@ -28,9 +28,10 @@ class JobFailed(RuntimeError):
     """A rank of the job raised or died; the message names the rank and shows its log.
     `inexact`: it stopped before step 1 because its start check found AutoSP inexact."""
 
-    def __init__(self, message: str, inexact: bool = False):
+    def __init__(self, message: str, inexact: bool = False, secondary: bool = False):
         super().__init__(message)
         self.inexact = inexact
+        self.secondary = secondary  # it failed because another rank died under it
 
 
 # `submit` and `status --follow` exit with this when the job's start check failed: the model
@@ -89,6 +90,8 @@ def wait_for_job(
     while True:
         _echo_lines(follower.new_text(), echo)
         failure = _first_failure(tasks)
+        if failure is not None and failure.secondary:
+            failure = _cause_of(tasks, failure, poll_s)
         if failure is not None:
             if not job.done():
                 job.cancel(check=False)
@@ -105,7 +108,24 @@ def wait_for_job(
         time.sleep(poll_s)
 
 
-def _first_failure(tasks: list[submitit.Job]) -> JobFailed | None:
+# what a rank raises when another rank died under it: the cause is that other rank's error
+PEER_DIED = ("Connection closed by peer", "remote worker crashing", "communicator was aborted")
+CAUSE_WAIT_S = 15.0
+
+
+def _cause_of(tasks: list[submitit.Job], failure: JobFailed, poll_s: float) -> JobFailed:
+    """A rank that failed because a peer died is not the cause: give the peer's own error a
+    few seconds to arrive, and report it instead."""
+    deadline = time.monotonic() + CAUSE_WAIT_S
+    while time.monotonic() < deadline:
+        cause = _first_failure(tasks, primary_only=True)
+        if cause is not None:
+            return cause
+        time.sleep(poll_s)
+    return failure
+
+
+def _first_failure(tasks: list[submitit.Job], primary_only: bool = False) -> JobFailed | None:
     for rank, task in enumerate(tasks):
         if not task.paths.result_pickle.exists():
             continue
@@ -115,8 +135,12 @@ def _first_failure(tasks: list[submitit.Job]) -> JobFailed | None:
             if marker in str(payload):  # verify's report says it all; no traceback or log tail
                 report = str(payload).split(marker, 1)[1].rstrip()
                 return JobFailed(f"stopped before step 1:\n{report}", inexact=True)
+            secondary = any(sign in str(payload) for sign in PEER_DIED)
+            if primary_only and secondary:
+                continue
             return JobFailed(
-                f"rank {rank} failed:\n{str(payload).rstrip()}\n" + _log_tail(task, rank)
+                f"rank {rank} failed:\n{str(payload).rstrip()}\n" + _log_tail(task, rank),
+                secondary=secondary,
             )
     return None
 
