@@ -6,7 +6,7 @@ options: the `verify.*` keys and the shrunk model; documents: the packed rows
 why; command: spawning the ranks, the exit status.
 """
 
-from slurm_autosp.verify.command import main, run_verify
+from slurm_autosp.verify.command import admit_verify, main, run_verify
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -16,7 +16,7 @@ from slurm_autosp.verify.options import (
     verify_seq_len,
 )
 from slurm_autosp.verify.packed_rows import DocumentLayout, choose_layout, verify_layout
-from slurm_autosp.verify.ranks import make_batch, run_rank, shift_labels_per_shard
+from slurm_autosp.verify.ranks import make_batch, run_rank, shift_labels_per_shard, verify_step
 from slurm_autosp.verify.report import Report, failures, format_report
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Inject",
     "Report",
     "VerifyOptions",
+    "admit_verify",
     "choose_layout",
     "failures",
     "format_report",
@@ -36,5 +37,6 @@ __all__ = [
     "shrink_model_config",
     "split_arguments",
     "verify_layout",
+    "verify_step",
     "verify_seq_len",
 ]

@@ -51,14 +51,16 @@ from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.config import ConfigError, JobConfig, load_config
+from slurm_autosp.model import build_model
 from slurm_autosp.verify.options import (
     VerifyOptions,
     load_options,
+    shrink_model_config,
     split_arguments,
     verify_seq_len,
 )
 from slurm_autosp.verify.packed_rows import verify_layout
-from slurm_autosp.verify.ranks import run_rank
+from slurm_autosp.verify.ranks import make_batch, run_rank
 from slurm_autosp.verify.report import Report, failures, format_report
 
 
@@ -77,6 +79,35 @@ def run_verify(cfg: JobConfig, options: VerifyOptions) -> Report:
         return Report(**torch.load(result_file, weights_only=False))
 
 
+def admit_verify(cfg: JobConfig, options: VerifyOptions) -> None:
+    """Refuse (ConfigError) what submit would, and what verify itself cannot run; fixes the
+    ring size a null `parallel.ring_size` resolves to, as a job would get it."""
+    admit_model(cfg)  # as submit would
+    admit_model(cfg, verify_seq_len(cfg.parallel.sp_size, options))  # and what verify runs
+    cfg.parallel.ring_size = ring_size_for(cfg)  # null: the split a job would get
+    verify_layout(cfg.parallel.sp_size, options, cfg.parallel.ring_size)  # one that can be had
+    _refuse_a_failing_copy(cfg, options)
+
+
+def _refuse_a_failing_copy(cfg: JobConfig, options: VerifyOptions) -> None:
+    """The shrunk copy runs on one device, without AutoSP, before any rank starts: a model that
+    fails on its own (fields that do not fit together, which admission's fake-tensor trace
+    could not tell) is named here, not by a rank's traceback."""
+    model_cfg = shrink_model_config(cfg.model, options)
+    assert model_cfg.vocab_size is not None  # shrink_model_config sets it
+    batch = make_batch(1, verify_seq_len(cfg.parallel.sp_size, options), model_cfg.vocab_size, 0)
+    try:
+        torch.manual_seed(options.seed)
+        build_model(model_cfg)(**batch, use_cache=False)
+    except Exception as err:  # noqa: BLE001 - the model's own failure, reported by name
+        raise ConfigError(
+            f"model.model_type={model_cfg.model_type}: verify's shrunk copy ({model_cfg.num_hidden_layers} "
+            f"layers, hidden {model_cfg.hidden_size}, head_dim {model_cfg.head_dim}) fails on one "
+            f"device, without AutoSP: {type(err).__name__}: {err}. Check the model's fields "
+            "(model.*, model.extra.*) fit together"
+        ) from err
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
@@ -85,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         job_args, verify_args = split_arguments(argv)
         options = load_options(verify_args)
         cfg = load_config(job_args)
-        admit_model(cfg)  # as submit would
-        admit_model(cfg, verify_seq_len(cfg.parallel.sp_size, options))  # and what verify runs
-        cfg.parallel.ring_size = ring_size_for(cfg)  # null: the split a job would get
-        verify_layout(cfg.parallel.sp_size, options, cfg.parallel.ring_size)  # one that can be had
+        admit_verify(cfg, options)
         use_private_compile_cache(cfg.compile.cache_dir)  # the ranks inherit it
     except ConfigError as err:
         return config_error(err)

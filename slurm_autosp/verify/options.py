@@ -116,6 +116,23 @@ def _special_ids_within(model: ModelConfig, vocab_size: int) -> dict[str, Any]:
     return moved
 
 
+def _latent_attention_within(model: ModelConfig, head_dim: int, hidden: int) -> dict[str, Any]:
+    """Multi-head latent attention (DeepSeek-V2/V3 and their kin) takes its rotary head_dim
+    from `qk_rope_head_dim` and projects keys and values from latent ranks: the shrunk copy's
+    head parts are `head_dim` each and its ranks the shrunk hidden size, or its rotary
+    embedding (head_dim) would not match its queries' rotary part."""
+    config = hf_config(model)
+    if getattr(config, "kv_lora_rank", None) is None:
+        return {}
+    return {
+        "qk_rope_head_dim": head_dim,
+        "qk_nope_head_dim": head_dim,
+        "v_head_dim": head_dim,
+        "kv_lora_rank": hidden,
+        "q_lora_rank": hidden if getattr(config, "q_lora_rank", None) else None,
+    }
+
+
 def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConfig:
     """A CPU-sized copy of `model` with the same head layout, class and RoPE settings.
 
@@ -143,6 +160,7 @@ def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConf
     typed = {f.name for f in dataclasses.fields(ModelConfig)}
     extra = {k: v for k, v in fields.items() if k not in typed and k not in shrunk}
     extra.update({k: v for k, v in model.extra.items() if k not in shrunk})
+    extra.update(_latent_attention_within(model, options.head_dim, hidden))
     extra.update(_special_ids_within(model, shrunk["vocab_size"]))
     kept = {k: v for k, v in fields.items() if k in typed and k not in shrunk and k != "extra"}
     kept.pop("model_type", None)

@@ -114,99 +114,107 @@ def run_rank(
     init_file: str,
     result_file: str,
 ) -> None:
-    """One rank: an AutoSP step on its shard, gradients averaged over the world; rank 0 also
-    runs the reference and writes the report."""
+    """One spawned rank: joins the gloo world, runs `verify_step`, and rank 0 writes the report."""
 
     torch.set_num_threads(1)
-    force_full_fp32()
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     try:
-        sp_size, ring_size = cfg.parallel.sp_size, cfg.parallel.ring_size or 1
-        sp_rank, dp_rank = rank % sp_size, rank // sp_size
-        # contiguous SP groups, their Ulysses and ring groups as a job's layout places them
-        parallel = ParallelLayout.from_sp_groups(
-            tuple(tuple(range(s, s + sp_size)) for s in range(0, world_size, sp_size)),
-            ring_size=ring_size,
-        )
-        groups = build_process_groups(parallel)
-        model_cfg = shrink_model_config(cfg.model, options)
-        seq_len = verify_seq_len(sp_size, options)
-        assert model_cfg.vocab_size is not None  # shrink_model_config sets it
-        batch = make_batch(options.rows * options.dp, seq_len, model_cfg.vocab_size, options.seed)
-        layout = verify_layout(sp_size, options)
-        if layout is not None:
-            batch["document_ids"] = layout.document_ids().repeat(options.rows * options.dp, 1)
-
-        torch.manual_seed(options.seed)
-        model = build_model(model_cfg).float()
-        reference_model = copy.deepcopy(model) if rank == 0 else None
-
-        rows = slice(dp_rank * options.rows, (dp_rank + 1) * options.rows)
-        local = {key: value[rows] for key, value in batch.items()}
-        shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
-        if options.inject is Inject.per_shard_shift:
-            buggy = shift_labels_per_shard(local["labels"], sp_rank, sp_size)
-            shard = dataclasses.replace(
-                shard, shift_labels=buggy, valid_labels=int((buggy != -100).sum())
-            )
-        count = torch.tensor(shard.valid_labels)
-        dist.all_reduce(count)
-
-        backend = AutoSPBackend(sp_size, ring_size=ring_size)
-        compile_model(model, backend, per_layer=cfg.compile.per_layer)
-        set_sp_groups(groups.ulysses, groups.ring)
-        out = model(**shard.model_kwargs(count.clamp(min=1)))
-        (out.loss * loss_scale(world_size, grad_accum=1)).backward()
-        backend.require_sdpa_found()
-
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        per_token = _per_token_loss(out.logits, shard.shift_labels).contiguous()
-        gathered = [torch.empty_like(per_token) for _ in range(world_size)]
-        dist.all_gather(gathered, per_token)
-        grads = {}
-        for name, param in model.named_parameters():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            dist.all_reduce(grad)
-            grads[name] = grad / world_size
-        if rank != 0:
-            return
-
-        ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch, layout)
-        # gathered[rank] is (dp_rank, sp_rank)'s [rows, shard]: rows by DP, sequence by SP
-        # (sp_rank's positions: a contiguous slice, its zigzag share under a ring)
-        padded = per_token.shape[1] * sp_size
-        full = per_token.new_empty(options.rows * options.dp, padded)
-        for r, tokens in enumerate(gathered):
-            d, s = divmod(r, sp_size)
-            positions = sp_token_positions(padded, s, sp_size, ring_size)
-            full[d * options.rows : (d + 1) * options.rows, positions] = tokens
-        token_diff = (full[:, :seq_len] - ref_per_token).abs()
-        mismatched = sorted(
-            {int(p) for p in (token_diff > options.tolerance).nonzero()[:, 1].tolist()}
-        )
-        grad_errors = {}
-        for name, reference in ref_grads.items():
-            scale = reference.abs().max().clamp(min=1e-30)
-            grad_errors[_short_name(name)] = float((grads[name] - reference).abs().max() / scale)
-        report = Report(
-            description=_describe(
-                cfg, model_cfg, options, seq_len, count=int(count), batch=batch, layout=layout
-            ),
-            sp_size=sp_size,
-            seq_len=seq_len,
-            shard_len=shard.input_ids.shape[1],
-            loss=float(loss),
-            ref_loss=ref_loss,
-            token_error=float(token_diff.max()),
-            mismatched_positions=mismatched,
-            grad_errors=grad_errors,
-        )
-        torch.save(dataclasses.asdict(report), result_file)
+        report = verify_step(cfg, options)
+        if report is not None:
+            torch.save(dataclasses.asdict(report), result_file)
     finally:
         dist.destroy_process_group()
+
+
+def verify_step(cfg: JobConfig, options: VerifyOptions) -> Report | None:
+    """One rank of an existing gloo world of sp_size x dp ranks: an AutoSP step on its shard,
+    gradients averaged over the world; rank 0 also runs the reference and returns the report
+    (None elsewhere). Apart from `run_rank` so a pool of ranks kept for many checks (the
+    family battery) runs it without starting processes."""
+
+    force_full_fp32()
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    sp_size, ring_size = cfg.parallel.sp_size, cfg.parallel.ring_size or 1
+    sp_rank, dp_rank = rank % sp_size, rank // sp_size
+    # contiguous SP groups, their Ulysses and ring groups as a job's layout places them
+    parallel = ParallelLayout.from_sp_groups(
+        tuple(tuple(range(s, s + sp_size)) for s in range(0, world_size, sp_size)),
+        ring_size=ring_size,
+    )
+    groups = build_process_groups(parallel)
+    model_cfg = shrink_model_config(cfg.model, options)
+    seq_len = verify_seq_len(sp_size, options)
+    assert model_cfg.vocab_size is not None  # shrink_model_config sets it
+    batch = make_batch(options.rows * options.dp, seq_len, model_cfg.vocab_size, options.seed)
+    layout = verify_layout(sp_size, options)
+    if layout is not None:
+        batch["document_ids"] = layout.document_ids().repeat(options.rows * options.dp, 1)
+
+    torch.manual_seed(options.seed)
+    model = build_model(model_cfg).float()
+    reference_model = copy.deepcopy(model) if rank == 0 else None
+
+    rows = slice(dp_rank * options.rows, (dp_rank + 1) * options.rows)
+    local = {key: value[rows] for key, value in batch.items()}
+    shard = prepare_sp_inputs(**local, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
+    if options.inject is Inject.per_shard_shift:
+        buggy = shift_labels_per_shard(local["labels"], sp_rank, sp_size)
+        shard = dataclasses.replace(
+            shard, shift_labels=buggy, valid_labels=int((buggy != -100).sum())
+        )
+    count = torch.tensor(shard.valid_labels)
+    dist.all_reduce(count)
+
+    backend = AutoSPBackend(sp_size, ring_size=ring_size)
+    compile_model(model, backend, per_layer=cfg.compile.per_layer)
+    set_sp_groups(groups.ulysses, groups.ring)
+    out = model(**shard.model_kwargs(count.clamp(min=1)))
+    (out.loss * loss_scale(world_size, grad_accum=1)).backward()
+    backend.require_sdpa_found()
+
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    per_token = _per_token_loss(out.logits, shard.shift_labels).contiguous()
+    gathered = [torch.empty_like(per_token) for _ in range(world_size)]
+    dist.all_gather(gathered, per_token)
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad)
+        grads[name] = grad / world_size
+    if rank != 0:
+        return None
+
+    ref_loss, ref_per_token, ref_grads = _reference(reference_model, batch, layout)
+    # gathered[rank] is (dp_rank, sp_rank)'s [rows, shard]: rows by DP, sequence by SP
+    # (sp_rank's positions: a contiguous slice, its zigzag share under a ring)
+    padded = per_token.shape[1] * sp_size
+    full = per_token.new_empty(options.rows * options.dp, padded)
+    for r, tokens in enumerate(gathered):
+        d, s = divmod(r, sp_size)
+        positions = sp_token_positions(padded, s, sp_size, ring_size)
+        full[d * options.rows : (d + 1) * options.rows, positions] = tokens
+    token_diff = (full[:, :seq_len] - ref_per_token).abs()
+    mismatched = sorted({int(p) for p in (token_diff > options.tolerance).nonzero()[:, 1].tolist()})
+    grad_errors = {}
+    for name, reference in ref_grads.items():
+        scale = reference.abs().max().clamp(min=1e-30)
+        grad_errors[_short_name(name)] = float((grads[name] - reference).abs().max() / scale)
+    return Report(
+        description=_describe(
+            cfg, model_cfg, options, seq_len, count=int(count), batch=batch, layout=layout
+        ),
+        sp_size=sp_size,
+        seq_len=seq_len,
+        shard_len=shard.input_ids.shape[1],
+        loss=float(loss),
+        ref_loss=ref_loss,
+        token_error=float(token_diff.max()),
+        mismatched_positions=mismatched,
+        grad_errors=grad_errors,
+    )
 
 
 def _short_name(name: str) -> str:
