@@ -138,14 +138,30 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
         else f"model.model_type={cfg.model.model_type}"
     )
     traced = trace_attention(config) if cfg.compile.enabled else TracedAttention()
-    if traced.failure:
-        raise ConfigError(f"{source}: {_own_failure(config, traced)}")
-    if cfg.compile.enabled:
-        _refuse_unsplit_heads(cfg, config, traced)
-        _refuse_inexact_ring(cfg, config, padded)
-    problems = unsupported_attention(config, padded) + traced.sinks if cfg.compile.enabled else []
+    problems = _field_problems(cfg, config, padded) + traced.sinks
+    if not problems:  # what the fields do not show, the traced call does
+        if traced.failure:
+            raise ConfigError(f"{source}: {_own_failure(config, traced)}")
+        if cfg.compile.enabled:
+            _refuse_unsplit_heads(cfg, config, traced)
+            _refuse_inexact_ring(cfg, config, padded)
+            problems = traced.unsupported + _no_attention_call(config, traced)
+            problems += _no_decoder_layers(cfg, config)
+    if problems:
+        raise ConfigError(
+            f"{source} (sequence parallel over parallel.sp_size={sp}, data.seq_len={seq}) is not supported exactly:\n  - "
+            + "\n  - ".join(problems)
+            + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
+            "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
+        )
+
+
+def _field_problems(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
+    """What the HF config's fields ask for that AutoSP (or the chunked loss) would compute
+    differently, each naming its field."""
+    problems = unsupported_attention(config, seq_len) if cfg.compile.enabled else []
     if cfg.compile.enabled and cfg.cluster.gpus_per_node > 0:
-        problems += _untested_varlen_attention(cfg, config, padded)
+        problems += _untested_varlen_attention(cfg, config, seq_len)
     model_class = _hf_model_class(config)
     if cfg.model.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         problems.insert(
@@ -159,16 +175,7 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
             f"{p}; set compile.loss_chunk_tokens=0 (the model's own loss)"
             for p in unsupported_logits(config)
         ]
-    if cfg.compile.enabled and not problems:  # what the fields do not show, the call does
-        problems += traced.unsupported + _no_attention_call(config, traced)
-        problems += _no_decoder_layers(cfg, config)
-    if problems:
-        raise ConfigError(
-            f"{source} (sequence parallel over parallel.sp_size={sp}, data.seq_len={seq}) is not supported exactly:\n  - "
-            + "\n  - ".join(problems)
-            + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
-            "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
-        )
+    return problems
 
 
 def _own_failure(config: Any, traced: TracedAttention) -> str:

@@ -6,7 +6,9 @@
 The configured model is shrunk to a CPU-sized copy with the same head layout (the same
 num_attention_heads and num_key_value_heads, hence the same grouped-query ratio and the same
 way heads split over the SP ranks), the same model class, RoPE settings and compile mode
-(compile.per_layer), but 2 layers, head_dim 8 and a 256-token vocabulary. Then
+(compile.per_layer), but 2 layers, head_dim 8 (an MLA model's rotary and latent parts too),
+a 256-token vocabulary and no dropout or router jitter (each rank draws its own). It first
+runs on one device without AutoSP: a model that fails on its own is named there (exit 2). Then
 parallel.sp_size x dp local CPU ranks (gloo) run one AutoSP training step in fp32 (Ulysses x
 ring when parallel.ring_size > 1: the ranks' Ulysses and ring groups as a job builds them), on a batch
 whose sequence length is not divisible by the SP size and whose ignored labels are spread
@@ -14,7 +16,8 @@ unevenly over the shards, and one device runs the plain model on the same batch.
 are averaged over all ranks, as DeepSpeed ZeRO-1 does, with slurm_autosp.compile.loss_scale.
 
 Printed: the loss of both, the largest per-token loss difference, and for every parameter
-max|g - g_ref| / max|g_ref| (the worst few named). Exit status 0 when every figure is at most
+max|g - g_ref| / max|g_ref| (the worst few named; max|g_ref| taken as at least 1e-5 of the
+model's largest gradient, as a gradient zero in exact arithmetic is rounding alone). Exit status 0 when every figure is at most
 the tolerance (1e-5), 1 when one is not, 2 for a bad configuration or a failed rank.
 
 Arguments:
@@ -32,6 +35,9 @@ Arguments:
                           only a document's tail; the reference trains each document alone
   verify.tolerance=1e-5   the largest relative error that passes
   verify.seed=0           weights and batch
+  verify.codegen=true     false: the SP step's graphs run without inductor's code generation
+                          (AOTAutograd as traced): the SP rewrite checked in seconds, not
+                          inductor's kernels nor the checkpointing pass
   verify.inject=none      testing hook: per_shard_shift shifts labels inside each shard, the
                           shard-boundary bug of other SP implementations; verify must then fail
 """
@@ -102,8 +108,8 @@ def _refuse_a_failing_copy(cfg: JobConfig, options: VerifyOptions) -> None:
     except Exception as err:  # noqa: BLE001 - the model's own failure, reported by name
         raise ConfigError(
             f"model.model_type={model_cfg.model_type}: verify's shrunk copy ({model_cfg.num_hidden_layers} "
-            f"layers, hidden {model_cfg.hidden_size}, head_dim {model_cfg.head_dim}) fails on one "
-            f"device, without AutoSP: {type(err).__name__}: {err}. Check the model's fields "
+            f"layers, hidden {model_cfg.hidden_size}, head_dim {model_cfg.head_dim}) fails on its own, "
+            f"on one device without AutoSP: {type(err).__name__}: {err}. Check the model's fields "
             "(model.*, model.extra.*) fit together"
         ) from err
 

@@ -63,7 +63,7 @@ def test_verify_refuses_a_shrunk_copy_that_fails_on_one_device(capsys):
     """GPT-J's 64 rotary dimensions do not fit heads of 8: its own forward fails."""
     assert main([TINY, "model.model_type=gptj", "parallel.sp_size=2"]) == 2
     err = capsys.readouterr().err
-    assert "verify's shrunk copy (2 layers, hidden 32, head_dim 8) fails on one device" in err
+    assert "verify's shrunk copy (2 layers, hidden 32, head_dim 8) fails on its own" in err
 
 
 def _tiny(**fields):
