@@ -174,6 +174,9 @@ OVERRIDES: dict[str, Case] = {
             expert_ffn_hidden_size=32,
         ),
         _with("afmoe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        _with("jetmoe", num_local_experts=4, kv_channels=8),
+        # its per-layer input embedding has a vocabulary of its own: 262144 x 256 by default
+        _with("gemma4_text", vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
         _with(
             "gemma3n_text",
             num_kv_shared_layers=0,

@@ -10,6 +10,7 @@ policy (`checkpointing.ActivationCheckpointSpec`) as recompute tags that the min
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -311,8 +312,10 @@ def compile_with_inductor(
     return compiled
 
 
-def _as_is(graph: fx.GraphModule, _: object) -> fx.GraphModule:
-    return graph
+def _as_is(
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor | int | torch.SymInt | None]
+) -> Any:
+    return gm
 
 
 def compile_without_codegen(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
