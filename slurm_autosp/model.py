@@ -9,9 +9,11 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
 from slurm_autosp.cluster.placement import ring_size_for
+from slurm_autosp.compile.traced_attention import TracedAttention, trace_attention
 from slurm_autosp.config import (
     ConfigError,
     DocumentBoundaries,
@@ -89,7 +91,7 @@ def hf_config(cfg: ModelConfig):
             config = AutoConfig.from_pretrained(cfg.pretrained_path)
         else:
             config = AutoConfig.for_model(cfg.model_type, **cfg.hf_fields())
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, NotImplementedError, StrictDataclassError) as err:  # its checks
         where = (
             f"model.pretrained_path={cfg.pretrained_path}"
             if cfg.pretrained_path
@@ -123,15 +125,6 @@ def hf_decoder_layer_class(config: Any) -> type:
     return getattr(sys.modules[model_class.__module__], names[0])
 
 
-def _attention_sinks(config: Any) -> list[str]:
-    """Sinks are learned parameters of the attention module, not a config field: look at one
-    decoder layer built on the meta device (nothing allocated)."""
-    with torch.device("meta"):
-        layer = hf_decoder_layer_class(config)(config, 0)
-    names = [n for n, _ in layer.named_parameters() if n.rsplit(".", 1)[-1] == "sinks"]
-    return [f"attention sinks ({names[0]} of {type(layer).__name__})"] if names else []
-
-
 def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> None:
     """Refuse, before any rank starts, a model whose attention, logits or auxiliary loss the
     compiled SP graph, the chunked loss or the router loss would compute differently from the
@@ -145,16 +138,37 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
     sp = cfg.parallel.sp_size
     seq = seq_len or cfg.data.seq_len
     padded = -(-seq // sp) * sp
-    if cfg.compile.enabled:
-        _refuse_unsplit_heads(cfg, config)
-        _refuse_inexact_ring(cfg, config, padded)
-    problems = (
-        unsupported_attention(config, padded) + _attention_sinks(config)
-        if cfg.compile.enabled
-        else []
+    source = (
+        f"model.pretrained_path={cfg.model.pretrained_path}"
+        if cfg.model.pretrained_path
+        else f"model.model_type={cfg.model.model_type}"
     )
+    traced = trace_attention(config) if cfg.compile.enabled else TracedAttention()
+    problems = _field_problems(cfg, config, padded) + traced.sinks
+    if not problems:  # what the fields do not show, the traced call does
+        if traced.failure:
+            raise ConfigError(f"{source}: {_own_failure(config, traced)}")
+        if cfg.compile.enabled:
+            _refuse_unsplit_heads(cfg, config, traced)
+            _refuse_inexact_ring(cfg, config, padded)
+            problems = traced.unsupported + _no_attention_call(config, traced)
+            problems += _no_decoder_layers(cfg, config)
+    if problems:
+        raise ConfigError(
+            f"{source} (sequence parallel over parallel.sp_size={sp}, data.seq_len={seq}) is not supported exactly:\n  - "
+            + "\n  - ".join(problems)
+            + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
+            "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
+        )
+    refuse_inexact_router_loss(cfg, config)
+
+
+def _field_problems(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
+    """What the HF config's fields ask for that AutoSP (or the chunked loss) would compute
+    differently, each naming its field."""
+    problems = unsupported_attention(config, seq_len) if cfg.compile.enabled else []
     if cfg.compile.enabled and cfg.cluster.gpus_per_node > 0:
-        problems += _untested_varlen_attention(cfg, config, padded)
+        problems += _untested_varlen_attention(cfg, config, seq_len)
     model_class = _hf_model_class(config)
     if cfg.model.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         problems.insert(
@@ -168,19 +182,7 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
             f"{p}; set compile.loss_chunk_tokens=0 (the model's own loss)"
             for p in unsupported_logits(config)
         ]
-    if problems:
-        source = (
-            f"model.pretrained_path={cfg.model.pretrained_path}"
-            if cfg.model.pretrained_path
-            else (f"model.model_type={cfg.model.model_type}")
-        )
-        raise ConfigError(
-            f"{source} (sequence parallel over parallel.sp_size={sp}, data.seq_len={seq}) is not supported exactly:\n  - "
-            + "\n  - ".join(problems)
-            + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
-            "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
-        )
-    refuse_inexact_router_loss(cfg, config)
+    return problems
 
 
 Z_LOSS_FIELDS = ("router_z_loss_coef", "z_loss_coefficient")
@@ -247,13 +249,57 @@ def _router_loss_differences(model: ModelConfig, config: Any) -> list[str]:
     return [] if differs is None else [f"{model_class.__name__}: {differs}"]
 
 
-def _refuse_unsplit_heads(cfg: JobConfig, config: Any) -> None:
-    """The Ulysses size against the model's own heads: config validation sees only the heads a
-    config names, not a checkpoint's (model.pretrained_path), nor the split a null ring size
+def _own_failure(config: Any, traced: TracedAttention) -> str:
+    """Why the model fails without AutoSP at these fields; where its attention receives other
+    key/value heads than `num_key_value_heads` (an MLA model expands its own), that field."""
+    named = getattr(config, "num_key_value_heads", None)
+    hint = ""
+    if traced.layer and named and named != traced.kv_heads:
+        hint = (
+            f"; its attention ({traced.layer}) receives {traced.query_heads} query and "
+            f"{traced.kv_heads} key/value heads, but num_key_value_heads={named} makes transformers "
+            f"repeat each key/value head {traced.query_heads // named} times: set "
+            f"model.num_key_value_heads={traced.kv_heads}"
+        )
+    return (
+        f"the model fails on its own at these fields, before AutoSP changes anything "
+        f"({traced.failure}){hint}. Fix its fields (model.*, model.extra.*, or the checkpoint's "
+        "config.json)"
+    )
+
+
+def _no_attention_call(config: Any, traced: TracedAttention) -> list[str]:
+    """A model whose forward reached no attention function of transformers' calls attention its
+    own way, which AutoSP does not make sequence parallel."""
+    if traced.layer or traced.stopped:
+        return []
+    return [
+        f"{_hf_model_class(config).__name__} calls no attention function of transformers' "
+        "(model.attn_implementation) in its forward; AutoSP makes attention sequence parallel there"
+    ]
+
+
+def _no_decoder_layers(cfg: JobConfig, config: Any) -> list[str]:
+    """Per-layer compilation compiles the modules a model's `_no_split_modules` names."""
+    model_class = _hf_model_class(config)
+    if not cfg.compile.per_layer or getattr(model_class, "_no_split_modules", None):
+        return []
+    return [
+        f"compile.per_layer=true: {model_class.__name__} names no decoder layer class "
+        "(_no_split_modules) to compile one at a time; set compile.per_layer=false"
+    ]
+
+
+def _refuse_unsplit_heads(cfg: JobConfig, config: Any, traced: TracedAttention) -> None:
+    """The Ulysses size against the heads the model's attention receives (traced), else its
+    config's: config validation sees only the heads a config names, not a checkpoint's
+    (model.pretrained_path), not those an MLA model expands, nor the split a null ring size
     resolves to."""
     ring = ring_size_for(cfg)
     sp, heads = cfg.parallel.sp_size, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if traced.layer:
+        heads, kv_heads = traced.query_heads, traced.kv_heads
     if sp // ring not in valid_sp_sizes(heads, kv_heads):
         raise ConfigError(
             f"parallel.sp_size={sp} / parallel.ring_size={ring}: the Ulysses size {sp // ring} "

@@ -104,11 +104,15 @@ def test_moe_families_whose_router_loss_is_ours_are_admitted(family):
     ],
 )
 def test_a_moe_family_with_another_router_loss_is_refused_naming_output_router_logits(family, why):
+    """On one device too: the router loss is sp.router_loss's on every layout (Doge's own
+    attention mask would be refused first under SP)."""
     cfg = load_config(
         [
             "cfg=configs/tiny_cpu.yaml",
             f"model.model_type={family}",
             "model.extra.output_router_logits=true",
+            "parallel.sp_size=1",
+            "compile.enabled=false",
         ]
     )
     with pytest.raises(ConfigError, match="set model.extra.output_router_logits=false") as refused:

@@ -5,6 +5,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+from families import readme_table
 from transformers import LlamaConfig
 
 from slurm_autosp.config import JobConfig
@@ -43,3 +44,8 @@ def test_the_layout_section_lists_every_module_and_package():
     ]
     missing = [m for m in modules if not re.search(rf"^  {re.escape(m)}\s", layout, re.M)]
     assert not missing, f"README's layout section lacks {missing}"
+
+
+def test_the_families_table_is_the_batterys_expected_outcomes():
+    table = README.split("<!-- families -->\n", 1)[1].split("\n<!-- /families -->", 1)[0]
+    assert table == readme_table(), f"replace README's families table with:\n{readme_table()}"

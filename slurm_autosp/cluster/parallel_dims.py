@@ -106,6 +106,22 @@ def build_parallel_dims(cfg: JobConfig, local_rank: int, device: torch.device) -
     )
 
 
+def contiguous_parallel_dims(sp_size: int, ring_size: int, device: torch.device) -> ParallelDims:
+    """This rank's dims over the world it has joined, its SP groups contiguous ranks with
+    their Ulysses and ring groups as a job's layout places them: verify's world, which has no
+    cluster profile to lay out by. Every rank of the world calls it."""
+    world = dist.get_world_size()
+    layout = ParallelLayout.from_sp_groups(
+        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size)),
+        ring_size=ring_size,
+    )
+    groups = build_process_groups(layout)
+    rank = dist.get_rank()
+    return ParallelDims(
+        rank, rank, device, layout, groups.sp, groups.dp, groups.ulysses, groups.ring
+    )
+
+
 def init_parallel_dims(cfg: JobConfig, on_join: Callable[[int], None]) -> ParallelDims:
     """Join the job's process group, check the nodes against the cluster profile, then build
     this rank's dims.

@@ -10,6 +10,7 @@ policy (`checkpointing.ActivationCheckpointSpec`) as recompute tags that the min
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -20,7 +21,7 @@ from torch.fx.node import Argument
 import slurm_autosp.sp.all_to_all  # noqa: F401 - registers torch.ops.slurm_autosp.sp_all_to_all
 import slurm_autosp.sp.document_attention  # noqa: F401 - registers its op
 import slurm_autosp.sp.ring_attention  # noqa: F401 - registers torch.ops.slurm_autosp.ring_attention
-from slurm_autosp.compat.torch_api import compile_fx
+from slurm_autosp.compat.torch_api import aot_module_simplified, compile_fx
 from slurm_autosp.compile.activation_checkpointing import (
     ActivationCheckpointSpec,
     inductor_config_patches,
@@ -311,6 +312,19 @@ def compile_with_inductor(
     return compiled
 
 
+def _as_is(
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor | int | torch.SymInt | None]
+) -> Any:
+    return gm
+
+
+def compile_without_codegen(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
+    """A rewritten graph through AOTAutograd (forward and backward graphs run as traced), with
+    no inductor code generation: what `verify.codegen=false` runs to check the SP rewrite of a
+    model in seconds rather than a minute of C++ compilation."""
+    return aot_module_simplified(gm, list(example_inputs), fw_compiler=_as_is, bw_compiler=_as_is)
+
+
 class AutoSPBackend:
     """A torch.compile backend making SDPA attention sequence parallel over `sp_size` ranks:
     Ulysses over all of them, or (`ring_size` > 1) Ulysses over sp_size / ring_size ranks and
@@ -327,6 +341,7 @@ class AutoSPBackend:
         sp_size: int,
         checkpointing: ActivationCheckpointSpec | None = None,
         ring_size: int = 1,
+        codegen: bool = True,
     ) -> None:
         if sp_size < 1:
             raise ValueError(f"sp_size must be >= 1, got {sp_size}")
@@ -336,6 +351,9 @@ class AutoSPBackend:
             )
         self.sp_size = sp_size
         self.ring_size = ring_size
+        self.codegen = (
+            codegen  # False: no inductor (compile_without_codegen; no checkpointing pass)
+        )
         self.checkpointing = checkpointing or ActivationCheckpointSpec(
             ActivationCheckpointing.torch_default
         )
@@ -343,13 +361,19 @@ class AutoSPBackend:
 
     def __repr__(self) -> str:
         ring = f", ring_size={self.ring_size}" if self.ring_size > 1 else ""
+        codegen = "" if self.codegen else ", codegen=False"
         return (
-            f"AutoSPBackend(sp_size={self.sp_size}{ring}, checkpointing={self.checkpointing.key()})"
+            f"AutoSPBackend(sp_size={self.sp_size}{ring}, checkpointing="
+            f"{self.checkpointing.key()}{codegen})"
         )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
         rewritten = rewrite_sdpa_for_sp(gm, self.sp_size, self.ring_size)
-        compiled = compile_with_inductor(gm, example_inputs, self.checkpointing)
+        compiled = (
+            compile_with_inductor(gm, example_inputs, self.checkpointing)
+            if self.codegen
+            else compile_without_codegen(gm, example_inputs)
+        )
         self.sdpa_calls_rewritten += (
             rewritten  # only now: inductor may make Dynamo retrace and call again
         )

@@ -23,6 +23,8 @@ from transformers.masking_utils import bidirectional_mask_function
 FULL = "full_attention"
 SLIDING = "sliding_attention"  # computed: a window within the document (document_attention)
 CHUNKED = "chunked_attention"  # refused when the chunk is shorter than the sequence
+# layers of a hybrid (Nemotron-H) that are an MLP alone: they mix no tokens
+WITHOUT_MIXING = ("mlp", "moe")
 
 
 class UnsupportedAttention(RuntimeError):
@@ -71,7 +73,7 @@ def unsupported_attention(config: PretrainedConfig, seq_len: int) -> list[str]:
                     f"tokens: tokens of different chunks would attend to each other "
                     f"(data.seq_len <= {chunk} is exact)"
                 )
-        elif layer_type not in (FULL, SLIDING):
+        elif layer_type not in (FULL, SLIDING, *WITHOUT_MIXING):
             problems.append(
                 f"{layer_type} ({where}) mixes tokens along the sequence outside attention"
             )

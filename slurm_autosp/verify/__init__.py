@@ -6,7 +6,7 @@ options: the `verify.*` keys and the shrunk model; documents: the packed rows
 why; command: spawning the ranks, the exit status.
 """
 
-from slurm_autosp.verify.command import main, run_verify
+from slurm_autosp.verify.command import admit_verify, main, run_verify
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -16,7 +16,13 @@ from slurm_autosp.verify.options import (
     verify_seq_len,
 )
 from slurm_autosp.verify.packed_rows import DocumentLayout, choose_layout, verify_layout
-from slurm_autosp.verify.ranks import make_batch, run_rank, shift_labels_per_shard
+from slurm_autosp.verify.ranks import (
+    compare_sp_step,
+    full_fp32,
+    make_batch,
+    run_rank,
+    shift_labels_per_shard,
+)
 from slurm_autosp.verify.report import Report, failures, format_report
 
 __all__ = [
@@ -24,9 +30,12 @@ __all__ = [
     "Inject",
     "Report",
     "VerifyOptions",
+    "admit_verify",
     "choose_layout",
+    "compare_sp_step",
     "failures",
     "format_report",
+    "full_fp32",
     "load_options",
     "main",
     "make_batch",

@@ -6,7 +6,9 @@
 The configured model is shrunk to a CPU-sized copy with the same head layout (the same
 num_attention_heads and num_key_value_heads, hence the same grouped-query ratio and the same
 way heads split over the SP ranks), the same model class, RoPE settings and compile mode
-(compile.per_layer), but 2 layers, head_dim 8 and a 256-token vocabulary. Then
+(compile.per_layer), but 2 layers, head_dim 8 (an MLA model's rotary and latent parts too),
+a 256-token vocabulary and no dropout or router jitter (each rank draws its own). It first
+runs on one device without AutoSP: a model that fails on its own is named there (exit 2). Then
 parallel.sp_size x dp local CPU ranks (gloo) run one AutoSP training step in fp32 (Ulysses x
 ring when parallel.ring_size > 1: the ranks' Ulysses and ring groups as a job builds them), on a batch
 whose sequence length is not divisible by the SP size and whose ignored labels are spread
@@ -17,7 +19,8 @@ the plain model's loss plus coef x its family's aux over each DP replica's rows 
 micro-batch, averaged over the replicas (what training optimises).
 
 Printed: the loss of both, the largest per-token loss difference, and for every parameter
-max|g - g_ref| / max|g_ref| (the worst few named). Exit status 0 when every figure is at most
+max|g - g_ref| / max|g_ref| (the worst few named; max|g_ref| taken as at least 1e-5 of the
+model's largest gradient, as a gradient zero in exact arithmetic is rounding alone). Exit status 0 when every figure is at most
 the tolerance (1e-5), 1 when one is not, 2 for a bad configuration or a failed rank.
 
 Arguments:
@@ -37,6 +40,9 @@ Arguments:
                           (shorter than verify.seq_len, so the window matters); 0: the model's
   verify.tolerance=1e-5   the largest relative error that passes
   verify.seed=0           weights and batch
+  verify.codegen=true     false: the SP step's graphs run without inductor's code generation
+                          (AOTAutograd as traced): the SP rewrite checked in seconds, not
+                          inductor's kernels nor the checkpointing pass
   verify.inject=none      testing hook: per_shard_shift shifts labels inside each shard, the
                           shard-boundary bug of other SP implementations; verify must then fail
 """
@@ -56,14 +62,16 @@ from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.config import ConfigError, JobConfig, load_config
+from slurm_autosp.model import build_model
 from slurm_autosp.verify.options import (
     VerifyOptions,
     load_options,
+    shrink_model_config,
     split_arguments,
     verify_seq_len,
 )
 from slurm_autosp.verify.packed_rows import verify_layout
-from slurm_autosp.verify.ranks import run_rank
+from slurm_autosp.verify.ranks import make_batch, run_rank
 from slurm_autosp.verify.report import Report, failures, format_report
 
 
@@ -82,6 +90,35 @@ def run_verify(cfg: JobConfig, options: VerifyOptions) -> Report:
         return Report(**torch.load(result_file, weights_only=False))
 
 
+def admit_verify(cfg: JobConfig, options: VerifyOptions) -> None:
+    """Refuse (ConfigError) what submit would, and what verify itself cannot run; fixes the
+    ring size a null `parallel.ring_size` resolves to, as a job would get it."""
+    admit_model(cfg)  # as submit would
+    admit_model(cfg, verify_seq_len(cfg.parallel.sp_size, options))  # and what verify runs
+    cfg.parallel.ring_size = ring_size_for(cfg)  # null: the split a job would get
+    verify_layout(cfg.parallel.sp_size, options, cfg.parallel.ring_size)  # one that can be had
+    _refuse_a_failing_copy(cfg, options)
+
+
+def _refuse_a_failing_copy(cfg: JobConfig, options: VerifyOptions) -> None:
+    """The shrunk copy runs on one device, without AutoSP, before any rank starts: a model that
+    fails on its own (fields that do not fit together, which admission's fake-tensor trace
+    could not tell) is named here, not by a rank's traceback."""
+    model_cfg = shrink_model_config(cfg.model, options)
+    assert model_cfg.vocab_size is not None  # shrink_model_config sets it
+    batch = make_batch(1, verify_seq_len(cfg.parallel.sp_size, options), model_cfg.vocab_size, 0)
+    try:
+        torch.manual_seed(options.seed)
+        build_model(model_cfg)(**batch, use_cache=False)
+    except Exception as err:  # noqa: BLE001 - the model's own failure, reported by name
+        raise ConfigError(
+            f"model.model_type={model_cfg.model_type}: verify's shrunk copy ({model_cfg.num_hidden_layers} "
+            f"layers, hidden {model_cfg.hidden_size}, head_dim {model_cfg.head_dim}) fails on its own, "
+            f"on one device without AutoSP: {type(err).__name__}: {err}. Check the model's fields "
+            "(model.*, model.extra.*) fit together"
+        ) from err
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = arguments(argv, __doc__)
     if argv is None:
@@ -90,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         job_args, verify_args = split_arguments(argv)
         options = load_options(verify_args)
         cfg = load_config(job_args)
-        admit_model(cfg)  # as submit would
-        admit_model(cfg, verify_seq_len(cfg.parallel.sp_size, options))  # and what verify runs
-        cfg.parallel.ring_size = ring_size_for(cfg)  # null: the split a job would get
-        verify_layout(cfg.parallel.sp_size, options, cfg.parallel.ring_size)  # one that can be had
+        admit_verify(cfg, options)
         use_private_compile_cache(cfg.compile.cache_dir)  # the ranks inherit it
     except ConfigError as err:
         return config_error(err)

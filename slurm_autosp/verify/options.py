@@ -34,6 +34,9 @@ class VerifyOptions:
     tolerance: float = 1e-5
     seed: int = 0
     inject: Inject = Inject.none
+    # false: the SP step's graphs run through AOTAutograd without inductor's code generation:
+    # the rewrite checked in seconds, inductor's kernels not (the family battery's setting)
+    codegen: bool = True
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -105,7 +108,7 @@ def _hf_config_of(model: ModelConfig) -> dict[str, Any]:
 SPECIAL_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
-def _special_ids_within(model: ModelConfig, vocab_size: int) -> dict[str, Any]:
+def special_ids_within(model: ModelConfig, vocab_size: int) -> dict[str, Any]:
     """The model's pad/bos/eos ids (its own or its HF class's defaults, e.g. Phi-3's pad 32000)
     that fall outside the shrunk vocabulary, mapped to its last id: they would not embed."""
     config = hf_config(model)
@@ -117,6 +120,37 @@ def _special_ids_within(model: ModelConfig, vocab_size: int) -> dict[str, Any]:
             within = [i if i is None else min(i, vocab_size - 1) for i in ids]
             moved[key] = within if isinstance(value, list) else within[0]
     return moved
+
+
+def _latent_attention_within(model: ModelConfig, head_dim: int, hidden: int) -> dict[str, Any]:
+    """Multi-head latent attention (DeepSeek-V2/V3 and their kin) takes its rotary head_dim
+    from `qk_rope_head_dim` and projects keys and values from latent ranks: the shrunk copy's
+    head parts are `head_dim` each and its ranks the shrunk hidden size, or its rotary
+    embedding (head_dim) would not match its queries' rotary part."""
+    config = hf_config(model)
+    if getattr(config, "kv_lora_rank", None) is None:
+        return {}
+    return {
+        "qk_rope_head_dim": head_dim,
+        "qk_nope_head_dim": head_dim,
+        "v_head_dim": head_dim,
+        "kv_lora_rank": hidden,
+        "q_lora_rank": hidden if getattr(config, "q_lora_rank", None) else None,
+    }
+
+
+def _dropout_off(model: ModelConfig) -> dict[str, float]:
+    """Every dropout probability and router jitter of the model's config (attention_dropout,
+    resid_pdrop, router_jitter_noise, ...), set to 0: each rank draws its own random numbers, so
+    with them on no SP step equals one device's even when the architecture is computed exactly,
+    which is what verify checks."""
+    return {
+        key: 0.0
+        for key, value in hf_config(model).to_dict().items()
+        if any(word in key for word in ("dropout", "pdrop", "jitter"))
+        and isinstance(value, float)
+        and value > 0
+    }
 
 
 def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConfig:
@@ -146,7 +180,9 @@ def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConf
     typed = {f.name for f in dataclasses.fields(ModelConfig)}
     extra = {k: v for k, v in fields.items() if k not in typed and k not in shrunk}
     extra.update({k: v for k, v in model.extra.items() if k not in shrunk})
-    extra.update(_special_ids_within(model, shrunk["vocab_size"]))
+    extra.update(_latent_attention_within(model, options.head_dim, hidden))
+    extra.update(_dropout_off(model))
+    extra.update(special_ids_within(model, shrunk["vocab_size"]))
     if options.window and extra.get("sliding_window"):
         extra["sliding_window"] = options.window
     kept = {k: v for k, v in fields.items() if k in typed and k not in shrunk and k != "extra"}

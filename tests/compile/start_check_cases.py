@@ -5,10 +5,8 @@ import os
 from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
 
-from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
-from slurm_autosp.cluster.parallel_dims import ParallelDims
+from slurm_autosp.cluster.parallel_dims import ParallelDims, contiguous_parallel_dims
 from slurm_autosp.config import DocumentBoundaries, JobConfig, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.verify import VerifyOptions
@@ -20,16 +18,7 @@ TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_cpu.
 
 
 def _dims(sp_size: int, ring_size: int = 1) -> ParallelDims:
-    world = dist.get_world_size()
-    layout = ParallelLayout.from_sp_groups(
-        tuple(tuple(range(s, s + sp_size)) for s in range(0, world, sp_size)),
-        ring_size=ring_size,
-    )
-    groups = build_process_groups(layout)
-    rank = dist.get_rank()
-    return ParallelDims(
-        rank, rank, torch.device("cpu"), layout, groups.sp, groups.dp, groups.ulysses, groups.ring
-    )
+    return contiguous_parallel_dims(sp_size, ring_size, torch.device("cpu"))
 
 
 def _config(overrides: list[str], masked: bool) -> JobConfig:
