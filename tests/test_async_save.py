@@ -103,6 +103,19 @@ def test_a_new_save_waits_for_the_previous_one_and_commits_it(saves, engine):  #
     assert [p.name for p in saves.store.checkpoints()] == ["step_00000002", "step_00000001"]
 
 
+def test_the_signals_slurm_sends_a_whole_process_group_leave_the_writer_writing(saves, engine):  # noqa: F811
+    """USR2, TERM and INT are the rank's to act on: sent to the writer too (proctrack/pgid,
+    `scancel --signal`), they kill neither it nor the save it is writing."""
+    writer = stopped_writer(saves, engine)
+    saves.save(engine, state(2, engine.name), synchronous=False)
+    for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+        os.kill(writer, signum)
+    os.kill(writer, signal.SIGCONT)
+    wait_written(saves)
+    assert (saves.store.root / "latest").read_text() == "step_00000002"
+    assert writers_of({os.getpid()}) == [writer]
+
+
 def test_a_failed_background_write_is_removed_and_stops_the_job_naming_the_file(saves, engine):  # noqa: F811
     writer = stopped_writer(saves, engine)
     saves.save(engine, state(2, engine.name), synchronous=False)

@@ -7,7 +7,8 @@ every staged file there, hashing it as it goes (the manifest's records, so no fi
 twice), forces it to stable storage and frees its staged copy; then it answers with the
 records, or with the error that stopped it. It runs as `python -m slurm_autosp.checkpoint.writer
 <rank's pid>`, dies with that rank (a killed rank leaves no writer adding files to a run no job
-holds), takes one JSON line per request on stdin and answers one per request on stdout, and
+holds) and with nothing else: it ignores the signals Slurm may send a job's whole process group
+(USR2, TERM, INT), which are its rank's to act on (commit the save or abandon it); it takes one JSON line per request on stdin and answers one per request on stdout, and
 imports neither torch nor the rest of the package: it starts in a fraction of a second and
 holds no GPU context.
 """
@@ -18,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -61,7 +63,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# what Slurm sends every process of a job step (proctrack/pgid, `scancel --signal`): the rank's
+PROCESS_GROUP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
 def main() -> None:
+    for signum in PROCESS_GROUP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     die_with(int(sys.argv[1]))
     for line in sys.stdin:
         request = json.loads(line)
