@@ -327,10 +327,38 @@ def test_checkpoints_set_aside_are_removed_only_when_the_run_asks(tmp_path, engi
     damage(tmp_path / "step_00000002")
     removing = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2, remove_damaged=True)
     removing.load_latest(engine, settings(engine.name))
-    assert len(damaged_checkpoints(tmp_path)) == 2  # not before a newer good one is saved
+    assert len(damaged_checkpoints(tmp_path)) == 2  # not before a good one at a higher step
     removing.save(engine, state(2, engine.name))
+    assert len(damaged_checkpoints(tmp_path)) == 2
+    removing.save(engine, state(3, engine.name))
     assert damaged_checkpoints(tmp_path) == []
-    assert [p.name for p in removing.checkpoints()] == ["step_00000002", "step_00000001"]
+    assert [p.name for p in removing.checkpoints()] == ["step_00000003", "step_00000002"]
+
+
+@pytest.mark.parametrize("remove_damaged", [False, True])
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_started_over(
+    tmp_path, engine, remove_damaged
+):
+    """One flipped byte in each kept checkpoint: the job stops naming them (it used to train
+    again from step 0 and, with remove_damaged, delete them at its first save); submit
+    refuses the run too, and moving them out is the way to start over."""
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    for step in (1, 2):
+        store.save(engine, state(step, engine.name))
+        victim = damage(tmp_path / f"step_{step:08d}")
+    resumed = CheckpointStore(
+        tmp_path, rank=0, world_size=1, keep=2, remove_damaged=remove_damaged
+    )
+    with pytest.raises(CheckpointError, match="every checkpoint of this run failed") as refused:
+        resumed.load_latest(engine, settings(engine.name))
+    assert "damaged_step_00000001, damaged_step_00000002" in str(refused.value)
+    assert victim.name in str(refused.value) and "run.name=" in str(refused.value)
+    assert len(damaged_checkpoints(tmp_path)) == 2
+    with pytest.raises(ConfigError, match="move the damaged_step_\\* directories out"):
+        refuse_another_runs_checkpoint(tmp_path, settings(engine.name))
+    for damaged in damaged_checkpoints(tmp_path):
+        damaged.rename(tmp_path.parent / f"{tmp_path.name}-{damaged.name}")
+    assert CheckpointStore(tmp_path, 0, 1, keep=2).load_latest(engine, settings(engine.name)) is None
 
 
 def test_retention_deletes_nothing_while_fewer_than_keep_checkpoints_are_known_good(

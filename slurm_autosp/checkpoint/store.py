@@ -204,10 +204,11 @@ class CheckpointStore:
         log.info("checkpoint %s saved (%.1f MiB)", final, size / 2**20)
         self._verified.add(final)
         self._retain()
-        if self.remove_damaged:
-            for damaged in sorted(self.root.glob(f"{DAMAGED}step_*")):
-                log.info("removing %s (checkpoint.remove_damaged=true)", damaged)
-                shutil.rmtree(damaged, ignore_errors=True)
+        if self.remove_damaged:  # those this good save has gone past, never the others
+            for damaged in damaged_checkpoints(self.root):
+                if damaged_step(damaged) < damaged_step(final):
+                    log.info("removing %s (checkpoint.remove_damaged=true)", damaged)
+                    shutil.rmtree(damaged, ignore_errors=True)
 
     def _retain(self) -> None:
         """Delete the checkpoints older than the `keep` newest known good ones; while fewer
@@ -251,7 +252,17 @@ class CheckpointStore:
             if self.rank == 0:
                 log.info("resumed from %s at step %d", candidate, state.step)
             return state
+        self._refuse_only_damaged()
         return None
+
+    def _refuse_only_damaged(self) -> None:
+        """No checkpoint to resume from, but damaged ones set aside (by this job or an earlier
+        one): starting again from step 0 would throw the run's progress away without a word."""
+        damaged = _broadcast(
+            [p.name for p in damaged_checkpoints(self.root)] if self.rank == 0 else []
+        )
+        if damaged:
+            raise CheckpointError(only_damaged(self.root, damaged, self.set_aside))
 
     def _agreed_candidates(self) -> list[Path]:
         """Rank 0's listing, for every rank: they verify the same checkpoints in step."""
@@ -416,6 +427,24 @@ def damaged_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.glob(f"{DAMAGED}step_*") if p.is_dir()) if root.is_dir() else []
 
 
+def damaged_step(checkpoint: Path) -> int:
+    """The step of a checkpoint, set aside (`damaged_step_N`, `damaged_step_N.2`) or not."""
+    return int(checkpoint.name.removeprefix(DAMAGED).removeprefix("step_").split(".")[0])
+
+
+def only_damaged(root: Path, damaged: list[str], set_aside: list[SetAside]) -> str:
+    """Why a run whose every checkpoint failed verification does not start again from step 0,
+    and the explicit ways to go on."""
+    why = "".join(f"\n  - {s}" for s in set_aside)
+    return (
+        f"every checkpoint of this run failed verification and is set aside in {root} "
+        f"({', '.join(damaged)}; what was wrong with each is in its {DAMAGE_NOTE}){why}\n"
+        "The job does not start the run again from step 0 on its own. To start over, move the "
+        f"{DAMAGED}step_* directories out of {root} (or remove them) and submit again; or start a "
+        "new run (run.name=...)"
+    )
+
+
 def checkpoints_newest_first(root: Path) -> list[Path]:
     """The checkpoint directories under `root`, newest first (the `latest` pointer's target
     leading). A directory that cannot be listed raises OSError: no checkpoints is a fact
@@ -446,9 +475,14 @@ def refuse_another_runs_checkpoint(root: Path, settings: dict[str, Any]) -> None
     """Before a job is queued: the checkpoint it would resume from, the newest whose save
     finished (its manifest written; the job verifies the files), must be of the run `settings`
     describe. Otherwise the job would be refused only at its start, after its wait in the
-    queue. A checkpoint that cannot be read is refused here as the job would refuse it."""
+    queue. A checkpoint that cannot be read is refused here as the job would refuse it, and
+    a run with damaged checkpoints set aside and none other, as the job would refuse it."""
     try:
-        for candidate in checkpoints_newest_first(root):
+        candidates = checkpoints_newest_first(root)
+        damaged = damaged_checkpoints(root)
+        if damaged and not candidates:
+            raise ConfigError(only_damaged(root, [p.name for p in damaged], []))
+        for candidate in candidates:
             try:
                 read_manifest(candidate)
                 state = TrainerState.read(candidate)
