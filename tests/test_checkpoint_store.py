@@ -346,9 +346,7 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_started_over(
     for step in (1, 2):
         store.save(engine, state(step, engine.name))
         victim = damage(tmp_path / f"step_{step:08d}")
-    resumed = CheckpointStore(
-        tmp_path, rank=0, world_size=1, keep=2, remove_damaged=remove_damaged
-    )
+    resumed = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2, remove_damaged=remove_damaged)
     with pytest.raises(CheckpointError, match="every checkpoint of this run failed") as refused:
         resumed.load_latest(engine, settings(engine.name))
     assert "damaged_step_00000001, damaged_step_00000002" in str(refused.value)
@@ -358,7 +356,9 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_started_over(
         refuse_another_runs_checkpoint(tmp_path, settings(engine.name))
     for damaged in damaged_checkpoints(tmp_path):
         damaged.rename(tmp_path.parent / f"{tmp_path.name}-{damaged.name}")
-    assert CheckpointStore(tmp_path, 0, 1, keep=2).load_latest(engine, settings(engine.name)) is None
+    assert (
+        CheckpointStore(tmp_path, 0, 1, keep=2).load_latest(engine, settings(engine.name)) is None
+    )
 
 
 def test_retention_deletes_nothing_while_fewer_than_keep_checkpoints_are_known_good(
