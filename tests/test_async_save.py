@@ -5,6 +5,7 @@ engines, one rank each; the writer is a real process, held mid-write with SIGSTO
 import getpass
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -142,3 +143,51 @@ def test_a_staging_directory_planted_by_someone_else_is_refused_and_saves_stay_s
     saves = CheckpointSaves.start(store, True, str(shm), tmp_path)
     assert not saves.asynchronous
     assert "saving synchronously" in caplog.text
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A memory file system of 8 KiB, smaller than one save: a /dev/shm that fills up."""
+    mounted = tmp_path / "small_shm"
+    mounted.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mounted)], check=True)
+    yield mounted
+    subprocess.run(["umount", str(mounted)], check=True)
+
+
+def test_a_staging_file_system_that_fills_up_falls_back_to_a_synchronous_save(
+    tmp_path,
+    engine,  # noqa: F811
+    small_tmpfs,
+    caplog,
+):
+    """The first save is staged with no earlier size to check against: a full /dev/shm stops it
+    half-way (torch.save's stream error), and the save is made synchronously instead, named."""
+    store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
+    store.root.mkdir()
+    saves = CheckpointSaves.start(store, True, str(small_tmpfs), tmp_path)
+    try:
+        with caplog.at_level("WARNING"):
+            saves.save(engine, state(1, engine.name), synchronous=False)
+    finally:
+        saves.close()
+    assert f"saving step 1 synchronously: staging in {saves.staging} failed (" in caplog.text
+    assert (store.root / "latest").read_text() == "step_00000001"
+    read_manifest(store.root / "step_00000001")
+    assert not list(store.root.glob(".*.partial"))
+    assert not any(p.is_file() for p in small_tmpfs.rglob("*"))
+
+
+def test_what_a_killed_job_left_in_staging_is_freed_when_the_run_starts(
+    tmp_path, single_rank_group
+):
+    """Any rank's staged files of this run (another layout, a rank that never comes back),
+    not only this rank's: a kill -9 ran no cleanup."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    left = staging_dir_for(str(shm), tmp_path, 3)
+    left.mkdir()
+    (left / "engine.pt").write_bytes(b"x" * 1024)
+    store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
+    saves = CheckpointSaves.start(store, True, str(shm), tmp_path)
+    assert saves.asynchronous and not left.exists()

@@ -26,6 +26,7 @@ import logging
 import os
 import select
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from slurm_autosp.checkpoint.manifest import FileRecord
 from slurm_autosp.checkpoint.store import (
@@ -148,10 +150,17 @@ class CheckpointSaves:
             return
         started = time.perf_counter()
         partial, final = self.store.begin(state)
-        shutil.rmtree(self.staging, ignore_errors=True)
-        self.staging.mkdir(mode=0o700, parents=True)
-        self.store.write_state(engine, state, self.staging)
-        self._staged_bytes = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file())
+        failure = self._stage(engine, state)
+        if not _all_ranks(not failure):
+            log.warning(
+                "saving step %d synchronously: %s",
+                state.step,
+                failure or "another rank could not stage its part",
+            )
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.store.abandon(partial)
+            self.store.save(engine, state)
+            return
         if self.store.rank == 0:
             log.info(
                 "checkpoint %s staged in %.2f s (%.1f MiB on this rank); written in the background",
@@ -178,18 +187,42 @@ class CheckpointSaves:
             except OSError:
                 pass
 
-    def _room_to_stage(self) -> bool:
-        """Whether the staging file system has room for another save like the last one."""
+    def _stage(self, engine: EngineState, state: TrainerState) -> str:
+        """Write this rank's part of the save to its staging directory; what stopped it (a
+        full or failing staging file system), empty when it is staged."""
         assert self.staging is not None
+        try:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging.mkdir(mode=0o700, parents=True)
+            self.store.write_state(engine, state, self.staging)
+        # torch.save's stream errors are RuntimeErrors; FSDP2's distributed checkpoint raises
+        # its CheckpointException (a BaseException) on every rank, so they agree on it anyway
+        except (OSError, RuntimeError, CheckpointException) as err:
+            free = shutil.disk_usage(self.staging.parent).free
+            return (
+                f"staging in {self.staging} failed ({free / 2**20:.1f} MiB free there): "
+                f"{_first_line(err)}"
+            )
+        self._staged_bytes = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file())
+        return ""
+
+    def _room_to_stage(self) -> bool:
+        """Collective: whether the staging file system has room for another save like the
+        last one of every rank of this node (they share it: /dev/shm is one per node)."""
+        assert self.staging is not None
+        node = socket.gethostname()
+        shares: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, (node, self._staged_bytes))
+        need = sum(staged for host, staged in shares if host == node)
         free = shutil.disk_usage(self.staging.parent).free
-        if free >= 1.1 * self._staged_bytes:
+        if free >= 1.1 * need:
             return True
         log.warning(
-            "%s has %.1f GiB free, less than this rank's last save (%.1f GiB): saving "
-            "synchronously",
+            "%s has %.1f GiB free, less than the last save of this node's ranks (%.1f GiB): "
+            "saving synchronously",
             self.staging.parent,
             free / 2**30,
-            self._staged_bytes / 2**30,
+            need / 2**30,
         )
         return False
 
@@ -234,6 +267,9 @@ class CheckpointSaves:
                 staging = staging_dir_for(staging_root, run_dir, store.rank)
             except CheckpointError as err:
                 problem = str(err)
+            else:  # what a killed job of this run left on this node (any rank's), freed now
+                for left in staging.parent.iterdir():
+                    shutil.rmtree(left, ignore_errors=True)
         if asynchronous and not _all_ranks(not problem):
             log.warning(
                 "saving synchronously: %s", problem or "another rank cannot stage its saves"
@@ -242,6 +278,11 @@ class CheckpointSaves:
         if staging is not None and store.rank == 0:
             log.info("checkpoint saves: asynchronous, staged in %s", staging.parent)
         return cls(store, staging)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"
 
 
 def _all_ranks(flag: bool) -> bool:
