@@ -127,7 +127,9 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
             last = stop_now or done == cfg.train.steps
             if save_due or last:
                 state = _trainer_state(cfg, dims, engine, done, settings)
-                saves.save(engine, state, synchronous=last)
+                stop_now |= saves.save(
+                    engine, state, synchronous=last, stopping=lambda: stop.requested
+                )
                 schedule.saved()
             if stop_now:
                 log.info(

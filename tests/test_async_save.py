@@ -6,6 +6,7 @@ import getpass
 import os
 import signal
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -115,6 +116,23 @@ def test_the_signals_slurm_sends_a_whole_process_group_leave_the_writer_writing(
     wait_written(saves)
     assert (saves.store.root / "latest").read_text() == "step_00000002"
     assert writers_of({os.getpid()}) == [writer]
+
+
+def test_a_stop_while_a_new_save_waits_for_the_previous_abandons_it_and_saves_now(saves, engine):  # noqa: F811
+    """A signal that arrives while step 3's save waits for step 2's write (held here) does not
+    wait for it: step 2 is abandoned, step 3 saved synchronously, and the caller told to stop.
+    (The timer only ends a wait that would otherwise last for ever.)"""
+    writer = stopped_writer(saves, engine)
+    saves.save(engine, state(2, engine.name), synchronous=False)
+    release = threading.Timer(20, os.kill, (writer, signal.SIGCONT))
+    release.start()
+    try:
+        assert saves.save(engine, state(3, engine.name), False, stopping=lambda: True)
+    finally:
+        release.cancel()
+    assert (saves.store.root / "latest").read_text() == "step_00000003"
+    assert [p.name for p in saves.store.checkpoints()] == ["step_00000003", "step_00000001"]
+    assert not list(saves.store.root.glob(".*.partial")) and writers_of({os.getpid()}) == []
 
 
 def test_a_failed_background_write_is_removed_and_stops_the_job_naming_the_file(saves, engine):  # noqa: F811

@@ -11,7 +11,9 @@ records, renames it into place and moves `latest`, as a synchronous save does. U
 `latest` names the previous checkpoint, so a job killed at any moment (kill -9 included: the
 writers die with their ranks) resumes from that one and never reads a partial save.
 
-A new save waits for the previous one. A synchronous save (the preemption or time-limit
+A new save waits for the previous one, unless a stop is asked for while it waits (the ranks
+agree on it every half second): then the previous one is abandoned and the new one made
+synchronously, as the signal's save. A synchronous save (the preemption or time-limit
 signal's, the last step's) first commits the pending save if every writer has finished, else
 abandons it (removed; the synchronous save of a later step follows at once), so the signal's
 deadline never covers more than one save.
@@ -31,6 +33,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,8 @@ from slurm_autosp.checkpoint.store import (
 )
 
 log = logging.getLogger(__name__)
+
+WAIT_POLL_S = 0.5  # how often ranks waiting for a previous save agree on a stop
 
 
 class BackgroundWriter:
@@ -77,6 +82,13 @@ class BackgroundWriter:
             if ready:
                 self._read()
         return self._answer is not None
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the request in flight is answered, waiting up to `timeout` seconds."""
+        assert self._process.stdout is not None
+        if self.busy and self._answer is None:
+            select.select([self._process.stdout], [], [], timeout)
+        return self.done()
 
     def result(self) -> dict[str, FileRecord] | str:
         """Wait for the answer: the files' records, or what stopped the writer."""
@@ -136,18 +148,30 @@ class CheckpointSaves:
         if self._pending is not None and not any_rank_writing:
             self._commit(self._pending)
 
-    def save(self, engine: EngineState, state: TrainerState, synchronous: bool) -> None:
+    def save(
+        self,
+        engine: EngineState,
+        state: TrainerState,
+        synchronous: bool,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> bool:
         """Collective. `synchronous`: the save is on storage when this returns (a preemption,
         the last step), and a save still being written is abandoned first; otherwise the
-        pending save is waited for and committed, then this one staged."""
+        pending save is waited for and committed, then this one staged. A stop asked for
+        (`stopping`, on any rank) while that wait lasts abandons the pending save and makes
+        this one synchronously: returns True, and the caller stops too."""
         pending, self._pending = self._pending, None
+        stopped = False
+        if pending is not None and not synchronous:
+            stopped = not self._previous_written(stopping)
+            synchronous = stopped
         if pending is not None and synchronous:
             self._abandon(pending)
         elif pending is not None:
             self._commit(pending)
         if synchronous or self.staging is None or not _all_ranks(self._room_to_stage()):
             self.store.save(engine, state)
-            return
+            return stopped
         started = time.perf_counter()
         partial, final = self.store.begin(state)
         failure = self._stage(engine, state)
@@ -160,7 +184,7 @@ class CheckpointSaves:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.store.abandon(partial)
             self.store.save(engine, state)
-            return
+            return False
         if self.store.rank == 0:
             log.info(
                 "checkpoint %s staged in %.2f s (%.1f MiB on this rank); written in the background",
@@ -172,6 +196,20 @@ class CheckpointSaves:
             self._writer = BackgroundWriter()
         self._writer.submit(self.staging, partial)
         self._pending = PendingSave(partial, final, state)
+        return False
+
+    def _previous_written(self, stopping: Callable[[], bool]) -> bool:
+        """Collective: wait until no rank is still writing the pending save (True), or until
+        any rank is asked to stop (False): a signal's deadline never covers that write."""
+        assert self._writer is not None
+        while True:
+            written = self._writer.wait(WAIT_POLL_S)
+            agreed: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(agreed, (written, stopping()))
+            if any(stop for _, stop in agreed):
+                return False
+            if all(done for done, _ in agreed):
+                return True
 
     def close(self) -> None:
         """This rank only (also on an error path): stop the writer; a save it had not
