@@ -224,6 +224,34 @@ def test_a_template_that_cannot_be_masked_is_refused_by_name(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "tok"]
 
 
+# the end of turn written before the next turn only: the last reply ends in nothing
+BETWEEN_TURNS = (
+    "{% for m in messages %}{% if not loop.first %}<|end|>{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+)
+NEWLINE_ENDS_A_TURN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    ("template", "written"),
+    [(BETWEEN_TURNS, "''"), (NEWLINE_ENDS_A_TURN, "'\\n'")],
+    ids=["end_of_turn_between_turns", "newline"],
+)
+def test_a_template_whose_replies_end_in_no_token_of_their_own_is_refused(
+    tmp_path, base_tokenizer, capsys, template, written
+):
+    """Every reply must end in a trained stop token: here none would (the EOS appended to each
+    conversation is never trained), and the export's eos_token_id would be a token never
+    trained: refused before any row is read, nothing written."""
+    tok_dir = with_template(base_tokenizer, tmp_path / "tok", template)
+    corpus = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(i)} for i in range(2)])
+    assert prepare(tok_dir, [corpus], tmp_path / "out", "--format", "chat") == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {tok_dir}: its chat template writes {written} after the assistant's" in err
+    assert "no token of its own ends a reply" in err and "'<eos>'" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "tok"]
+
+
 def test_a_batch_without_a_usable_chat_row_is_skipped_with_it(tmp_path, base_tokenizer, capsys):
     """The first tokenizing batch (1,000 rows) holds no conversation to render."""
     tok_dir = with_template(base_tokenizer, tmp_path / "tok", CHATML)

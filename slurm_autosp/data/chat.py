@@ -144,11 +144,31 @@ def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
     """The first token of what the template writes after a reply, blanks aside (<|im_end|>,
     <|eot_id|>, </s>): generation stops there. None when the template writes nothing there
     or renders no probe conversation."""
-    ids = tokenizer(_end_of_turn_text(tokenizer).lstrip(), add_special_tokens=False)["input_ids"]
+    text = end_of_turn_text(tokenizer) or ""
+    ids = tokenizer(text.lstrip(), add_special_tokens=False)["input_ids"]
     return int(ids[0]) if ids else None
 
 
-def _end_of_turn_text(tokenizer: PreTrainedTokenizerBase) -> str:
+def missing_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Why the template's replies would end in no trained token (empty: they do). A reply's
+    trained tokens end with what the template writes after it; blanks alone (an end of turn
+    written only between turns, or a newline) give the model no token that ends a reply,
+    and generation would not stop."""
+    text = end_of_turn_text(tokenizer)
+    if text is None or text.strip():
+        return ""
+    return (
+        f"its chat template writes {text!r} after the assistant's last reply: no token of its "
+        "own ends a reply (an end of turn written only between turns, or a newline), so the "
+        "loss would train none and generation would not stop. End every reply with an "
+        f"end-of-turn token in the template (its EOS {tokenizer.eos_token!r}, or one like "
+        "<|im_end|>)"
+    )
+
+
+def end_of_turn_text(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """What the template writes after an assistant's reply that ends the conversation; None
+    when it renders no probe conversation."""
     probes: list[Messages] = [
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PLACEHOLDER}],
         [
@@ -164,4 +184,4 @@ def _end_of_turn_text(tokenizer: PreTrainedTokenizerBase) -> str:
             continue
         if text.count(PLACEHOLDER) == 1:
             return text.split(PLACEHOLDER)[1]
-    return ""
+    return None

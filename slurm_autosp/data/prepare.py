@@ -35,6 +35,7 @@ from slurm_autosp.data.chat import (
     Unmaskable,
     encode_with_markers,
     end_of_turn_token,
+    missing_end_of_turn,
     render,
     reply_spans,
     trained_tokens,
@@ -134,6 +135,8 @@ def load_tokenizer(directory: Path, document_format: DocumentFormat) -> PreTrain
             f"--tokenizer {directory}: has no chat template, which --format chat renders rows "
             "with; set tokenizer.chat_template and save it again, or use --format text"
         )
+    if document_format is DocumentFormat.chat and (why := missing_end_of_turn(tokenizer)):
+        raise PrepareError(f"--tokenizer {directory}: {why}")
     return tokenizer
 
 
