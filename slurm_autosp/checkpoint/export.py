@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
 from slurm_autosp.data.prepared import stop_token_ids
+from slurm_autosp.lifecycle.durable import rename_durably
 from slurm_autosp.lifecycle.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def _export(
     ):  # a killed export leaves the old model or the new one in hf/, never half of one
         shutil.rmtree(previous, ignore_errors=True)
         os.rename(target, previous)
-    os.rename(partial, target)
+    rename_durably(partial, target)
     shutil.rmtree(previous, ignore_errors=True)
     log.info(
         "exported Hugging Face weights to %s (%d file%s)", target, len(files), "s"[: len(files) > 1]

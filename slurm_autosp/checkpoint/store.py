@@ -45,6 +45,7 @@ from slurm_autosp.checkpoint.manifest import (
     write_manifest,
 )
 from slurm_autosp.config import ConfigError
+from slurm_autosp.lifecycle.durable import fsync_path, rename_durably
 from slurm_autosp.lifecycle.run_dir import checkpoint_dir_problem
 
 log = logging.getLogger(__name__)
@@ -192,14 +193,13 @@ class CheckpointStore:
     def _commit(self, partial: Path, final: Path) -> None:
         if final.exists():  # only if `latest` pointed below it: a checkpoint never verified
             _move_aside(final, ["a newer save of the same step replaced it"])
-        os.rename(partial, final)
-        _fsync_dir(self.root)
+        rename_durably(partial, final, files=False)  # each file was forced as it was hashed
         pointer = self.root / f".{LATEST}.tmp"
         pointer.write_text(final.name)
         with open(pointer) as f:
             os.fsync(f.fileno())
         os.replace(pointer, self.root / LATEST)
-        _fsync_dir(self.root)
+        fsync_path(self.root)
         size = sum((final / n).stat().st_size for n in list_files(final))
         log.info("checkpoint %s saved (%.1f MiB)", final, size / 2**20)
         self._verified.add(final)
@@ -417,7 +417,7 @@ def _move_aside(checkpoint: Path, why: list[str]) -> Path:
         n += 1
         aside = checkpoint.with_name(f"{DAMAGED}{checkpoint.name}.{n}")
     os.rename(checkpoint, aside)
-    _fsync_dir(checkpoint.parent)
+    fsync_path(checkpoint.parent)
     (aside / DAMAGE_NOTE).write_text("\n".join(why) + "\n")
     return aside
 
@@ -512,14 +512,6 @@ def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state() -> dict[str, Any]:

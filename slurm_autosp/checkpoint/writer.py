@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from slurm_autosp.checkpoint.manifest import FileRecord
+from slurm_autosp.lifecycle.durable import fsync_path
 from slurm_autosp.lifecycle.parent_death import die_with
 
 _CHUNK = 16 * 2**20
@@ -50,17 +51,9 @@ def persist(staged: Path, partial: Path) -> dict[str, FileRecord]:
         source.unlink()  # the staged copy holds node memory: free it as soon as it is written
         records[name] = FileRecord(size=size, sha256=digest.hexdigest())
     for directory in {partial / Path(name).parent for name in records} | {partial}:
-        _fsync_dir(directory)
+        fsync_path(directory)
     shutil.rmtree(staged, ignore_errors=True)
     return records
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # what Slurm sends every process of a job step (proctrack/pgid, `scancel --signal`): the rank's

@@ -52,6 +52,7 @@ from slurm_autosp.data.prepared import (
 )
 from slurm_autosp.data.token_file import TokenFileWriter
 from slurm_autosp.data.workers import children_die_with_this_process
+from slurm_autosp.lifecycle.durable import rename_durably
 
 log = logging.getLogger(__name__)
 
@@ -484,7 +485,7 @@ def _prepare_owned(
     try:
         summary = _prepare_into(partial, cache, options, tokenizer, builder, files)
         shutil.rmtree(cache)
-        os.rename(partial, options.output)
+        rename_durably(partial, options.output)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return summary
