@@ -21,8 +21,13 @@ def build_optimizer(
         lr=cfg.lr,
         betas=(cfg.betas[0], cfg.betas[1]),
         weight_decay=cfg.weight_decay,
-        fused=True if fused else None,  # None, not False: False turns off foreach on CUDA
+        fused=_fused_option(fused),
     )
+
+
+def _fused_option(fused: bool) -> bool | None:
+    """AdamW's `fused`: None, not False, where it is off: False turns off foreach on CUDA."""
+    return True if fused else None
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -48,10 +53,14 @@ def build_lr_scheduler(
 
 
 def apply_hyperparameters(
-    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: TrainConfig
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    cfg: TrainConfig,
+    fused: bool,
 ) -> None:
-    """Loading a checkpoint restores the lr, betas and weight decay it was written with; a resumed
-    job trains with its own config's (unchanged ones give the same floats: an exact resume stays exact)."""
+    """Loading a checkpoint restores the lr, betas and weight decay it was written with, and
+    its kernel (`fused`: build_optimizer's); a resumed job trains with its own config's and
+    kernel (unchanged ones give the same floats: an exact resume stays exact)."""
     scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
     lr = cfg.lr * lr_factor(scheduler.last_epoch, cfg)
     for group in optimizer.param_groups:
@@ -60,6 +69,8 @@ def apply_hyperparameters(
             initial_lr=cfg.lr,
             betas=(cfg.betas[0], cfg.betas[1]),
             weight_decay=cfg.weight_decay,
+            fused=_fused_option(fused),
+            foreach=None,
         )
     scheduler._last_lr = [
         lr for _ in optimizer.param_groups

@@ -623,3 +623,24 @@ def test_a_checkpoint_from_before_the_data_contents_were_recorded_resumes(tmp_pa
     store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
     store.save(engine, dataclasses.replace(state(1, engine.name), settings=older))
     assert store.load_latest(engine, settings(engine.name, *on_data)).step == 1
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
+def test_a_resume_with_optimizer_offload_changed_steps_with_its_own_kernel(
+    tmp_path, single_rank_group, zero_stage
+):
+    """The saved param groups carry the kernel they were written with (`fused`): a job that
+    now offloads the optimizer (or no longer does) steps with the one its build chose."""
+    for saved_offload, resumed_offload in ((False, True), (True, False)):
+        root = tmp_path / f"offload_{saved_offload}"
+        torch.manual_seed(0)
+        cpu = torch.device("cpu")
+        first = build_engine(job_config(zero_stage), cpu, zero_stage, saved_offload)
+        written = CheckpointStore(root, rank=0, world_size=1, keep=2)
+        written.save(first, state(1, first.name))
+        resumed = build_engine(job_config(zero_stage), cpu, zero_stage, resumed_offload)
+        store = CheckpointStore(root, rank=0, world_size=1, keep=2)
+        assert store.load_latest(resumed, settings(resumed.name)) == state(1, resumed.name)
+        optimizer = resumed.optimizer if zero_stage == 3 else resumed._engine.optimizer
+        fused = {group["fused"] for group in optimizer.param_groups}
+        assert fused == {True if resumed_offload else None}, (saved_offload, fused)

@@ -84,6 +84,7 @@ class ZeRO1Engine:
         self.module = self._engine.module
         self._partition = ZeroPartition(self._engine.optimizer)
         self._train = cfg.train
+        self._fused = offload_optimizer
         self.loss_scale = loss_scale(cfg.cluster.world_size, cfg.train.grad_accum)
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -109,7 +110,9 @@ class ZeRO1Engine:
             zero1_checkpoint.load(path, self.module, self._partition, self._engine.lr_scheduler)
         else:
             self._load_own_format(path)
-        apply_hyperparameters(self._engine.optimizer, self._engine.lr_scheduler, self._train)
+        apply_hyperparameters(
+            self._engine.optimizer, self._engine.lr_scheduler, self._train, self._fused
+        )
 
     def _load_own_format(self, path: Path) -> None:
         """A checkpoint in DeepSpeed's own format, written before zero1_checkpoint's: one flat

@@ -89,6 +89,7 @@ class FSDP2Engine:
         self.optimizer = build_optimizer(model, cfg.train, fused=offload_optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
         self._train = cfg.train
+        self._fused = offload_optimizer
         self.loss_scale = loss_scale(world, cfg.train.grad_accum, averages_micro_batches=False)
         self._grad_accum = cfg.train.grad_accum
         self._max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
@@ -135,7 +136,7 @@ class FSDP2Engine:
             self.module, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state
         )
         self.scheduler.load_state_dict(torch.load(path / SCHEDULE_FILE, weights_only=True))
-        apply_hyperparameters(self.optimizer, self.scheduler, self._train)
+        apply_hyperparameters(self.optimizer, self.scheduler, self._train, self._fused)
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor gathered from every rank's shard when it is taken (tied parameters
