@@ -24,6 +24,9 @@ def submit(root: Path, *overrides: str) -> subprocess.CompletedProcess:
     return submit_local(
         f"run.output_root={root}",
         "checkpoint.every_steps=3",
+        # synchronous: an asynchronous step-3 save still being written at step 6 (the last,
+        # synchronous save) is abandoned, leaving no step 3 to resume from under load
+        "checkpoint.async_save=false",
         "trace.memory_steps=[2,5]",
         *overrides,
     )
