@@ -239,7 +239,7 @@ class CheckpointSaves:
             free = shutil.disk_usage(self.staging.parent).free
             return (
                 f"staging in {self.staging} failed ({free / 2**20:.1f} MiB free there): "
-                f"{_first_line(err)}"
+                f"{_last_line(err)}"
             )
         self._staged_bytes = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file())
         return ""
@@ -318,7 +318,7 @@ class CheckpointSaves:
         return cls(store, staging)
 
 
-def _first_line(err: BaseException) -> str:
+def _last_line(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[-1] if lines else ''}"
 
