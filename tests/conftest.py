@@ -1,5 +1,6 @@
 """Fixtures shared across the suite."""
 
+import getpass
 import os
 import subprocess
 from pathlib import Path
@@ -103,6 +104,17 @@ def slurm_cluster():
         )
     yield
     subprocess.run(["bash", str(SLURM_SCRIPTS / "stop.sh")], capture_output=True, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+def no_slurm_job_outlives_its_test(request):
+    """Cancel what a Slurm test left queued or running (a failed assertion skips its own
+    clean-up): the job would run on, taking the CPUs of the tests after it."""
+    yield
+    if "slurm_cluster" in request.fixturenames:
+        user = f"--user={getpass.getuser()}"
+        subprocess.run(["scancel", "--signal=KILL", "--full", user], capture_output=True)
+        subprocess.run(["scancel", user], capture_output=True)
 
 
 @pytest.fixture(scope="module")

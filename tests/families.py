@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pool_dims import pool_dims
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from slurm_autosp.cluster.parallel_dims import contiguous_parallel_dims
 from slurm_autosp.config import JobConfig, load_config
 from slurm_autosp.verify import VerifyOptions, compare_sp_step, full_fp32
 from slurm_autosp.verify.options import special_ids_within
@@ -434,9 +434,8 @@ def battery_step(cfg: JobConfig, options: VerifyOptions) -> Any:
     family's graphs, or transformers' shared layer wrappers would count each family's layers as
     one frame's recompiles and reach the limit."""
     torch.compiler.reset()
-    dims = contiguous_parallel_dims(cfg.parallel.sp_size, 1, torch.device("cpu"))
     with full_fp32():
-        return compare_sp_step(cfg, options, dims)
+        return compare_sp_step(cfg, options, pool_dims(cfg.parallel.sp_size))
 
 
 def readme_table() -> str:

@@ -5,8 +5,8 @@ import os
 from dataclasses import asdict
 
 import torch
+from pool_dims import pool_dims
 
-from slurm_autosp.cluster.parallel_dims import ParallelDims, contiguous_parallel_dims
 from slurm_autosp.config import DocumentBoundaries, JobConfig, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.verify import VerifyOptions
@@ -15,10 +15,6 @@ from slurm_autosp.verify.ranks import compare_sp_step, full_fp32
 from slurm_autosp.verify.start_check import INJECT_ENV, StartCheckFailed, run_start_check
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_cpu.yaml")
-
-
-def _dims(sp_size: int, ring_size: int = 1) -> ParallelDims:
-    return contiguous_parallel_dims(sp_size, ring_size, torch.device("cpu"))
 
 
 def _config(overrides: list[str], masked: bool) -> JobConfig:
@@ -37,7 +33,7 @@ def job_start_check(overrides: list[str], masked: bool, inject: str = "none") ->
     RunDir(cfg.run.dir).root.mkdir(parents=True, exist_ok=True)
     os.environ[INJECT_ENV] = inject
     try:
-        check = run_start_check(cfg, _dims(cfg.parallel.sp_size, cfg.parallel.ring_size or 1))
+        check = run_start_check(cfg, pool_dims(cfg.parallel.sp_size, cfg.parallel.ring_size or 1))
     except StartCheckFailed as failed:
         return {"failed": str(failed)}
     finally:
@@ -51,7 +47,7 @@ def bf16_comparison(documents: int, inject: str = "none") -> dict | None:
     cfg = load_config([f"cfg={TINY}"])
     options = VerifyOptions(documents=documents, inject=Inject(inject))
     with full_fp32():
-        report = compare_sp_step(cfg, options, _dims(cfg.parallel.sp_size), torch.bfloat16)
+        report = compare_sp_step(cfg, options, pool_dims(cfg.parallel.sp_size), torch.bfloat16)
     if report is None:
         return None
     return {"worst": report.worst_error, "baseline": report.baseline_error}
