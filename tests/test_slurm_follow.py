@@ -50,7 +50,7 @@ def test_submit_returns_once_queued_status_follow_reattaches_and_the_run_complet
     run_dir = tmp_path / "tiny_cpu"
     started = time.monotonic()
     proc = subprocess.run(
-        submit(tmp_path, "cluster.tasks_per_node=4", "train.steps=30", "train.log_every=1"),
+        submit(tmp_path, "cluster.tasks_per_node=4", "train.steps=10", "train.log_every=1"),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -61,7 +61,7 @@ def test_submit_returns_once_queued_status_follow_reattaches_and_the_run_complet
     job_id = re.search(r"submitted job (\d+) \(slurm, 4 ranks", proc.stdout).group(1)
     assert job_state(job_id) in ("PENDING", "RUNNING"), proc.stdout  # returned while it runs
     assert f"per-rank logs in {run_dir / 'submitit'}" in proc.stdout
-    assert "step 1/30" not in proc.stdout
+    assert "step 1/10" not in proc.stdout
     for hint in (
         f"follow:      python -m slurm_autosp.status {run_dir} --follow",
         f"rank 0 log:  {run_dir / 'submitit' / f'{job_id}_0_log.out'}",
@@ -82,13 +82,13 @@ def test_submit_returns_once_queued_status_follow_reattaches_and_the_run_complet
     seconds = time.monotonic() - following
     assert followed.returncode == 0, followed.stdout + followed.stderr
     assert f"running: job {job_id} (slurm" in followed.stdout
-    assert "step 30/30" in followed.stdout and f"job {job_id} finished" in followed.stdout
+    assert "step 10/10" in followed.stdout and f"job {job_id} finished" in followed.stdout
     # the status line's lock check, then at most one query per interval while following
     assert squeue_calls() - before <= 2 + seconds / SCHEDULER_POLL_S, (seconds, squeue_calls())
     assert time.monotonic() - started < 600
     assert len(list((run_dir / "submitit").glob(f"{job_id}_*_log.out"))) == 4
     assert (run_dir / "config.yaml").exists()
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000030"
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000010"
     assert (run_dir / "hf" / "model.safetensors").exists()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 

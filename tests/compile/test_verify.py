@@ -89,18 +89,6 @@ def test_llama8b_head_layout_with_sp2_and_packed_documents_matches_single_device
 
 
 @pytest.mark.slow
-def test_sp4_as_ulysses_2_by_ring_2_matches_single_device(run_verify):
-    done = run_verify(
-        "cfg=configs/tiny_cpu.yaml",
-        "parallel.sp_size=4",
-        "parallel.ring_size=2",
-        "cluster.tasks_per_node=4",
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "sp_size=4 (Ulysses 2 x ring 2)" in done.stdout and "PASS" in done.stdout
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,layout",
     [
@@ -110,7 +98,8 @@ def test_sp4_as_ulysses_2_by_ring_2_matches_single_device(run_verify):
 )
 def test_moe_router_loss_matches_single_device(run_verify, family, layout):
     """The router's load-balancing loss over each DP replica's micro-batch, as the unmodified
-    model computes it on one device (before: gate gradients 0.05-1.5 relative off)."""
+    model computes it on one device (before: gate gradients 0.05-1.5 relative off): SP=2 x
+    DP=2, and Ulysses 2 x ring 2 (the command's 4 ranks laid out as a job's)."""
     done = run_verify(
         "cfg=configs/tiny_cpu.yaml",
         f"model.model_type={family}",
@@ -120,6 +109,8 @@ def test_moe_router_loss_matches_single_device(run_verify, family, layout):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASS" in done.stdout
+    expected = "sp_size=2 x dp=2" if "--dp" in layout else "sp_size=4 (Ulysses 2 x ring 2) x dp=1"
+    assert expected in done.stdout, done.stdout
 
 
 def test_packed_documents_with_a_ring_exit_2_naming_ring_size(capsys):
