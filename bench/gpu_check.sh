@@ -3,7 +3,7 @@
 # bandwidth across all of them): the exactness of the kernels in bf16 against fp32, the memory
 # plan against the measured peak, step time, tokens/s and MFU, and the longest sequence per
 # checkpointing policy, as one table; `python -m slurm_autosp.probe.gpu_check --help` and
-# README's "Probe your nodes" say what each row is and what passing means.
+# docs/probe.md ("The GPU check") say what each row is and what passing means.
 #
 #   TORCH_SPEC=<CUDA or ROCm wheel> ./install.sh && bench/gpu_check.sh
 #   OUT=runs/gpu_check bench/gpu_check.sh           # where gpu_check.json goes (the default)

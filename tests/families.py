@@ -6,8 +6,8 @@ by name before any rank starts. Never a traceback.
 A family is left out only by a named rule (`skip_rule`); one whose tiny config needs fields
 of its own gets them from `OVERRIDES`; a few families are checked again with a feature turned
 on (`VARIANTS`). `EXPECTED` is the outcome of each case as data: a case whose outcome changes
-(a fix lands, a refusal is lifted) flips one entry, and the README's table
-(`readme_table`, checked by tests/test_readme.py) follows.
+(a fix lands, a refusal is lifted) flips one entry, and the families table in docs/compiler.md
+(`families_table`, checked by tests/test_readme.py) follows.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Expected:
     reason: str = ""  # a REASONS key: what the refusal (or the failure) names
 
 
-# what a refusal must say, and how the README names it
+# what a refusal must say, and how docs/compiler.md's families table names it
 REASONS: dict[str, tuple[str, str]] = {
     "mixing": (
         "mixes tokens along the sequence outside attention",
@@ -438,8 +438,8 @@ def battery_step(cfg: JobConfig, options: VerifyOptions) -> Any:
         return compare_sp_step(cfg, options, pool_dims(cfg.parallel.sp_size))
 
 
-def readme_table() -> str:
-    """README's table of families, from EXPECTED and the skip rules."""
+def families_table() -> str:
+    """docs/compiler.md's table of families, from EXPECTED and the skip rules."""
     rows: dict[str, list[str]] = {}
     for name, expected in sorted(EXPECTED.items()):
         if expected.outcome is Outcome.exact:

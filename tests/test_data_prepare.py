@@ -414,7 +414,7 @@ def test_a_prepared_directory_missing_a_file_is_named_before_any_rank_starts(
 
 @pytest.mark.slow
 def test_jsonl_to_a_trained_model_that_loads_and_generates(tmp_path, tokenizer_dir):
-    """The README's path: prepare, train (tiny_cpu, SP=2) evaluating on the eval split, reload the export with its tokenizer."""
+    """docs/data.md's path: prepare, train (tiny_cpu, SP=2) evaluating on the eval split, reload the export with its tokenizer."""
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": t} for t in sentences(2000)])
     assert prepare(tokenizer_dir, [corpus], tmp_path / "data", "--eval-fraction", "0.01") == 0
     vocab = json.loads((tmp_path / "data" / "summary.json").read_text())["vocab_size"]

@@ -1,21 +1,28 @@
-"""README's reference sections stay true to the code: every config key and every module is
-listed."""
+"""The README and the pages under docs/ stay true to the code and to each other: every config
+key and every module is listed, the families table is the battery's, the README stays short
+enough to read in one sitting and indexes every page, and no relative link is dangling."""
 
 import dataclasses
 import re
 from pathlib import Path
 
-from families import readme_table
+from families import families_table
 from transformers import LlamaConfig
 
 from slurm_autosp.config import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+README_MAX_LINES = 300
+
+
+def page(name: str) -> str:
+    return (DOCS / name).read_text()
 
 
 def config_table() -> dict[str, str]:
-    rows = re.findall(r"^\| `?([\w ]+?)`? \| (.+) \|$", README, re.M)
+    rows = re.findall(r"^\| `?([\w ]+?)`? \| (.+) \|$", page("configuration.md"), re.M)
     return {section: keys for section, keys in rows}
 
 
@@ -31,11 +38,11 @@ def test_the_configuration_table_lists_every_key_of_every_section():
         if section.name == "model":  # the row names the Hugging Face fields as a family
             names = [n for n in names if not hasattr(LlamaConfig(), n)]
         missing += [f"{section.name}.{n}" for n in names if f"`{n}" not in row]
-    assert not missing, f"README's configuration table lacks {missing}"
+    assert not missing, f"docs/configuration.md's configuration table lacks {missing}"
 
 
 def test_the_layout_section_lists_every_module_and_package():
-    layout = README.split("## Layout", 1)[1].split("```")[1]
+    layout = page("architecture.md").split("## Layout", 1)[1].split("```")[1]
     package = REPO / "slurm_autosp"
     modules = [
         p.name + ("/" if p.is_dir() else "")
@@ -43,9 +50,53 @@ def test_the_layout_section_lists_every_module_and_package():
         if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()
     ]
     missing = [m for m in modules if not re.search(rf"^  {re.escape(m)}\s", layout, re.M)]
-    assert not missing, f"README's layout section lacks {missing}"
+    assert not missing, f"docs/architecture.md's layout section lacks {missing}"
 
 
 def test_the_families_table_is_the_batterys_expected_outcomes():
-    table = README.split("<!-- families -->\n", 1)[1].split("\n<!-- /families -->", 1)[0]
-    assert table == readme_table(), f"replace README's families table with:\n{readme_table()}"
+    holders = [p for p in sorted(DOCS.glob("*.md")) if "<!-- families -->\n" in p.read_text()]
+    assert len(holders) == 1, f"one page under docs/ holds the families table, not {holders}"
+    text = holders[0].read_text()
+    table = text.split("<!-- families -->\n", 1)[1].split("\n<!-- /families -->", 1)[0]
+    where = holders[0].relative_to(REPO)
+    assert table == families_table(), f"replace {where}'s families table with:\n{families_table()}"
+
+
+def test_the_readme_is_read_in_one_sitting():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines, over {README_MAX_LINES}: move detail into a page under docs/"
+    )
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+
+
+def relative_links(path: Path) -> list[str]:
+    """The targets of `path`'s markdown links that are not URLs or anchors in the same page,
+    outside fenced code."""
+    text = FENCE.sub("", path.read_text())
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:|#", t)]
+
+
+def target(path: Path, link: str) -> Path:
+    return (path.parent / link.split("#", 1)[0]).resolve()
+
+
+def test_the_readme_links_every_docs_page():
+    linked = {target(README, link) for link in relative_links(README)}
+    pages = sorted(p for p in DOCS.rglob("*") if p.is_file())
+    assert pages, "docs/ holds no pages"
+    unlinked = [str(p.relative_to(REPO)) for p in pages if p.resolve() not in linked]
+    assert not unlinked, f"README.md's index of docs/ lacks {unlinked}"
+
+
+def test_every_relative_link_points_to_an_existing_file():
+    dangling = [
+        f"{path.relative_to(REPO)}: {link}"
+        for path in [README, *sorted(DOCS.glob("*.md"))]
+        for link in relative_links(path)
+        if not target(path, link).exists()
+    ]
+    assert not dangling, f"links to no file: {dangling}"

@@ -1,6 +1,6 @@
 """What every rank runs: the callable submitit pickles into the job.
 
-Above train in the dependency order (README's layout). Importing train imports torch._dynamo, which exports torch's default
+Above train in the dependency order (docs/architecture.md's layout). Importing train imports torch._dynamo, which exports torch's default
 TORCHINDUCTOR_CACHE_DIR when imported; inductor reads the variable each time it opens its
 cache, and DeepSpeed (imported by its engine when built) reads DS_ACCELERATOR on its first
 get_accelerator(): both are set in `TrainingJob.__call__`, before either is used.

@@ -29,7 +29,7 @@ def outcome_of(case: Case, pool) -> tuple[Outcome, str]:
 
 
 def test_every_case_has_an_expected_outcome_and_none_is_stale():
-    """A family a new transformers brings needs an entry (and the README's table a row)."""
+    """A family a new transformers brings needs an entry (and docs/compiler.md's families table a row)."""
     names = {case.name for case in cases()}
     assert not names - set(EXPECTED), f"add to families.EXPECTED: {sorted(names - set(EXPECTED))}"
     assert not set(EXPECTED) - names, f"stale in EXPECTED: {sorted(set(EXPECTED) - names)}"
