@@ -1,7 +1,7 @@
 """The dependency order holds, one floor a package where packages depend on each other:
 config -> cluster -> run lifecycle -> SP runtime -> compiler -> data and model -> training
 state -> engines -> memory plan -> admission -> evaluation and verify -> train -> launch -> the commands (each
-package's __main__ is a command). No module imports one of a later layer, or another package of its own layer, at
+package's __main__ is a command) -> the console script. No module imports one of a later layer, or another package of its own layer, at
 the top or inside a function: no two packages import each other."""
 
 import ast
@@ -27,6 +27,7 @@ LAYERS = [
     {"launch"},
     {"probe"},
     {"submit", "run", "plan", "status", "summary"},
+    {"console"},
 ]
 LAYER = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
