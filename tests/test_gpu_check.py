@@ -13,6 +13,7 @@ import oom_model
 import pytest
 import torch
 import yaml
+from in_process import run_command
 
 from slurm_autosp.compile import tiling
 from slurm_autosp.probe import kernels
@@ -234,3 +235,45 @@ def test_the_plan_row_on_a_gpu_holds_the_peak_to_ten_percent_and_names_the_plans
     )
     step = step_row("none", 32768, _measured(42.0), world=1)
     assert step.measured == "1.000 s, 32,768 tokens/s, 400 TFLOP/s, MFU 40.4%"
+
+
+def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_run(
+    tmp_path, monkeypatch
+):
+    """The bandwidth and the rewrites' exactness raise (injected): each is one failed row
+    naming its error, the kernels' rows and a policy's rows are still measured, the report is
+    written and the exit status is 1. Its first line names torch (and CUDA, NCCL where built)."""
+    from slurm_autosp.probe import bandwidth, exactness, gpu_check, gpu_measure
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: the device fell off the bus")
+
+    monkeypatch.setattr(bandwidth, "bandwidth_rows", broken)
+    monkeypatch.setattr(exactness, "check_rewrites", broken)
+    monkeypatch.setattr(gpu_measure, "POLICIES", {"none": gpu_measure.POLICIES["none"]})
+    saved = dict(os.environ)
+    try:
+        done = run_command(
+            gpu_check.main, "--device", "cpu", "--tiny", "--eager", "--out", str(tmp_path)
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.startswith(f"gpu_check: CPU, torch {torch.__version__}")
+    report = json.loads((tmp_path / OUTPUT).read_text())
+    errors = [r for r in report["rows"] if r["result"] == "ERROR"]
+    assert [(r["check"], r["case"]) for r in errors] == [
+        ("section", "rewrites"),
+        ("section", "bandwidth"),
+    ], errors
+    assert all(
+        r["measured"] == "RuntimeError: injected: the device fell off the bus"
+        and r["detail"]
+        == f"raised in broken (test_gpu_check.py:{broken.__code__.co_firstlineno + 1})"
+        and r["correctness"]
+        for r in errors
+    )
+    checks = [r["check"] for r in report["rows"] if r["result"] != "ERROR"]
+    assert checks.count("exactness") == len(CASES) and checks.count("longest") == 1, checks
+    assert not report["passed"] and "FAILED: rewrites, bandwidth" in done.stdout

@@ -14,8 +14,10 @@ at SP=1, prints one table and writes it to DIR/gpu_check.json (default runs/gpu_
   compiled model (probe/search.py), never cut short by a time budget;
 - bandwidth: all-reduce and all-to-all across the GPUs, where more than one is visible.
 
-Exit status 0 only when every correctness row passed (a row the device refuses, e.g. a kernel
-ROCm lacks, is named as refused and does not fail it); 1 otherwise; 2 without a GPU. The
+A section that raises is one failed row naming the error; the sections after it still run and
+the report is still written. Exit status 0 only when every correctness row passed (a row the
+device refuses, e.g. a kernel ROCm lacks, is named as refused and does not fail it); 1
+otherwise; 2 without a GPU. The
 output of an earlier run is removed first, so a failed run never leaves old results to read.
 
   --device cpu --tiny --eager: every row's code on CPU, tiny shapes, uncompiled (a self-test
@@ -32,15 +34,17 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from slurm_autosp.probe.gpu_rows import Row, exactness_row, render
+from slurm_autosp.probe.gpu_rows import ERROR, Row, exactness_row, render
 
 OUTPUT = "gpu_check.json"
 BANDWIDTH_BYTES = {False: 256 << 20, True: 1 << 20}  # per rank: the GPU's, the --tiny run's
@@ -87,8 +91,38 @@ def one_rank(device: torch.device) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _section(name: str, start: float, rows: list[Row]) -> None:
+def _section(name: str, rows_of: Callable[[], list[Row]]) -> list[Row]:
+    """One section's rows; one that raises is a failed row naming the error, and the sections
+    after it still run: one unexpected error must not cost the rest of a borrowed GPU hour."""
+    start = time.perf_counter()
+    try:
+        rows = rows_of()
+    except Exception as error:  # noqa: BLE001 - recorded in the table, never lost
+        rows = [error_row(name, error)]
     print(f"gpu_check: {name}: {len(rows)} rows, {time.perf_counter() - start:.0f} s", flush=True)
+    return rows
+
+
+def error_row(name: str, error: Exception) -> Row:
+    """A failed row naming the section, the error and the innermost frame it was raised in."""
+    last = traceback.format_exception_only(error)[-1].strip()
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    where = f"raised in {frame.name} ({Path(frame.filename).name}:{frame.lineno})"
+    return Row("section", name, "no error", last, ERROR, True, where)
+
+
+def versions() -> str:
+    """What the check runs on, for its first line: torch, and CUDA (or ROCm) and NCCL (or
+    RCCL) as torch was built with them."""
+    parts = [f"torch {torch.__version__}"]
+    if torch.version.hip:
+        parts.append(f"ROCm {torch.version.hip}")
+    elif torch.version.cuda:
+        parts.append(f"CUDA {torch.version.cuda}")
+    if torch.cuda.is_available():
+        nccl = torch.cuda.nccl.version()
+        parts.append(f"{'RCCL' if torch.version.hip else 'NCCL'} {'.'.join(map(str, nccl))}")
+    return ", ".join(parts)
 
 
 def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[Row]:
@@ -115,11 +149,12 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
     on_gpu = device.type == "cuda"
     scale = TINY_SCALE if tiny else GPU_SCALE
     use_private_compile_cache(None)
-    start = time.perf_counter()
-    bandwidth = bandwidth_rows(
-        torch.cuda.device_count() if on_gpu else 2, on_gpu, BANDWIDTH_BYTES[tiny]
+    bandwidth = _section(
+        "bandwidth",
+        lambda: bandwidth_rows(
+            torch.cuda.device_count() if on_gpu else 2, on_gpu, BANDWIDTH_BYTES[tiny]
+        ),
     )
-    _section("bandwidth", start, bandwidth)
     target = Target(
         device,
         ("amd" if torch.version.hip else "nvidia") if on_gpu else "none",
@@ -131,18 +166,16 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
     with one_rank(device):
         cfg = check_config(scale, target, next(iter(POLICIES)), scale.lengths[0])
         dims = build_parallel_dims(cfg, local_rank=0, device=device)
-        start = time.perf_counter()
         planned = predictions(scale, target)  # before anything compiles: it resets Dynamo
         set_sp_group(dims.sp_group)
-        checks = check_kernels(device) + check_rewrites(device, tiny, compiled=not eager)
-        rows += [exactness_row(c) for c in checks]
-        _section("exactness", start, rows)
+        rows += _section("kernels", lambda: [exactness_row(c) for c in check_kernels(device)])
+        rows += _section(
+            "rewrites",
+            lambda: [exactness_row(c) for c in check_rewrites(device, tiny, compiled=not eager)],
+        )
         torch.compiler.reset()  # the checks' small models' graphs: no part of the policies' limits
         for policy in POLICIES:
-            start = time.perf_counter()
-            measured = policy_rows(scale, target, policy, dims, planned)
-            rows += measured
-            _section(policy, start, measured)
+            rows += _section(policy, partial(policy_rows, scale, target, policy, dims, planned))
     return rows + bandwidth
 
 
@@ -172,8 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     name = torch.cuda.get_device_name(device) if args.device == "cuda" else "CPU"
     started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
-    print(f"gpu_check: {name}, torch {torch.__version__}; output in {out / OUTPUT}", flush=True)
-    rows = run_check(device, args.tiny, args.eager, out)
+    print(f"gpu_check: {name}, {versions()}; output in {out / OUTPUT}", flush=True)
+    try:
+        rows = run_check(device, args.tiny, args.eager, out)
+    except Exception as error:  # noqa: BLE001 - outside any section: the report still says why
+        rows = [error_row("setup", error)]
     failed = [r for r in rows if r.failed]
     print(render(rows))
     print(
@@ -188,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.perf_counter() - start,
             "device": name,
             "torch": torch.__version__,
+            "versions": versions(),
             "rocm": torch.version.hip,
             "tiny": args.tiny,
             "eager": args.eager,

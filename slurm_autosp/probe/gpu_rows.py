@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from slurm_autosp.probe.kernels import PASS, REFUSED, KernelCheck
 
 COLUMNS = ("check", "case", "expected", "measured", "result")
+ERROR = "ERROR"  # a section that raised: its row fails the check, the sections after it run
 
 
 @dataclass(frozen=True)
