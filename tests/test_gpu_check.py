@@ -243,7 +243,7 @@ def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_r
     """The bandwidth and the rewrites' exactness raise (injected): each is one failed row
     naming its error, the kernels' rows and a policy's rows are still measured, the report is
     written and the exit status is 1. Its first line names torch (and CUDA, NCCL where built)."""
-    from slurm_autosp.probe import bandwidth, exactness, gpu_check, gpu_measure
+    from slurm_autosp.probe import bandwidth, exactness, gpu_measure
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected: the device fell off the bus")
@@ -251,14 +251,7 @@ def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_r
     monkeypatch.setattr(bandwidth, "bandwidth_rows", broken)
     monkeypatch.setattr(exactness, "check_rewrites", broken)
     monkeypatch.setattr(gpu_measure, "POLICIES", {"none": gpu_measure.POLICIES["none"]})
-    saved = dict(os.environ)
-    try:
-        done = run_command(
-            gpu_check.main, "--device", "cpu", "--tiny", "--eager", "--out", str(tmp_path)
-        )
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    done = _run_in_process("--out", str(tmp_path))
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.startswith(f"gpu_check: CPU, torch {torch.__version__}")
     report = json.loads((tmp_path / OUTPUT).read_text())
@@ -266,7 +259,7 @@ def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_r
     assert [(r["check"], r["case"]) for r in errors] == [
         ("section", "rewrites"),
         ("section", "bandwidth"),
-    ], errors
+    ], [(r["case"], r["measured"], r["detail"]) for r in errors]
     assert all(
         r["measured"] == "RuntimeError: injected: the device fell off the bus"
         and r["detail"]
@@ -276,4 +269,54 @@ def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_r
     )
     checks = [r["check"] for r in report["rows"] if r["result"] != "ERROR"]
     assert checks.count("exactness") == len(CASES) and checks.count("longest") == 1, checks
-    assert not report["passed"] and "FAILED: rewrites, bandwidth" in done.stdout
+    assert report["complete"] and not report["passed"]
+    assert "FAILED: rewrites, bandwidth" in done.stdout
+
+
+def _run_in_process(*arguments: str):
+    """gpu_check's CPU self-test in this process (so a section can be broken), its environment
+    put back after. DeepSpeed forgets the world group an earlier test's engine cached (its
+    group destroyed since), as a new process would never have seen it."""
+    from deepspeed.utils import groups
+
+    from slurm_autosp.probe import gpu_check
+
+    groups._WORLD_GROUP = None
+    saved = dict(os.environ)
+    try:
+        return run_command(gpu_check.main, "--device", "cpu", "--tiny", "--eager", *arguments)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_past_its_budget_no_section_starts_and_each_is_recorded_as_not_run(tmp_path):
+    done = _run_in_process("--out", str(tmp_path), "--budget-s", "0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads((tmp_path / OUTPUT).read_text())
+    assert [(r["case"], r["result"]) for r in report["rows"]] == [
+        (name, "not run") for name in ("kernels", "rewrites", "none", "sac_budget_0", "full")
+    ] + [("bandwidth", "not run")]
+    assert all(r["expected"] == "within --budget-s 0" for r in report["rows"])
+    assert report["complete"] and not report["passed"]
+
+
+def test_a_run_killed_midway_leaves_the_sections_it_finished(tmp_path, monkeypatch):
+    """Stopped inside its third section (an interrupt stands in for the time limit's kill):
+    the report on disk holds the two sections before it, marked incomplete."""
+    from slurm_autosp.probe import bandwidth, exactness
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bandwidth, "bandwidth_rows", broken)
+    monkeypatch.setattr(exactness, "check_rewrites", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _run_in_process("--out", str(tmp_path))
+    report = json.loads((tmp_path / OUTPUT).read_text())
+    assert not report["complete"] and not report["passed"]
+    sections = [r["case"] if r["check"] == "section" else r["check"] for r in report["rows"]]
+    assert sections == ["bandwidth", *["exactness"] * len(CASES)], sections

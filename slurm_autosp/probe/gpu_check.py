@@ -15,7 +15,8 @@ at SP=1, prints one table and writes it to DIR/gpu_check.json (default runs/gpu_
 - bandwidth: all-reduce and all-to-all across the GPUs, where more than one is visible.
 
 A section that raises is one failed row naming the error; the sections after it still run and
-the report is still written. Exit status 0 only when every correctness row passed (a row the
+the report is still written, as it is after every section (a run killed at a time limit leaves
+what it measured). Past --budget-s no further section starts: each left is a failed row. Exit status 0 only when every correctness row passed (a row the
 device refuses, e.g. a kernel ROCm lacks, is named as refused and does not fail it); 1
 otherwise; 2 without a GPU. The
 output of an earlier run is removed first, so a failed run never leaves old results to read.
@@ -34,7 +35,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,9 +44,10 @@ from pathlib import Path
 
 import torch
 
-from slurm_autosp.probe.gpu_rows import ERROR, Row, exactness_row, render
+from slurm_autosp.probe.gpu_rows import OUT_OF_TIME, Row, error_row, exactness_row, render
 
 OUTPUT = "gpu_check.json"
+BUDGET_S = 480.0  # 8 minutes: one borrowed machine's 10-minute run, with its start and copies
 BANDWIDTH_BYTES = {False: 256 << 20, True: 1 << 20}  # per rank: the GPU's, the --tiny run's
 
 
@@ -91,24 +92,43 @@ def one_rank(device: torch.device) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _section(name: str, rows_of: Callable[[], list[Row]]) -> list[Row]:
-    """One section's rows; one that raises is a failed row naming the error, and the sections
-    after it still run: one unexpected error must not cost the rest of a borrowed GPU hour."""
-    start = time.perf_counter()
-    try:
-        rows = rows_of()
-    except Exception as error:  # noqa: BLE001 - recorded in the table, never lost
-        rows = [error_row(name, error)]
-    print(f"gpu_check: {name}: {len(rows)} rows, {time.perf_counter() - start:.0f} s", flush=True)
-    return rows
+class Sections:
+    """Runs the check's sections one by one, each on its own: one that raises becomes a failed
+    row naming the error, and the sections after it still run. The rows so far are written after
+    every section (`save`), so a run killed at a time limit leaves what it measured; once the
+    budget is spent the remaining sections are recorded as not run (a running one is not cut
+    short)."""
 
+    def __init__(self, budget_s: float, save: Callable[[list[Row]], None]):
+        self.budget_s = budget_s
+        self.deadline = time.perf_counter() + budget_s
+        self.done: list[Row] = []
+        self._save = save
 
-def error_row(name: str, error: Exception) -> Row:
-    """A failed row naming the section, the error and the innermost frame it was raised in."""
-    last = traceback.format_exception_only(error)[-1].strip()
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    where = f"raised in {frame.name} ({Path(frame.filename).name}:{frame.lineno})"
-    return Row("section", name, "no error", last, ERROR, True, where)
+    def run(self, name: str, rows_of: Callable[[], list[Row]]) -> list[Row]:
+        start = time.perf_counter()
+        if start > self.deadline:
+            rows = [
+                Row(
+                    "section",
+                    name,
+                    f"within --budget-s {self.budget_s:g}",
+                    "not run: the budget was spent",
+                    OUT_OF_TIME,
+                    True,
+                )
+            ]
+        else:
+            try:
+                rows = rows_of()
+            except Exception as error:  # noqa: BLE001 - recorded in the table, never lost
+                rows = [error_row(name, error)]
+        print(
+            f"gpu_check: {name}: {len(rows)} rows, {time.perf_counter() - start:.0f} s", flush=True
+        )
+        self.done += rows
+        self._save(self.done)
+        return rows
 
 
 def versions() -> str:
@@ -125,7 +145,9 @@ def versions() -> str:
     return ", ".join(parts)
 
 
-def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[Row]:
+def run_check(
+    device: torch.device, tiny: bool, eager: bool, out: Path, sections: Sections
+) -> list[Row]:
     """Every row, in the table's order (the bandwidth is measured first: its processes start
     before this one holds any GPU memory)."""
     # After the GPU check: a machine without a GPU is refused in a second, not after these.
@@ -149,7 +171,7 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
     on_gpu = device.type == "cuda"
     scale = TINY_SCALE if tiny else GPU_SCALE
     use_private_compile_cache(None)
-    bandwidth = _section(
+    bandwidth = sections.run(
         "bandwidth",
         lambda: bandwidth_rows(
             torch.cuda.device_count() if on_gpu else 2, on_gpu, BANDWIDTH_BYTES[tiny]
@@ -168,14 +190,14 @@ def run_check(device: torch.device, tiny: bool, eager: bool, out: Path) -> list[
         dims = build_parallel_dims(cfg, local_rank=0, device=device)
         planned = predictions(scale, target)  # before anything compiles: it resets Dynamo
         set_sp_group(dims.sp_group)
-        rows += _section("kernels", lambda: [exactness_row(c) for c in check_kernels(device)])
-        rows += _section(
+        rows += sections.run("kernels", lambda: [exactness_row(c) for c in check_kernels(device)])
+        rows += sections.run(
             "rewrites",
             lambda: [exactness_row(c) for c in check_rewrites(device, tiny, compiled=not eager)],
         )
         torch.compiler.reset()  # the checks' small models' graphs: no part of the policies' limits
         for policy in POLICIES:
-            rows += _section(policy, partial(policy_rows, scale, target, policy, dims, planned))
+            rows += sections.run(policy, partial(policy_rows, scale, target, policy, dims, planned))
     return rows + bandwidth
 
 
@@ -194,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU self-test)")
     parser.add_argument("--eager", action="store_true", help="uncompiled (the CPU self-test)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="seconds after which no further section starts (those left are recorded as not run)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,20 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if args.device == "cuda" else "CPU"
     started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
     print(f"gpu_check: {name}, {versions()}; output in {out / OUTPUT}", flush=True)
-    try:
-        rows = run_check(device, args.tiny, args.eager, out)
-    except Exception as error:  # noqa: BLE001 - outside any section: the report still says why
-        rows = [error_row("setup", error)]
-    failed = [r for r in rows if r.failed]
-    print(render(rows))
-    print(
-        f"gpu_check: {'FAILED: ' + ', '.join(r.case for r in failed) if failed else 'every correctness row passed'}"
-        f" ({time.perf_counter() - start:.0f} s)"
-    )
-    _write(
-        out / OUTPUT,
-        {
-            "run_id": uuid.uuid4().hex,
+
+    def report(rows: list[Row], complete: bool) -> dict:
+        return {
+            "run_id": run_id,
             "started": started.isoformat(timespec="seconds"),
             "seconds": time.perf_counter() - start,
             "device": name,
@@ -228,10 +246,24 @@ def main(argv: list[str] | None = None) -> int:
             "rocm": torch.version.hip,
             "tiny": args.tiny,
             "eager": args.eager,
-            "passed": not failed,
+            "complete": complete,
+            "passed": complete and not any(r.failed for r in rows),
             "rows": [asdict(r) for r in rows],
-        },
+        }
+
+    run_id = uuid.uuid4().hex
+    sections = Sections(args.budget_s, lambda rows: _write(out / OUTPUT, report(rows, False)))
+    try:
+        rows = run_check(device, args.tiny, args.eager, out, sections)
+    except Exception as error:  # noqa: BLE001 - outside any section: the report still says why
+        rows = [*sections.done, error_row("setup", error)]
+    failed = [r for r in rows if r.failed]
+    print(render(rows))
+    print(
+        f"gpu_check: {'FAILED: ' + ', '.join(r.case for r in failed) if failed else 'every correctness row passed'}"
+        f" ({time.perf_counter() - start:.0f} s)"
     )
+    _write(out / OUTPUT, report(rows, True))
     return 1 if failed else 0
 
 

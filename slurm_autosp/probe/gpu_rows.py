@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 from slurm_autosp.probe.kernels import PASS, REFUSED, KernelCheck
 
 COLUMNS = ("check", "case", "expected", "measured", "result")
 ERROR = "ERROR"  # a section that raised: its row fails the check, the sections after it run
+OUT_OF_TIME = "not run"  # a section left when the check's budget was spent: it fails the check
 
 
 @dataclass(frozen=True)
@@ -43,3 +46,11 @@ def render(rows: list[Row]) -> str:
         if row is not None and row.detail:
             lines.append(f"    {row.detail}")
     return "\n".join(lines)
+
+
+def error_row(name: str, error: Exception) -> Row:
+    """A failed row naming the section, the error and the innermost frame it was raised in."""
+    last = traceback.format_exception_only(error)[-1].strip()
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    where = f"raised in {frame.name} ({Path(frame.filename).name}:{frame.lineno})"
+    return Row("section", name, "no error", last, ERROR, True, where)
