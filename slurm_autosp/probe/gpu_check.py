@@ -16,10 +16,10 @@ at SP=1, prints one table and writes it to DIR/gpu_check.json (default runs/gpu_
 
 A section that raises is one failed row naming the error; the sections after it still run and
 the report is still written, as it is after every section (a run killed at a time limit leaves
-what it measured). Past --budget-s no further section starts: each left is a failed row. Exit status 0 only when every correctness row passed (a row the
-device refuses, e.g. a kernel ROCm lacks, is named as refused and does not fail it); 1
-otherwise; 2 without a GPU. The
-output of an earlier run is removed first, so a failed run never leaves old results to read.
+what it measured). Past --budget-s no further section starts: each left is a failed row. Exit
+status 0 only when every correctness row passed (a row the device refuses, e.g. a kernel ROCm
+lacks, is named as refused and does not fail it); 1 otherwise; 2 without a GPU. The output of
+an earlier run is removed first, so a failed run never leaves old results to read.
 
   --device cpu --tiny --eager: every row's code on CPU, tiny shapes, uncompiled (a self-test
   of this command, not evidence about any kernel); --tiny alone compiles them.
@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     name = torch.cuda.get_device_name(device) if args.device == "cuda" else "CPU"
     started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
-    print(f"gpu_check: {name}, {versions()}; output in {out / OUTPUT}", flush=True)
+    found = versions()
+    print(f"gpu_check: {name}, {found}; output in {out / OUTPUT}", flush=True)
 
     def report(rows: list[Row], complete: bool) -> dict:
         return {
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.perf_counter() - start,
             "device": name,
             "torch": torch.__version__,
-            "versions": versions(),
+            "versions": found,
             "rocm": torch.version.hip,
             "tiny": args.tiny,
             "eager": args.eager,
