@@ -74,6 +74,11 @@ class DocumentBoundaries(str, enum.Enum):
     masked = "masked"  # attention within each document, positions restart, no label across
 
 
+class StopAt(str, enum.Enum):
+    step = "step"  # a signal is acted on when the step in flight ends
+    layer = "layer"  # at the next decoder-layer boundary: the step in flight is abandoned
+
+
 class Precision(str, enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -120,6 +125,9 @@ class ClusterConfig:
     mem_gb: int | None = None
     time_min: int = 60
     signal_delay_s: int = 120
+    # where a stop signal (USR2, SIGTERM) ends the step in flight; null: the plan decides
+    # (`layer` where a step is long, lifecycle/layer_stops.py)
+    stop_at: StopAt | None = None
     max_requeues: int = 3
     collective_timeout_min: float = 30.0  # above compile time plus checkpoint time
     setup: list[str] = field(default_factory=list)  # shell lines before srun (module load ...)
@@ -276,7 +284,9 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0  # 0: no periodic saves
+    # 0: no periodic saves; null: the plan decides (every step where steps are long beside an
+    # asynchronous save's stall, so a signal loses at most the step in flight; else 0)
+    every_steps: int | None = None
     every_minutes: float = 0.0
     keep: int = 2
     # a checkpoint that fails verification at resume is moved aside as damaged_step_*, never
@@ -725,6 +735,11 @@ def _compile_problems(cfg: JobConfig) -> list[str]:
     if c.loss_chunk_tokens < 0:
         problems.append(
             f"compile.loss_chunk_tokens={c.loss_chunk_tokens} must be >= 0 (0: unchunked)"
+        )
+    if cfg.cluster.stop_at is StopAt.layer and c.enabled and not c.per_layer:
+        problems.append(
+            "cluster.stop_at=layer with compile.per_layer=false: a stop between layers needs each "
+            "layer compiled on its own; set compile.per_layer=true, or cluster.stop_at=step"
         )
     if cfg.parallel.zero_stage == 3 and c.enabled and not c.per_layer:
         problems.append(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,13 @@ import torch.distributed as dist
 from slurm_autosp.checkpoint.async_save import CheckpointSaves
 from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.checkpoint.identity import run_settings
-from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState, damage_report
+from slurm_autosp.checkpoint.store import (
+    CheckpointStore,
+    TrainerState,
+    damage_report,
+    rng_state,
+    set_rng_state,
+)
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.compile import AutoSPBackend, compile_model, decoder_layers, tile_mlps
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
@@ -21,6 +27,7 @@ from slurm_autosp.config import JobConfig
 from slurm_autosp.data import build_source, micro_batch, prepared_tokenizer
 from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.evaluate import build_evaluator
+from slurm_autosp.lifecycle.layer_stops import LayerStops, StepInterrupted
 from slurm_autosp.lifecycle.requeue import requeue_and_exit
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_schedule import SaveSchedule
@@ -97,9 +104,13 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
     # the store checked it is samples_consumed / global_batch
     first_step = resumed.step if resumed else 0
     saves = CheckpointSaves.start(
-        store, choices.async_save, cfg.checkpoint.staging_dir, RunDir(cfg.run.dir).root
+        store, choices.async_save, cfg.checkpoint.staging_dir, RunDir(cfg.run.dir).root, first_step
     )
-    schedule = SaveSchedule(cfg.checkpoint)
+    schedule = SaveSchedule(choices.save_every_steps, cfg.checkpoint.every_minutes)
+    stops = None
+    if choices.stop_at_layers:
+        stops = LayerStops.install(decoder_layers(engine.module), stop)
+        log.info("a stop signal ends a step at its next layer boundary (cluster.stop_at=layer)")
     tracer = StepTracer(
         cfg, dims.rank, dims.world_size, dims.device, engine.module, first_step, dims.layout
     )
@@ -111,8 +122,22 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
     try:
         for step in range(first_step, cfg.train.steps):
             lr = engine.lr()
-            with tracer.step(step + 1) as phases:
-                loss = optimizer_step(engine, cfg, dims, source, step, phases, offload)
+            before = rng_state() if stops else None
+            try:
+                with tracer.step(step + 1) as phases, stops.armed() if stops else nullcontext():
+                    loss = optimizer_step(engine, cfg, dims, source, step, phases, offload)
+            except StepInterrupted:
+                # the parameters are the previous step's: save them if storage has them not
+                engine.abandon_step()
+                assert before is not None
+                set_rng_state(before)
+                log.info("step %d abandoned at a layer boundary", step + 1)
+                _, _, writing = _agree(dims, False, True, saves.writing())
+                saves.commit_written(writing)
+                if saves.newest_step != step:
+                    state = _trainer_state(cfg, dims, engine, step, settings)
+                    saves.save(engine, state, synchronous=True)
+                _stop(cfg, dims, tracer, step, stop)
             if backend is not None and step == first_step:
                 backend.require_sdpa_found()
             losses.append(loss)
@@ -132,11 +157,7 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
                 )
                 schedule.saved()
             if stop_now:
-                log.info(
-                    "stopping at step %d on %s", done, stop.signal_name or "another rank's signal"
-                )
-                tracer.close()
-                requeue_and_exit(cfg.run.dir, dims.rank, cfg.cluster.max_requeues)
+                _stop(cfg, dims, tracer, done, stop)
     finally:
         saves.close()
         tracer.close()
@@ -147,6 +168,14 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
         for _ in weights:
             pass
     return TrainResult(first_step=first_step, losses=losses)
+
+
+def _stop(
+    cfg: JobConfig, dims: ParallelDims, tracer: StepTracer, done: int, stop: StopRequest
+) -> NoReturn:
+    log.info("stopping at step %d on %s", done, stop.signal_name or "another rank's signal")
+    tracer.close()
+    requeue_and_exit(cfg.run.dir, dims.rank, cfg.cluster.max_requeues)
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:

@@ -100,6 +100,8 @@ def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refus
             "compile.offload_activations=true",
             "parallel.offload_optimizer=true",
             "checkpoint.async_save=false",
+            "cluster.stop_at=step",
+            "checkpoint.every_steps=0",
         ]
     )
     first.run.dir.mkdir(parents=True)
@@ -117,6 +119,8 @@ def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refus
         True,
         True,
         False,
+        False,
+        0,
     )
     assert requeued.plan.fits and requeued.plan.choices == frozen
     assert (requeued.cfg.parallel.zero_stage, requeued.cfg.compile.tile_tokens) == (3, 1024)

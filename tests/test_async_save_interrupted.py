@@ -9,63 +9,22 @@ import os
 import re
 import signal
 import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from local_job import Job, gone
 from reference_run import REFERENCE_STEPS, assert_same_weights, hf_weights, reference_cmd
 from slurm_helpers import final_result
 from test_async_save import writers_of
 
-REPO = Path(__file__).resolve().parents[1]
 EVERY = 15  # steps between saves: a signal sent while one is written lands before the next
 
 
-class Job:
-    """`submit` of the reference run on local processes, its output collected as it comes."""
+class Interrupted(Job):
+    """`submit` of the reference run on local processes, into root/interrupted."""
 
     def __init__(self, root: Path, *overrides: str):
-        self.folder = root / "interrupted" / "submitit"
-        self.checkpoints = root / "interrupted" / "checkpoints"
-        self.proc = subprocess.Popen(
-            reference_cmd(root, "interrupted", overrides),
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def ranks(self) -> set[int]:
-        found = subprocess.run(
-            ["pgrep", "-f", f"submitit.core._submit {self.folder}"], capture_output=True, text=True
-        )
-        return {int(pid) for pid in found.stdout.split()}
-
-    def wait_for(self, what, condition, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert self.proc.poll() is None or condition(), f"{what}: the job ended\n{self.output}"
-            assert time.monotonic() < deadline, f"{what}: timed out\n{self.output}"
-            time.sleep(0.02)
-
-    def latest(self) -> str:
-        try:
-            return (self.checkpoints / "latest").read_text()
-        except FileNotFoundError:
-            return ""
+        super().__init__(reference_cmd(root, "interrupted", overrides), root / "interrupted")
 
     def hold_next_save(self, committed: int) -> tuple[list[int], int]:
         """Once step `committed`'s save is the latest checkpoint, stop every rank's writer;
@@ -81,23 +40,12 @@ class Job:
         return writers, following
 
 
-def gone(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    return False
-        except FileNotFoundError:
-            continue
-    return True
-
-
 @pytest.mark.slow
 def test_saves_in_flight_at_a_signal_or_a_kill_are_never_resumed_from_and_the_run_ends_exact(
     tmp_path, uninterrupted_run, reference_overrides
 ):
     overrides = (*reference_overrides, f"checkpoint.every_steps={EVERY}", "cluster.max_requeues=1")
-    job = Job(tmp_path, *overrides)
+    job = Interrupted(tmp_path, *overrides)
 
     # USR2 while step 30's save is written: abandoned; the signal's save follows and resumes
     writers, in_flight = job.hold_next_save(EVERY)
@@ -124,9 +72,8 @@ def test_saves_in_flight_at_a_signal_or_a_kill_are_never_resumed_from_and_the_ru
     job.wait_for("the writers died with their ranks", lambda: gone(writers), timeout=30)
     assert job.latest() == f"step_{committed:08d}"
 
-    again = Job(tmp_path, *overrides)
-    assert again.proc.wait(timeout=600) == 0, again.output
-    again._reader.join(timeout=30)
+    again = Interrupted(tmp_path, *overrides)
+    again.finish()
     partial = again.checkpoints / f".step_{in_flight:08d}.partial"
     assert f"removing {partial}, a save that never completed" in again.output
     assert f"resumed from {again.checkpoints / f'step_{committed:08d}'} at step {committed}" in (

@@ -151,3 +151,23 @@ def test_flash_varlen_ops_take_the_arguments_document_attention_passes():
     ]
     for names in (forward, backward):
         assert {"scale", "window_size_left", "window_size_right"} <= set(names)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_wrapped_module_call_runs_the_wrapper_around_what_the_call_ran(compiled):
+    layer = torch.nn.Linear(4, 4)
+    if compiled:
+        layer.compile(backend="eager")
+    seen = []
+
+    def around(call):
+        def wrapped(*args, **kwargs):
+            seen.append("before")
+            return call(*args, **kwargs)
+
+        return wrapped
+
+    torch_api.wrap_module_call(layer, around)
+    x = torch.randn(2, 4)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert seen == ["before"]

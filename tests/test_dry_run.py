@@ -28,7 +28,7 @@ def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
         "#SBATCH --nodes=8",
         "#SBATCH --gpus-per-node=8",
         "#SBATCH --ntasks-per-node=8",
-        "#SBATCH --signal=USR2@720",  # one step and one save: 665 s (tests/test_signal_delay.py)
+        "#SBATCH --signal=USR2@120",  # two of 80 layers and one save: 62 s
         "#SBATCH --requeue",
     ):
         assert line in out
@@ -55,7 +55,7 @@ def test_llama8b_32m_dry_run_shows_ulysses_inside_nodes_and_the_ring_across_them
     assert "ParallelLayout(world_size 128 = sp 128 (Ulysses 8 x ring 16) x dp 1" in out
     assert "ring_groups 8 x [0,8,...,120 (step 8)]" in out
     assert "  ring_size: 16\n" in out  # resolved once, written into the config the job runs with
-    assert "#SBATCH --signal=USR2@35100" in out and "verdict: fits" in out
+    assert "#SBATCH --signal=USR2@2400" in out and "verdict: fits" in out
 
 
 def test_on_nvl72_racks_ulysses_groups_stay_in_a_rack_and_the_ring_crosses_racks(tmp_path):
@@ -77,7 +77,9 @@ def test_on_nvl72_racks_ulysses_groups_stay_in_a_rack_and_the_ring_crosses_racks
 
 
 def test_a_step_no_slurm_signal_delay_can_cover_is_refused_naming_what_shortens_it(tmp_path):
-    proc = submit(
+    """Stopping at the step's end, 8 nodes' 15.6 h step is past SLURM's limit; stopping at a
+    layer boundary, as the plan chooses, two of its 32 layers are not."""
+    eight_nodes = (
         "cfg=configs/llama8b_32m.yaml",
         "cluster.nodes=8",
         "parallel.sp_size=64",
@@ -85,12 +87,17 @@ def test_a_step_no_slurm_signal_delay_can_cover_is_refused_naming_what_shortens_
         "dry_run=true",
         f"run.output_root={tmp_path}",
     )
+    proc = submit(*eight_nodes, "cluster.stop_at=step")
     assert proc.returncode == 2, proc.stdout
     assert (
         "it would need cluster.signal_delay_s=70096, more than SLURM sends its signal ahead "
-        "(65535 s): shorten the step (each sequence over more GPUs: parallel.sp_size and "
-        "cluster.nodes), or measure it with the probe if the estimate is too slow"
+        "(65535 s): stop within the step (cluster.stop_at=layer), shorten the step (each "
+        "sequence over more GPUs: parallel.sp_size and cluster.nodes), or measure it with the "
+        "probe if the estimate is too slow"
     ) in proc.stderr
+    layers = submit(*eight_nodes, "cluster.signal_delay_s=4411")
+    assert layers.returncode == 0, layers.stderr
+    assert "within 2 of 32 layers' share of the step: 3,503.2 s" in layers.stdout
 
 
 def test_signal_delay_too_short_for_a_step_and_a_save_is_refused(tmp_path):
@@ -102,8 +109,8 @@ def test_signal_delay_too_short_for_a_step_and_a_save_is_refused(tmp_path):
     )
     assert proc.returncode == 2, proc.stdout
     assert (
-        "error: cluster.signal_delay_s=720 cannot cover one step plus one synchronous save after "
-        "SLURM's pre-timeout signal (USR2): set cluster.signal_delay_s=814 or more"
+        "error: cluster.signal_delay_s=120 cannot cover two layers of a step plus one synchronous "
+        "save after SLURM's pre-timeout signal (USR2): set cluster.signal_delay_s=211 or more"
     ) in proc.stderr
     assert "save: rank 0 writes 13.2 GB, 132.3 s at checkpoint.write_gb_per_s=0.1" in proc.stderr
     assert not (tmp_path / "llama70b_128k").exists()

@@ -41,13 +41,15 @@ def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_rep
         False,
         False,
         True,
+        True,  # a 494 s step stops at layer boundaries
+        1,  # and saves every step
     )
     written = tmp_path / "config.yaml"
     written.write_text(to_yaml(cfg))
     reloaded = load_config([f"cfg={written}"])
     frozen = [getattr(getattr(reloaded, section), key) for section, key in FROZEN_KEYS]
     # ring 1: SP=8 is Ulysses alone; the budget applies to sac only
-    assert frozen == [1, 3, "full", None, True, 0, False, False, True]
+    assert frozen == [1, 3, "full", None, True, 0, False, False, True, "layer", 1]
     assert training_choices(reloaded) == choices  # no plan: build_plan would raise
 
 
@@ -65,6 +67,8 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
             "compile.offload_activations=true",
             "parallel.offload_optimizer=true",
             "checkpoint.async_save=false",
+            "cluster.stop_at=step",
+            "checkpoint.every_steps=0",
         ]
     )
     first.run.dir.mkdir(parents=True)
@@ -78,6 +82,8 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
         True,
         True,
         False,
+        False,
+        0,
     )
 
 

@@ -1,7 +1,8 @@
-"""Never late: admission refuses a GPU job whose SLURM pre-timeout signal comes too late for one
-step plus one synchronous save, naming the delay that would do, the save's size and write rate,
-and the step time with where it came from (measured by the run or its probe, else estimated
-from FLOPs); the delay it names is admitted."""
+"""Never late: admission refuses a GPU job whose SLURM pre-timeout signal comes too late for it
+to stop (at the end of its step, or within two layers of it: cluster.stop_at) plus one
+synchronous save, naming the delay that would do, the save's size and write rate, and the
+step time with where it came from (measured by the run or its probe, else estimated from
+FLOPs); the delay it names is admitted."""
 
 import math
 import re
@@ -11,7 +12,7 @@ import pytest
 from in_process import run_command
 
 from slurm_autosp.admission import admit
-from slurm_autosp.config import load_config
+from slurm_autosp.config import StopAt, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import SignalDelayTooShort, StepTime
 from slurm_autosp.metrics.flops import count_flops
@@ -54,7 +55,8 @@ def test_the_flops_estimate_refuses_a_short_delay_and_names_one_that_is_admitted
         "another GPU); no step measured yet in "
     ), message
     assert f"save: rank 0 writes 28.1 GB, {SAVE_S} s at checkpoint.write_gb_per_s=1\n" in message
-    assert "needed: 1.25 x (step + save) + 30 s = 71 s" in message
+    assert "stop: at the end of the step in flight (cluster.stop_at=step)\n" in message
+    assert "needed: 1.25 x (stop + save) + 30 s = 71 s" in message
     # the plan comes with the refusal (its figure moves with torch's traced graph)
     assert re.search(r"verdict: fits: \d+\.\d of 80 GB", message), message
     admit(load_config([*args, "cluster.signal_delay_s=71"]))
@@ -66,7 +68,7 @@ def test_the_flops_estimate_refuses_a_short_delay_and_names_one_that_is_admitted
 
 
 def test_a_step_the_run_measured_is_what_the_delay_is_held_to(tmp_path):
-    args = [LLAMA8B, f"run.output_root={tmp_path}"]
+    args = [LLAMA8B, f"run.output_root={tmp_path}", "cluster.stop_at=step"]
     run = RunDir(load_config(args).run.dir)
     run.root.mkdir(parents=True)
     StepTime(200.0, 3, step_flops(args), 8, "training").write(run.step_time)
@@ -82,7 +84,7 @@ def test_a_step_the_run_measured_is_what_the_delay_is_held_to(tmp_path):
 
 def test_the_probes_step_counts_until_the_run_has_its_own_scaled_to_the_run(tmp_path):
     """The probe ran 8 of the model's 32 layers: its step scales by the FLOPs per GPU."""
-    args = [LLAMA8B, f"run.output_root={tmp_path}"]
+    args = [LLAMA8B, f"run.output_root={tmp_path}", "cluster.stop_at=step"]
     probe_args = [*args, "model.num_hidden_layers=8"]
     run = RunDir(load_config(args).run.dir)
     run.probe_run.root.mkdir(parents=True)
@@ -99,6 +101,35 @@ def test_the_probes_step_counts_until_the_run_has_its_own_scaled_to_the_run(tmp_
     run.root.mkdir()
     StepTime(10.0, 3, step_flops(args), 8, "training").write(run.step_time)
     admit(load_config(args))  # the run's own step wins: 1.25 x (10 + 28.1) + 30 = 78 s <= 120
+
+
+def test_a_long_step_stops_within_two_layers_and_the_delay_covers_only_those(tmp_path):
+    """A step past a short GraceTime (30 s) stops at layer boundaries unless configured not to:
+    the delay covers two of its 32 layers' share of it, then the save."""
+    args = [LLAMA8B, f"run.output_root={tmp_path}"]
+    run = RunDir(load_config(args).run.dir)
+    run.root.mkdir(parents=True)
+    StepTime(2000.0, 3, step_flops(args), 8, "training").write(run.step_time)
+    message = refusal(*args)  # the shipped 120 s
+    assert "cannot cover two layers of a step plus one synchronous save" in message
+    assert (
+        "stop: at the next layer boundary (cluster.stop_at=layer), within 2 of 32 layers' "
+        "share of the step: 125.0 s\n"
+    ) in message
+    needed = named_delay(message)
+    assert needed == math.ceil(1.25 * (2 * 2000 / 32 + SAVE_S) + 30)
+    admit(load_config([*args, f"cluster.signal_delay_s={needed}"]))
+    # stopping at the step's end asks for the whole step
+    step_stop = refusal(*args, f"cluster.signal_delay_s={needed}", "cluster.stop_at=step")
+    assert named_delay(step_stop) == math.ceil(1.25 * (2000 + SAVE_S) + 30)
+
+
+def test_llama8b_4m_stops_at_layers_saves_every_step_and_is_admitted_at_900_s(tmp_path):
+    cfg = load_config(["cfg=configs/llama8b_4m.yaml", f"run.output_root={tmp_path}"])
+    assert cfg.cluster.signal_delay_s == 900
+    admit(cfg)
+    assert cfg.cluster.stop_at is StopAt.layer  # frozen by admission
+    assert cfg.checkpoint.every_steps == 1
 
 
 def test_cpu_and_builder_jobs_are_not_held_to_a_step_and_a_save(tmp_path):

@@ -125,10 +125,12 @@ class PendingSave:
 class CheckpointSaves:
     """Every save of a job, asynchronous where enabled; all ranks call each method together."""
 
-    def __init__(self, store: CheckpointStore, staging: Path | None):
-        """`staging`: this rank's staging directory (`staging_for`); None saves synchronously."""
+    def __init__(self, store: CheckpointStore, staging: Path | None, newest_step: int):
+        """`staging`: this rank's staging directory (`staging_for`); None saves synchronously.
+        `newest_step`: the step of the checkpoint the job resumed from (0: none)."""
         self.store = store
         self.staging = staging
+        self.newest_step = newest_step  # the step of the newest checkpoint on storage
         self._writer: BackgroundWriter | None = None
         self._pending: PendingSave | None = None
         self._staged_bytes = 0  # the size of this rank's last staged save
@@ -170,7 +172,7 @@ class CheckpointSaves:
         elif pending is not None:
             self._commit(pending)
         if synchronous or self.staging is None or not _all_ranks(self._room_to_stage()):
-            self.store.save(engine, state)
+            self._save_now(engine, state)
             return stopped
         started = time.perf_counter()
         partial, final = self.store.begin(state)
@@ -183,7 +185,7 @@ class CheckpointSaves:
             )
             shutil.rmtree(self.staging, ignore_errors=True)
             self.store.abandon(partial)
-            self.store.save(engine, state)
+            self._save_now(engine, state)
             return False
         if self.store.rank == 0:
             log.info(
@@ -197,6 +199,10 @@ class CheckpointSaves:
         self._writer.submit(self.staging, partial)
         self._pending = PendingSave(partial, final, state)
         return False
+
+    def _save_now(self, engine: EngineState, state: TrainerState) -> None:
+        self.store.save(engine, state)
+        self.newest_step = state.step
 
     def _previous_written(self, stopping: Callable[[], bool]) -> bool:
         """Collective: wait until no rank is still writing the pending save (True), or until
@@ -292,10 +298,16 @@ class CheckpointSaves:
         for share in outcomes:
             records.update(share)
         self.store.finish(pending.partial, pending.final, records, pending.state)
+        self.newest_step = pending.state.step
 
     @classmethod
     def start(
-        cls, store: CheckpointStore, asynchronous: bool, staging_root: str, run_dir: Path
+        cls,
+        store: CheckpointStore,
+        asynchronous: bool,
+        staging_root: str,
+        run_dir: Path,
+        newest_step: int = 0,
     ) -> CheckpointSaves:
         """Collective: asynchronous saves if enabled and every rank can stage; a rank that
         cannot (its staging directory is refused) makes every rank save synchronously, warned."""
@@ -315,7 +327,7 @@ class CheckpointSaves:
             staging = None
         if staging is not None and store.rank == 0:
             log.info("checkpoint saves: asynchronous, staged in %s", staging.parent)
-        return cls(store, staging)
+        return cls(store, staging, newest_step)
 
 
 def _last_line(err: BaseException) -> str:

@@ -166,7 +166,7 @@ class CheckpointStore:
         the rank's staging directory of an asynchronous save)."""
         (into / "rng").mkdir(parents=True, exist_ok=True)
         engine.save(into / ENGINE_TAG)
-        torch.save(_rng_state(), into / "rng" / f"rank_{self.rank:05d}.pt")
+        torch.save(rng_state(), into / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             (into / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
 
@@ -245,7 +245,7 @@ class CheckpointStore:
                 )
             engine.load(candidate / ENGINE_TAG)
             rng_of = 0 if relaid else self.rank
-            _set_rng_state(
+            set_rng_state(
                 torch.load(candidate / "rng" / f"rank_{rng_of:05d}.pt", weights_only=True)
             )
             self._verified.add(candidate)
@@ -514,7 +514,7 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     """Every generator's state as tensors, ints and strings only, so it loads with weights_only=True."""
     version, mt, gauss = random.getstate()
     numpy_state = np.random.get_state(legacy=True)
@@ -530,7 +530,7 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     version, mt, gauss = state["python"]
     random.setstate((version, tuple(mt), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]

@@ -1,11 +1,14 @@
 """torch's private names that slurm_autosp uses: the compiler's, the plan's layer tracing and
 the CUDA kernel of document attention (the flash varlen forward and backward that
 torch.nn.attention.varlen calls, with its arguments), and the reset of DTensor's sharding
-caches, which outlive the process groups of their meshes."""
+caches, which outlive the process groups of their meshes; and the hook in a module's call
+that runs outside its compiled frame."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._dynamo import config as dynamo_config
@@ -48,6 +51,7 @@ __all__ = [
     "run_with_rng_state",
     "select_decomp_table",
     "unregister_pinned",
+    "wrap_module_call",
 ]
 
 
@@ -55,3 +59,14 @@ def inductor_default_cache_dir() -> str:
     """Inductor's cache directory when TORCHINDUCTOR_CACHE_DIR is unset; importing
     torch._dynamo exports it as TORCHINDUCTOR_CACHE_DIR."""
     return os.path.abspath(_inductor_cache_dir_utils.default_cache_dir())
+
+
+def wrap_module_call(
+    module: torch.nn.Module, around: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """Make every call of `module` go through `around(call)`, where `call` is what the call ran
+    before: its compiled call (`Module.compile`) or its plain one. The wrapper runs outside
+    Dynamo's frame, where work that must not be traced (a collective waited for, an exception
+    raised on purpose) can run between a model's compiled layers."""
+    call = module._compiled_call_impl or module._call_impl
+    module._compiled_call_impl = around(call)  # what Module._wrapped_call_impl calls first

@@ -29,6 +29,11 @@ class TrainEngine(Protocol):
     def step(self) -> None:
         """Called after every micro-batch; the optimizer steps at the accumulation boundary."""
 
+    def abandon_step(self) -> None:
+        """After a step stopped between layers (lifecycle.layer_stops): drop its gradients and
+        whatever its forward or backward left gathered, so the state saved next is the previous
+        step's. The job stops after it; the step is never resumed."""
+
     def lr(self) -> float: ...
 
     def grad_norm(self) -> float:

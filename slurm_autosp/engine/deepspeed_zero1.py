@@ -96,6 +96,10 @@ class ZeRO1Engine:
     def step(self) -> None:
         self._engine.step()
 
+    def abandon_step(self) -> None:
+        """ZeRO-1 reduces gradients in `step`, so a step left before it issued no reduction."""
+        self._engine.optimizer.zero_grad(set_to_none=True)
+
     def lr(self) -> float:
         return self._engine.get_lr()[0]
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -113,6 +114,18 @@ class FSDP2Engine:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def abandon_step(self) -> None:
+        """Reshard what the step left gathered: checkpoints hold sharded parameters only."""
+        reset = getattr(self.module, "reset_iter_state", None)
+        if reset is not None:  # torch >= 2.13: also waits for collectives in flight
+            reset()
+        else:
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro_steps -= self._micro_steps % self._grad_accum
 
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])

@@ -25,6 +25,7 @@ from slurm_autosp.cluster.compile_cache import use_private_compile_cache, users_
 from slurm_autosp.cluster.parallel_dims import ParallelDims, init_parallel_dims
 from slurm_autosp.config import ConfigError, JobConfig, Vendor
 from slurm_autosp.lifecycle.lock import RunLock, acquire_lock, release_lock
+from slurm_autosp.lifecycle.requeue import Requeued
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.run_setup import prepare_run_dir
 from slurm_autosp.lifecycle.signals import StopRequest
@@ -58,6 +59,12 @@ class TrainingJob:
         self.claim = claim
 
     def __call__(self):
+        try:
+            return self._run()
+        except Requeued as requeued:
+            requeued.leave()  # after _run's cleanup: the process group is gone
+
+    def _run(self):
         stop = StopRequest.install()
         cfg = self.cfg
         job_env = submitit.JobEnvironment()

@@ -57,8 +57,8 @@ def _record(run_dir: Path, job_id: str, restart: int) -> None:
 
 def requeue_and_exit(run_dir: Path, rank: int, max_requeues: int) -> NoReturn:
     """Rank 0 records the requeue and requeues (`scontrol requeue` on SLURM; a restart of all
-    ranks locally); every rank then exits without a result, so the requeued job starts from
-    the checkpoint. Past `max_requeues` every rank stops with an error instead."""
+    ranks locally); every rank then raises Requeued, to exit without a result, so the requeued
+    job starts from the checkpoint. Past `max_requeues` every rank stops with an error instead."""
     job_env = submitit.JobEnvironment()
     restarts = restarts_so_far(run_dir, job_env.job_id)
     dist.barrier()  # every rank has the count before rank 0 records this requeue
@@ -75,4 +75,20 @@ def requeue_and_exit(run_dir: Path, rank: int, max_requeues: int) -> NoReturn:
         except subprocess.CalledProcessError as err:
             # On preemption with PreemptMode=REQUEUE, SLURM is requeueing the job itself.
             log.warning("scontrol requeue failed (%s); relying on SLURM's own requeue", err)
-    sys.exit(0)
+        except SystemExit as local:  # submitit's local controller restarts on this exit code
+            raise Requeued(local.code) from None
+    raise Requeued(0)
+
+
+class Requeued(SystemExit):
+    """This rank leaves a requeued job: its callers' cleanup runs as the exception passes, then
+    the job's entry point calls `leave`."""
+
+    def leave(self) -> NoReturn:
+        """End the process now, with the exit code the requeue asks for. The interpreter's own
+        teardown would free every object a compiled model made, for seconds that a preemption's
+        kill may not leave; the checkpoint is on storage and nothing here needs freeing."""
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.code if isinstance(self.code, int) else 1)

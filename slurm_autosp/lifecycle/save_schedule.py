@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import time
 
-from slurm_autosp.config import CheckpointConfig
-
 
 class SaveSchedule:
-    def __init__(self, cfg: CheckpointConfig, clock=time.monotonic):
-        self.cfg = cfg
+    def __init__(self, every_steps: int, every_minutes: float, clock=time.monotonic):
+        """`every_steps`, `every_minutes`: 0 for never."""
+        self.every_steps = every_steps
+        self.every_minutes = every_minutes
         self.clock = clock
         self.last_save = clock()
 
     def due(self, step: int) -> bool:
-        by_steps = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
         by_time = (
-            self.cfg.every_minutes > 0
-            and self.clock() - self.last_save >= 60 * self.cfg.every_minutes
+            self.every_minutes > 0 and self.clock() - self.last_save >= 60 * self.every_minutes
         )
         return by_steps or by_time
 

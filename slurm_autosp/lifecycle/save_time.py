@@ -1,9 +1,13 @@
-"""Whether SLURM's pre-timeout signal comes early enough for a job to finish its step and save.
+"""Whether SLURM's signals come early enough for a job to stop and save.
 
-After the signal (USR2, `--signal=USR2@cluster.signal_delay_s`) a job finishes the optimizer
-step it is in, then every rank saves synchronously; a job still stepping or saving when the
-time limit strikes is killed, and the run loses everything since the previous checkpoint. So
-the delay must cover one whole step plus one save, with a margin: both are estimates.
+After the pre-timeout signal (USR2, `--signal=USR2@cluster.signal_delay_s`), or SIGTERM on
+preemption (SIGKILL follows after the partition's GraceTime), a job stops stepping, then
+every rank saves synchronously what is not on storage yet; a job still stepping or saving
+when the kill comes loses everything since the previous checkpoint. Where it stops: at the
+end of the step in flight (`cluster.stop_at=step`), or at the next decoder-layer boundary
+(`layer`, lifecycle/layer_stops.py: the ranks agree within two boundaries, so within two
+layers' share of a step). So the delay, and GraceTime, must cover that plus one save, with a
+margin: both are estimates.
 
 The save: under ZeRO-1 rank 0 writes the most, the full model states plus its optimizer
 shard; under parameter sharding every rank writes an equal part of the fp32 weights and Adam's
@@ -22,9 +26,9 @@ from pathlib import Path
 from slurm_autosp.config import MAX_SIGNAL_DELAY_S, ConfigError, JobConfig, Precision
 
 _ADAM_BYTES = 12  # fp32 master weights, first and second moments, per parameter
-# needed delay = MARGIN x (step + save) + SLACK_S: the step and the save are estimates (a slower
+# needed delay = MARGIN x (stop + save) + SLACK_S: the step and the save are estimates (a slower
 # step, a busier file system), and the slack covers the signal reaching every rank, their
-# agreement at the step boundary and the checkpoint's checksums, manifest and rename
+# agreement and the checkpoint's checksums, manifest and rename
 MARGIN = 1.25
 SLACK_S = 30
 
@@ -84,39 +88,58 @@ class StepTime:
 
 @dataclass(frozen=True)
 class SignalDelay:
-    """cluster.signal_delay_s against one step plus one synchronous save, with the margin."""
+    """cluster.signal_delay_s against the stop (the step in flight, or two of its layers)
+    plus one synchronous save, with the margin."""
 
     delay_s: int  # cluster.signal_delay_s
     step_s: float
     step_source: str  # how the step time was measured or estimated
     save_bytes: float  # what the rank writing the most writes
     write_gb_per_s: float  # checkpoint.write_gb_per_s
+    layers: int  # decoder layers
+    stop_at_layers: bool  # cluster.stop_at=layer
 
     @property
     def save_s(self) -> float:
         return self.save_bytes / (self.write_gb_per_s * 1e9)
 
     @property
+    def stop_s(self) -> float:
+        """From the signal to every rank stopped: the step in flight, or two layer boundaries."""
+        return 2 * self.step_s / self.layers if self.stop_at_layers else self.step_s
+
+    @property
     def needed_s(self) -> int:
-        return math.ceil(MARGIN * (self.step_s + self.save_s) + SLACK_S)
+        return math.ceil(MARGIN * (self.stop_s + self.save_s) + SLACK_S)
 
     @property
     def covered(self) -> bool:
         return self.delay_s >= self.needed_s
 
+    @property
+    def what(self) -> str:
+        return "two layers of a step" if self.stop_at_layers else "one step"
+
     def describe(self) -> str:
         """The figures, as the plan prints them and a refusal names them."""
+        stop = (
+            f"  stop: at the next layer boundary (cluster.stop_at=layer), within 2 of "
+            f"{self.layers} layers' share of the step: {self.stop_s:,.1f} s\n"
+            if self.stop_at_layers
+            else "  stop: at the end of the step in flight (cluster.stop_at=step)\n"
+        )
         return (
-            f"  step: {self.step_s:,.1f} s, {self.step_source}\n"
+            f"  step: {self.step_s:,.1f} s, {self.step_source}\n{stop}"
             f"  save: rank 0 writes {self.save_bytes / 1e9:.1f} GB, {self.save_s:,.1f} s at "
             f"checkpoint.write_gb_per_s={self.write_gb_per_s:g}\n"
-            f"  needed: {MARGIN:g} x (step + save) + {SLACK_S} s = {self.needed_s:,} s"
+            f"  needed: {MARGIN:g} x (stop + save) + {SLACK_S} s = {self.needed_s:,} s; a "
+            f"preempted job needs as much GraceTime after SIGTERM"
         )
 
     def line(self) -> str:
         verdict = "covers" if self.covered else "CANNOT cover"
         return (
-            f"signal delay: cluster.signal_delay_s={self.delay_s} {verdict} one step plus one "
+            f"signal delay: cluster.signal_delay_s={self.delay_s} {verdict} {self.what} plus one "
             f"synchronous save after SLURM's pre-timeout signal\n{self.describe()}"
         )
 
@@ -126,19 +149,26 @@ class SignalDelay:
             if self.needed_s <= MAX_SIGNAL_DELAY_S
             else (
                 f"it would need cluster.signal_delay_s={self.needed_s}, more than SLURM sends its "
-                f"signal ahead ({MAX_SIGNAL_DELAY_S} s): shorten the step (each sequence over "
-                "more GPUs: parallel.sp_size and cluster.nodes), or measure it with the probe "
-                "if the estimate is too slow"
+                f"signal ahead ({MAX_SIGNAL_DELAY_S} s): "
+                + ("" if self.stop_at_layers else "stop within the step (cluster.stop_at=layer), ")
+                + "shorten the step (each sequence over more GPUs: parallel.sp_size and "
+                "cluster.nodes), or measure it with the probe if the estimate is too slow"
             )
         )
         return (
-            f"cluster.signal_delay_s={self.delay_s} cannot cover one step plus one synchronous "
-            f"save after SLURM's pre-timeout signal (USR2): {fix}\n{self.describe()}"
+            f"cluster.signal_delay_s={self.delay_s} cannot cover {self.what} plus one "
+            f"synchronous save after SLURM's pre-timeout signal (USR2): {fix}\n{self.describe()}"
         )
 
 
 def signal_delay(
-    cfg: JobConfig, parameters: int, zero_stage: int, step_s: float, step_source: str
+    cfg: JobConfig,
+    parameters: int,
+    zero_stage: int,
+    step_s: float,
+    step_source: str,
+    layers: int,
+    stop_at_layers: bool,
 ) -> SignalDelay:
     return SignalDelay(
         cfg.cluster.signal_delay_s,
@@ -146,4 +176,6 @@ def signal_delay(
         step_source,
         rank0_checkpoint_bytes(cfg, parameters, zero_stage),
         cfg.checkpoint.write_gb_per_s,
+        layers,
+        stop_at_layers,
     )

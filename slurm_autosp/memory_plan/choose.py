@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
 from slurm_autosp.config import ActivationCheckpointing, JobConfig
+from slurm_autosp.lifecycle.save_time import rank0_checkpoint_bytes
 from slurm_autosp.memory_plan.layer_graph import tiled_layer_trace, trace_decoder_layer
 from slurm_autosp.memory_plan.policies import (
     Rung,
@@ -22,6 +23,8 @@ from slurm_autosp.memory_plan.policies import (
     traced_specs,
 )
 from slurm_autosp.memory_plan.staging import checkpoint_staging
+from slurm_autosp.memory_plan.step_time import step_time
+from slurm_autosp.memory_plan.stopping import configured_stopping, stopping_for
 from slurm_autosp.memory_plan.terms import (
     GB,
     MemoryPlan,
@@ -148,17 +151,25 @@ class TrainingChoices:
     offload_activations: bool
     offload_optimizer: bool
     async_save: bool  # saves staged in node memory, persisted in the background
+    stop_at_layers: bool  # a stop signal ends the step in flight at a layer boundary
+    save_every_steps: int  # 0: no periodic saves
 
 
 def choices_from_plan(plan: MemoryPlan) -> TrainingChoices:
     memory = plan.configured
+    asynchronous = checkpoint_staging(plan).asynchronous
+    step_s, _ = step_time(plan.cfg)
+    save_bytes = rank0_checkpoint_bytes(plan.cfg, plan.parameters, plan.zero_stage)
+    stopping = stopping_for(plan.cfg, step_s, save_bytes, asynchronous)
     return TrainingChoices(
         plan.zero_stage,
         memory.spec,
         memory.tile_tokens,
         memory.rung.offload,
         memory.rung.offload_optimizer,
-        checkpoint_staging(plan).asynchronous,
+        asynchronous,
+        stopping.stop_at_layers,
+        stopping.save_every_steps,
     )
 
 
@@ -171,6 +182,8 @@ def _plan_decides(cfg: JobConfig) -> bool:
         or c.offload_activations is None
         or cfg.parallel.offload_optimizer is None
         or cfg.checkpoint.async_save is None
+        or cfg.cluster.stop_at is None
+        or cfg.checkpoint.every_steps is None
     )
 
 
@@ -180,6 +193,7 @@ def training_choices(cfg: JobConfig) -> TrainingChoices:
     ranks, builder models) tiling and offloads are off unless configured."""
     if _plan_decides(cfg):
         return choices_from_plan(build_plan(cfg))
+    stopping = configured_stopping(cfg)
     return TrainingChoices(
         zero_stage_for(cfg),
         activation_checkpoint_spec_for(cfg),
@@ -187,6 +201,8 @@ def training_choices(cfg: JobConfig) -> TrainingChoices:
         bool(cfg.compile.offload_activations),
         bool(cfg.parallel.offload_optimizer),
         cfg.checkpoint.async_save is not False,
+        stopping.stop_at_layers,
+        stopping.save_every_steps,
     )
 
 

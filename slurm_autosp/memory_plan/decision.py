@@ -17,6 +17,7 @@ from slurm_autosp.memory_plan.choose import (
 from slurm_autosp.memory_plan.render import render
 from slurm_autosp.memory_plan.step_time import step_time
 from slurm_autosp.memory_plan.verdict import verdict
+from slurm_autosp.model import hf_config
 
 
 class PlanVerdict(NamedTuple):
@@ -50,7 +51,23 @@ def plan_verdict(cfg: JobConfig) -> PlanVerdict:
     plan = build_plan(cfg)
     text = render(plan)
     _, fits, reason = verdict(plan)
-    delay = signal_delay(cfg, plan.parameters, plan.zero_stage, *step_time(cfg))
-    text += f"\n{delay.line()}"
+    choices = choices_from_plan(plan)
+    layers = hf_config(cfg.model).num_hidden_layers
+    delay = signal_delay(
+        cfg, plan.parameters, plan.zero_stage, *step_time(cfg), layers, choices.stop_at_layers
+    )
+    text += f"\n{delay.line()}\n{_saves_line(choices)}"
     late = "" if delay.covered else delay.refusal()
-    return PlanVerdict(text, fits, reason, choices_from_plan(plan), late)
+    return PlanVerdict(text, fits, reason, choices, late)
+
+
+def _saves_line(choices: TrainingChoices) -> str:
+    every = choices.save_every_steps
+    return "periodic saves: " + (
+        f"every {'step' if every == 1 else f'{every} steps'} (checkpoint.every_steps={every}): "
+        "a signal loses "
+        f"at most {'the step in flight' if every == 1 else f'{every} steps'}"
+        if every
+        else "none (checkpoint.every_steps=0): a signal saves, a kill loses the run's progress "
+        "since its start"
+    )

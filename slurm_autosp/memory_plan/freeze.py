@@ -6,7 +6,7 @@ different policy, tiling or offload would change the memory the job was admitted
 from __future__ import annotations
 
 from slurm_autosp.cluster.placement import ring_size_for
-from slurm_autosp.config import ActivationCheckpointing, JobConfig
+from slurm_autosp.config import ActivationCheckpointing, JobConfig, StopAt
 from slurm_autosp.memory_plan.choose import TrainingChoices
 
 # The keys the plan (and, for the ring size, the layout) may decide; `adopt_frozen_choices`
@@ -21,6 +21,8 @@ FROZEN_KEYS = (
     ("compile", "offload_activations"),
     ("parallel", "offload_optimizer"),
     ("checkpoint", "async_save"),
+    ("cluster", "stop_at"),
+    ("checkpoint", "every_steps"),
 )
 
 
@@ -39,6 +41,8 @@ def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> None:
     cfg.compile.offload_activations = choices.offload_activations
     cfg.parallel.offload_optimizer = choices.offload_optimizer
     cfg.checkpoint.async_save = choices.async_save
+    cfg.cluster.stop_at = StopAt.layer if choices.stop_at_layers else StopAt.step
+    cfg.checkpoint.every_steps = choices.save_every_steps
 
 
 def adopt_frozen_choices(cfg: JobConfig, recorded: JobConfig) -> None:
