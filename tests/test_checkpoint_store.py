@@ -528,7 +528,7 @@ def test_harmless_changes_resume_and_are_logged(tmp_path, engine, caplog):
     with caplog.at_level("INFO"):
         assert store.load_latest(engine, changed) == state(2, engine.name)
     assert (
-        "resuming with changed settings: checkpoint.every_steps 0 -> 5; cluster.time_min 60 -> 5; "
+        "resuming with changed settings: checkpoint.every_steps null -> 5; cluster.time_min 60 -> 5; "
         "trace.memory_steps [2] -> [3]; train.min_lr_ratio 0.1 -> 0.5; train.steps 20 -> 200"
     ) in caplog.text
 
