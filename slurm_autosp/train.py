@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -73,7 +74,11 @@ def compile_for_sp(
     return backend
 
 
-def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
+def train(
+    cfg: JobConfig, dims: ParallelDims, stop: StopRequest, fence: Callable[[], str] = lambda: ""
+) -> TrainResult:
+    """`fence`: why this job may no longer write the run, empty while it may (asked before
+    every save and commit: launch/job.py's, a later start of the job holding the run's lock)."""
     start_check = run_start_check(cfg, dims)  # before any state exists: raises if SP is inexact
     choices = training_choices(cfg)
     torch.manual_seed(cfg.train.seed)
@@ -97,6 +102,7 @@ def train(cfg: JobConfig, dims: ParallelDims, stop: StopRequest) -> TrainResult:
         dims.world_size,
         cfg.checkpoint.keep,
         cfg.checkpoint.remove_damaged,
+        fence=fence,
     )
     store.check_writable()
     settings = run_settings(cfg, dims.layout, choices.zero_stage)

@@ -107,6 +107,26 @@ def test_saved_checkpoint_restores_weights_and_trainer_state(tmp_path, engine):
     assert (tmp_path / "latest").read_text() == "step_00000003"
 
 
+def test_a_fenced_job_saves_commits_and_removes_nothing(tmp_path, engine):
+    """Once another start of the job holds the run, a save is refused before it begins, and one
+    already written is neither committed nor removed."""
+    fenced = ""
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2, fence=lambda: fenced)
+    store.save(engine, state(1, engine.name))
+    partial, final = store.begin(state(2, engine.name))
+    store.write_state(engine, state(2, engine.name), partial)
+    fenced = "a later start trains the run now"
+    with pytest.raises(CheckpointError, match="not saving step 3: a later start trains the run"):
+        store.save(engine, state(3, engine.name))
+    with pytest.raises(CheckpointError, match="not committing step 2"):
+        store.finish(partial, final, {}, state(2, engine.name))
+    with pytest.raises(CheckpointError, match="not removing"):
+        store.abandon(partial)
+    assert partial.is_dir() and not final.exists()
+    assert not (tmp_path / ".step_00000003.partial").exists()
+    assert (tmp_path / "latest").read_text() == "step_00000001"
+
+
 def test_retention_keeps_the_newest_k(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     for step in (1, 2, 3):

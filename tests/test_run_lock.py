@@ -20,6 +20,7 @@ from slurm_autosp.lifecycle.lock import (
     holder_liveness,
     read_lock,
     release_lock,
+    superseded,
 )
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.run_setup import prepare_run_dir
@@ -229,3 +230,29 @@ def test_submit_refuses_a_run_whose_holder_cannot_be_checked_and_names_force(tmp
     assert "run.name=held" in proc.stderr and "add --force to take the run over" in proc.stderr
     assert not (cfg.run.dir / "config.yaml").exists()
     assert read_lock(cfg.run.dir) == local("7", host="elsewhere")
+
+
+def test_a_later_start_of_the_same_job_fences_the_earlier_one(tmp_path):
+    """SLURM requeued job 41 (restart 1) while its first start still ran, on a node it lost:
+    the later start takes the lock; the earlier one is told why it may not write, and cannot
+    take the lock back."""
+    first, second = RunLock("41", "slurm", "node1", 0), RunLock("41", "slurm", "node2", 1)
+    acquire_lock(tmp_path, first)
+    assert superseded(tmp_path, first) == ""
+    acquire_lock(tmp_path, second)
+    assert read_lock(tmp_path) == second
+    why = (
+        "SLURM started job 41 again (restart 1) while this start (restart 0) still ran; that "
+        "start trains the run now"
+    )
+    assert superseded(tmp_path, first) == why
+    assert superseded(tmp_path, second) == ""
+    with pytest.raises(ConfigError, match=r"started job 41 again \(restart 1\)"):
+        acquire_lock(tmp_path, first)
+    assert read_lock(tmp_path) == second
+    # another job holding the run (taken with --force) fences it too
+    acquire_lock(tmp_path, RunLock("42", "slurm", "node3"), force=True)
+    assert (
+        superseded(tmp_path, second)
+        == f"{RunDir(tmp_path).lock} names job 42 (slurm on node3), not this job"
+    )

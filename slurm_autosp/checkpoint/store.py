@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -102,8 +103,17 @@ class CheckpointStore:
     """All ranks call `save` and `load_latest` together; rank 0 does the bookkeeping."""
 
     def __init__(
-        self, root: Path, rank: int, world_size: int, keep: int, remove_damaged: bool = False
+        self,
+        root: Path,
+        rank: int,
+        world_size: int,
+        keep: int,
+        remove_damaged: bool = False,
+        fence: Callable[[], str] = lambda: "",
     ):
+        """`fence`, asked by rank 0 before a save begins, commits or is removed: why this job
+        may no longer write the run (another start of it holds the run's lock); empty while
+        it may."""
         if keep < 1:
             raise CheckpointError(
                 f"checkpoint.keep={keep}: at least the checkpoint just written must be kept"
@@ -113,6 +123,7 @@ class CheckpointStore:
         self.world_size = world_size
         self.keep = keep
         self.remove_damaged = remove_damaged
+        self.fence = fence
         # checkpoints known good: verified at resume, or written by this job
         self._verified: set[Path] = set()
         # the checkpoints this job set aside as damaged, with what was wrong with each
@@ -155,6 +166,7 @@ class CheckpointStore:
         name it will have once complete."""
         final = self.root / step_dir_name(state.step)
         partial = self.root / f".{final.name}.partial"
+        self._check_fence(f"not saving step {state.step}")
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
@@ -175,6 +187,7 @@ class CheckpointStore:
     ) -> Path:
         """Collective, once every rank's files are in `partial` with their `records`: rank 0
         writes the manifest, renames the checkpoint into place and moves `latest`."""
+        self._check_fence(f"not committing step {state.step} ({partial} left as it is)")
         if self.rank == 0:
             write_manifest(partial, records, asdict(state))
             self._commit(partial, final)
@@ -183,12 +196,19 @@ class CheckpointStore:
 
     def abandon(self, partial: Path) -> None:
         """Collective: a save that will not complete is removed; `latest` never saw it."""
+        self._check_fence(f"not removing {partial}")
         if self.rank == 0:
             if partial.is_dir() and not partial.is_symlink():
                 shutil.rmtree(partial, ignore_errors=True)
             else:
                 partial.unlink(missing_ok=True)
         dist.barrier()
+
+    def _check_fence(self, what: str) -> None:
+        """Collective: every rank stops, naming why, if this job may no longer write the run."""
+        problem = _broadcast(self.fence() if self.rank == 0 else "")
+        if problem:
+            raise CheckpointError(f"{what}: {problem}")
 
     def _commit(self, partial: Path, final: Path) -> None:
         if final.exists():  # only if `latest` pointed below it: a checkpoint never verified

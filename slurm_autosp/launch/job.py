@@ -24,7 +24,13 @@ from slurm_autosp.cluster.comm_env import collective_env
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache, users_environment
 from slurm_autosp.cluster.parallel_dims import ParallelDims, init_parallel_dims
 from slurm_autosp.config import ConfigError, JobConfig, Vendor
-from slurm_autosp.lifecycle.lock import RunLock, acquire_lock, release_lock
+from slurm_autosp.lifecycle.lock import (
+    RunLock,
+    acquire_lock,
+    release_lock,
+    superseded,
+    this_job,
+)
 from slurm_autosp.lifecycle.requeue import Requeued
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.run_setup import prepare_run_dir
@@ -78,7 +84,7 @@ class TrainingJob:
         _configure_process(cfg, rank)
         applied = _apply_collective_env(cfg)
         try:
-            dims = init_parallel_dims(cfg, lambda rank: self._claim(job_env, rank))
+            dims = init_parallel_dims(cfg, self._claim)
             if dims.rank == 0:
                 log.info("%s", dims.layout)
                 log.info(
@@ -87,15 +93,15 @@ class TrainingJob:
                 )
             result = self.work(dims, stop)
             if dims.rank == 0:
-                release_lock(cfg.run.dir, _holder(job_env))
+                release_lock(cfg.run.dir, this_job())
             return result
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    def _claim(self, job_env: submitit.JobEnvironment, rank: int) -> None:
+    def _claim(self, rank: int) -> None:
         """Rank 0 takes the run's lock; every rank exits when it refuses."""
-        refusal = _claim_run(self.cfg, job_env, self.claim) if rank == 0 else None
+        refusal = _claim_run(self.cfg, self.claim) if rank == 0 else None
         shared = [refusal]
         dist.broadcast_object_list(shared, src=0)
         if shared[0] is not None:
@@ -104,12 +110,13 @@ class TrainingJob:
     def work(self, dims: ParallelDims, stop: StopRequest) -> Any:
         """What the job does once the process group, the run and the layout are set: train.
         A subclass does other work on the same path (the probe)."""
-        return train(self.cfg, dims, stop)
+        job = this_job()
+        return train(self.cfg, dims, stop, fence=lambda: superseded(self.cfg.run.dir, job))
 
 
-def _claim_run(cfg: JobConfig, job_env: submitit.JobEnvironment, claim: LockClaim) -> str | None:
+def _claim_run(cfg: JobConfig, claim: LockClaim) -> str | None:
     """Rank 0 takes the run's lock for this job (kept across requeues); why not, if refused."""
-    holder = _holder(job_env)
+    holder = this_job()
     try:
         if claim.record_config:
             prepare_run_dir(cfg, holder, force=claim.force)
@@ -124,11 +131,6 @@ def _claim_run(cfg: JobConfig, job_env: submitit.JobEnvironment, claim: LockClai
     except (ConfigError, OSError) as err:
         return str(err)
     return None
-
-
-def _holder(job_env: submitit.JobEnvironment) -> RunLock:
-    """This job, as the run's lock names it."""
-    return RunLock(job_env.job_id, job_env.cluster, socket.gethostname())
 
 
 def collective_env_for(cfg: JobConfig, inherited: Mapping[str, str]) -> dict[str, str]:

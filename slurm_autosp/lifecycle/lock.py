@@ -7,7 +7,12 @@ on start (`run` jobs take it themselves) and keeps it across requeues.
 A lock whose holder is gone (SLURM no longer knows the job, or the local process exited) is
 stale and taken over. A holder that cannot be checked (the controller does not answer, a local
 job on another host) counts as alive: refusing is safer than two writers; `--force` takes the
-lock anyway, for a user who knows the job is gone."""
+lock anyway, for a user who knows the job is gone.
+
+SLURM may requeue a job whose node it lost while that node still runs it: two starts of one
+job id then live at once. The lock records the start that claimed it (SLURM_RESTART_COUNT);
+the later start claims it over the earlier one, and a start that finds itself superseded
+(`superseded`) writes no checkpoint and requeues nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import submitit
 
 from slurm_autosp.cluster.scheduler import Liveness, slurm_job_liveness
 from slurm_autosp.config import ConfigError
@@ -32,6 +39,7 @@ class RunLock:
     job_id: str  # SLURM job id; the local job's (or the submitting process's) pid
     backend: str  # "slurm" | "local" | SUBMITTING
     host: str
+    restart: int = 0  # which start of the job claimed the lock (SLURM_RESTART_COUNT)
 
     def same_holder(self, other: RunLock | None) -> bool:
         """Whether `other` names the same job: a Slurm job by its id, which is unique on its
@@ -45,6 +53,32 @@ class RunLock:
         if self.backend == SUBMITTING:
             return f"a submission in progress (process {self.job_id} on {self.host})"
         return f"job {self.job_id} ({self.backend} on {self.host})"
+
+
+def this_job() -> RunLock:
+    """The running job (any of its ranks), as the run's lock names it."""
+    job_env = submitit.JobEnvironment()
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return RunLock(job_env.job_id, job_env.cluster, socket.gethostname(), restart)
+
+
+def superseded(run_dir: Path, job: RunLock) -> str:
+    """Why `job` may no longer write the run: the lock names another holder, or a later start
+    of the same job; empty while it holds the lock (or no lock is there to say otherwise)."""
+    try:
+        lock = read_lock(run_dir)
+    except ConfigError as err:
+        return str(err)
+    if lock is None:
+        return ""
+    if not lock.same_holder(job):
+        return f"{RunDir(run_dir).lock} names {lock.describe()}, not this job"
+    if lock.restart > job.restart:
+        return (
+            f"SLURM started job {job.job_id} again (restart {lock.restart}) while this start "
+            f"(restart {job.restart}) still ran; that start trains the run now"
+        )
+    return ""
 
 
 def read_lock(run_dir: Path) -> RunLock | None:
@@ -115,6 +149,8 @@ def acquire_lock(
                     path.unlink(missing_ok=True)
                 continue
             current = stamped[0]
+            if current.same_holder(holder) and current.restart > holder.restart:
+                raise ConfigError(superseded(run_dir, holder))
             if current.same_holder(holder) or current.same_holder(handed_over_by):
                 os.replace(mine, path)
                 return

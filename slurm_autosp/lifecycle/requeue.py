@@ -18,6 +18,7 @@ import submitit
 import torch.distributed as dist
 
 from slurm_autosp.compat import submitit_api
+from slurm_autosp.lifecycle.lock import superseded, this_job
 from slurm_autosp.lifecycle.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,9 @@ def requeue_and_exit(run_dir: Path, rank: int, max_requeues: int) -> NoReturn:
             "the last checkpoint is saved: submit the same run again to resume, or raise cluster.max_requeues"
         )
     if rank == 0:
+        fenced = superseded(run_dir, this_job())
+        if fenced:  # a requeue of the job id would requeue the start that trains the run now
+            raise RuntimeError(f"not requeueing: {fenced}")
         log.info("requeueing (restart %d of at most %d)", restarts + 1, max_requeues)
         _record(run_dir, job_env.job_id, restarts + 1)
         try:
