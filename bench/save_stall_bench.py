@@ -8,11 +8,15 @@ Two CPU ranks (gloo, fp32, DP=2) build the engine the job would (`build_engine`,
 FSDP2), take one optimizer step so Adam's state exists, then save `--saves` times each way
 through the job's own path (`CheckpointSaves`) into a run directory beside the disk's `dd` file:
 - sync stall: `save(..., synchronous=True)`, everything on storage, fsynced and hashed;
-- async stall: `save(..., synchronous=False)`: the state staged in /dev/shm and handed to the
-  writer processes; training would go on from here;
+- async stall: `save(..., synchronous=False)`: the state copied into the staging buffers in
+  /dev/shm (FSDP2's distributed checkpoint written there) and handed to the writer processes;
+  training would go on from here;
 - async written: from the stall's end until every rank's writer is done (the background part),
   then the commit (manifest, rename, `latest`) at the next step boundary.
-Times are the slower rank's, medians over the saves. dd writes the checkpoint's size with
+- one memory copy: the bytes a rank staged, copied once between two buffers already mapped:
+  the floor of the stall.
+Times are the slower rank's, medians over the saves (the first asynchronous save maps its
+buffer: `--saves` of at least 3 keep the median off it). dd writes the checkpoint's size with
 fsync (`conv=fsync`) to the same directory: the disk's sequential write rate in this run.
 About a minute on 2 cores.
 """
@@ -81,7 +85,13 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         return float(box)
 
-    rows: dict[str, list[float]] = {"sync": [], "async": [], "written": [], "commit": []}
+    rows: dict[str, list[float]] = {
+        "sync": [],
+        "async": [],
+        "written": [],
+        "commit": [],
+        "memcpy": [],
+    }
     step = 0
     for _ in range(args.saves):
         step += 1
@@ -102,11 +112,21 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
         start = time.perf_counter()
         saves.commit_written(False)
         rows["commit"].append(slowest(time.perf_counter() - start))
+    staged = saves.staged_bytes
     saves.close()
+    # the same bytes copied once between buffers whose pages are already mapped
+    source = torch.ones(staged, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    for _ in range(args.saves):
+        dist.barrier()
+        start = time.perf_counter()
+        target.copy_(source)
+        rows["memcpy"].append(slowest(time.perf_counter() - start))
     latest = store.root / (store.root / "latest").read_text()
     size = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"rows": rows, "bytes": size}, f)
+        json.dump({"rows": rows, "bytes": size, "staged": staged}, f)
     dist.destroy_process_group()
 
 
@@ -163,6 +183,12 @@ def main() -> None:
         f"{size / written / 1e6:,.0f} MB/s |"
     )
     print(f"| dd (bs=16M, conv=fsync) | - | - | - | {disk / 1e6:,.0f} MB/s |")
+    staged = max(r["staged"] for r in results)
+    print(
+        f"| one memory copy of a rank's staged bytes ({staged / 1e6:,.0f} MB) | "
+        f"{median['memcpy']:.3f} s (the asynchronous stall is "
+        f"{median['async'] / median['memcpy']:.2f}x) | - | - | {staged / median['memcpy'] / 1e6:,.0f} MB/s |"
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_checkpoint_store import engine, params, perturb, settings, state  # noqa: F401
 
-from slurm_autosp.checkpoint.async_save import CheckpointSaves, staging_dir_for
+from slurm_autosp.checkpoint.async_save import BUFFER_FILE, CheckpointSaves, staging_dir_for
 from slurm_autosp.checkpoint.manifest import read_manifest
 from slurm_autosp.checkpoint.store import CheckpointError, CheckpointStore
 
@@ -80,10 +80,27 @@ def test_an_asynchronous_save_becomes_the_latest_checkpoint_only_once_written(sa
         for p in checkpoint.rglob("*")
         if p.is_file() and p.name != "manifest.json"
     }
-    assert not saves.staging.exists()  # the staged copy freed once persisted
+    # the staged files freed once persisted; the buffer kept for the next save
+    assert [p.name for p in saves.staging.iterdir()] == [BUFFER_FILE]
     perturb(engine)
     assert saves.store.load_latest(engine, settings(engine.name)) == state(2, engine.name)
     assert all(torch.equal(a, b) for a, b in zip(saved, params(engine), strict=True))
+
+
+def test_an_asynchronous_save_writes_the_bytes_a_synchronous_one_writes(saves, engine, tmp_path):  # noqa: F811
+    """The writer serialises the staged trees itself: every file the engine's format and the
+    checkpoint hold is the synchronous save's, byte for byte (but the metadata of FSDP2's
+    distributed checkpoint, which records the directory it was written to: staging)."""
+    synchronous = CheckpointStore(tmp_path / "synchronous", rank=0, world_size=1, keep=1)
+    synchronous.root.mkdir()
+    synchronous.save(engine, state(1, engine.name))
+    saves.save(engine, state(1, engine.name), synchronous=False)
+    wait_written(saves)
+    records = read_manifest(saves.store.root / "step_00000001")["files"]
+    expected = read_manifest(synchronous.root / "step_00000001")["files"]
+    if engine.name == "fsdp2":
+        del records["engine/.metadata"], expected["engine/.metadata"]
+    assert records == expected
 
 
 def test_a_synchronous_save_abandons_a_save_still_being_written(saves, engine):  # noqa: F811
@@ -180,7 +197,8 @@ def test_a_staging_file_system_that_fills_up_falls_back_to_a_synchronous_save(
     caplog,
 ):
     """The first save is staged with no earlier size to check against: a full /dev/shm stops it
-    half-way (torch.save's stream error), and the save is made synchronously instead, named."""
+    (no room for the buffer, or FSDP2's distributed checkpoint half-way), and the save is made
+    synchronously instead, named."""
     store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
     store.root.mkdir()
     saves = CheckpointSaves.start(store, True, str(small_tmpfs), tmp_path)

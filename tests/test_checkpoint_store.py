@@ -15,6 +15,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from slurm_autosp.checkpoint.identity import run_settings  # noqa: E402
 from slurm_autosp.checkpoint.manifest import FileRecord, hash_files, read_manifest, write_manifest  # noqa: E402
+from slurm_autosp.checkpoint.state_files import StateFiles  # noqa: E402
 from slurm_autosp.checkpoint.store import (  # noqa: E402
     DAMAGE_NOTE,
     TRAINER_STATE,
@@ -114,7 +115,7 @@ def test_a_fenced_job_saves_commits_and_removes_nothing(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2, fence=lambda: fenced)
     store.save(engine, state(1, engine.name))
     partial, final = store.begin(state(2, engine.name))
-    store.write_state(engine, state(2, engine.name), partial)
+    store.state_files(engine, state(2, engine.name), partial).write(partial)
     fenced = "a later start trains the run now"
     with pytest.raises(CheckpointError, match="not saving step 3: a later start trains the run"):
         store.save(engine, state(3, engine.name))
@@ -245,9 +246,12 @@ def test_a_zero1_checkpoint_in_deepspeeds_own_format_resumes_on_as_many_ranks_on
     torch.manual_seed(0)
     engine = build_engine(job_config(1), torch.device("cpu"), 1)
     own_format = engine._engine.save_checkpoint
-    monkeypatch.setattr(
-        engine, "save", lambda path: own_format(str(path.parent), tag=path.name, save_latest=False)
-    )
+
+    def save_own_format(path):
+        own_format(str(path.parent), tag=path.name, save_latest=False)
+        return StateFiles()
+
+    monkeypatch.setattr(engine, "save", save_own_format)
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     before = params(engine)
     store.save(engine, state(1, engine.name))

@@ -1,10 +1,12 @@
 """Asynchronous saves: training stalls only while the state is staged in node memory, and a
 background writer process per rank persists it to shared storage while training goes on.
 
-A save is staged at a step boundary: every rank writes its part, in the engine's own format,
-to its directory under `checkpoint.staging_dir` (a memory-backed file system, /dev/shm by
-default: the copy runs at memory speed), and hands it to its writer (checkpoint/writer.py),
-which copies each file into the checkpoint's `.partial` directory, hashing and fsyncing it.
+A save is staged at a step boundary: every rank copies the tensors of its part into its
+staging buffer (checkpoint/staging_buffer.py: node memory under `checkpoint.staging_dir`,
+/dev/shm by default, reused from save to save, so the copy runs at memory speed) beside what
+only a collective writes at once (FSDP2's distributed checkpoint, written to its staging
+directory), and hands it to its writer (checkpoint/writer.py), which writes each file into the
+checkpoint's `.partial` directory in the engine's own format, hashing and fsyncing it.
 The checkpoint becomes one only when every rank's writer has finished: at a later step
 boundary, where the ranks agree on it anyway, rank 0 writes the manifest from the writers'
 records, renames it into place and moves `latest`, as a synchronous save does. Until then
@@ -26,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import select
 import shutil
 import socket
@@ -42,16 +45,21 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from slurm_autosp.checkpoint.manifest import FileRecord
+from slurm_autosp.checkpoint.staging_buffer import StagingBuffer
 from slurm_autosp.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
     EngineState,
     TrainerState,
 )
+from slurm_autosp.checkpoint.writer import STAGED_FILES
 
 log = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.5  # how often ranks waiting for a previous save agree on a stop
+# in a rank's staging directory: its buffer, kept from save to save, and one save's other files
+BUFFER_FILE = "buffer"
+SAVE_DIR = "save"
 
 
 class BackgroundWriter:
@@ -67,9 +75,10 @@ class BackgroundWriter:
         self._answer: dict[str, Any] | None = None
         self.busy = False
 
-    def submit(self, staged: Path, partial: Path) -> None:
+    def submit(self, staged: Path, partial: Path, buffer: Path) -> None:
         assert self._process.stdin is not None and not self.busy
-        self._process.stdin.write(json.dumps({"staged": str(staged), "partial": str(partial)}))
+        request = {"staged": str(staged), "partial": str(partial), "buffer": str(buffer)}
+        self._process.stdin.write(json.dumps(request))
         self._process.stdin.write("\n")
         self._process.stdin.flush()
         self.busy, self._answer = True, None
@@ -131,13 +140,20 @@ class CheckpointSaves:
         self.store = store
         self.staging = staging
         self.newest_step = newest_step  # the step of the newest checkpoint on storage
+        self._buffer = StagingBuffer(staging / BUFFER_FILE) if staging is not None else None
         self._writer: BackgroundWriter | None = None
         self._pending: PendingSave | None = None
-        self._staged_bytes = 0  # the size of this rank's last staged save
+        self._staged_bytes = 0  # what this rank's last save staged beside its buffer
 
     @property
     def asynchronous(self) -> bool:
         return self.staging is not None
+
+    @property
+    def staged_bytes(self) -> int:
+        """What this rank's last asynchronous save held in node memory: its buffer's copies and
+        what a collective wrote beside them."""
+        return (self._buffer.staged_bytes if self._buffer else 0) + self._staged_bytes
 
     def writing(self) -> bool:
         """Whether this rank's part of the pending save is still being written (no wait)."""
@@ -171,9 +187,10 @@ class CheckpointSaves:
             self._abandon(pending)
         elif pending is not None:
             self._commit(pending)
-        if synchronous or self.staging is None or not _all_ranks(self._room_to_stage()):
+        if synchronous or self._buffer is None or not _all_ranks(self._room_to_stage()):
             self._save_now(engine, state)
             return stopped
+        assert self.staging is not None  # the buffer's directory
         started = time.perf_counter()
         partial, final = self.store.begin(state)
         failure = self._stage(engine, state)
@@ -183,6 +200,7 @@ class CheckpointSaves:
                 state.step,
                 failure or "another rank could not stage its part",
             )
+            self._buffer.close()  # node memory is short: freed, and made again at the next save
             shutil.rmtree(self.staging, ignore_errors=True)
             self.store.abandon(partial)
             self._save_now(engine, state)
@@ -192,11 +210,11 @@ class CheckpointSaves:
                 "checkpoint %s staged in %.2f s (%.1f MiB on this rank); written in the background",
                 final.name,
                 time.perf_counter() - started,
-                self._staged_bytes / 2**20,
+                self.staged_bytes / 2**20,
             )
         if self._writer is None:
             self._writer = BackgroundWriter()
-        self._writer.submit(self.staging, partial)
+        self._writer.submit(self.staging / SAVE_DIR, partial, self._buffer.path)
         self._pending = PendingSave(partial, final, state)
         return False
 
@@ -224,6 +242,8 @@ class CheckpointSaves:
             self._writer.stop()
             self._writer = None
         self._pending = None
+        if self._buffer is not None:
+            self._buffer.close()
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
             try:
@@ -232,27 +252,33 @@ class CheckpointSaves:
                 pass
 
     def _stage(self, engine: EngineState, state: TrainerState) -> str:
-        """Write this rank's part of the save to its staging directory; what stopped it (a
-        full or failing staging file system), empty when it is staged."""
-        assert self.staging is not None
+        """Stage this rank's part of the save: its tensors into the buffer, what a collective
+        writes into the staging directory, the trees beside it; what stopped it (a full or
+        failing staging file system), empty when it is staged."""
+        assert self.staging is not None and self._buffer is not None
+        save_dir = self.staging / SAVE_DIR
         try:
-            shutil.rmtree(self.staging, ignore_errors=True)
-            self.staging.mkdir(mode=0o700, parents=True)
-            self.store.write_state(engine, state, self.staging)
-        # torch.save's stream errors are RuntimeErrors; FSDP2's distributed checkpoint raises
-        # its CheckpointException (a BaseException) on every rank, so they agree on it anyway
-        except (OSError, RuntimeError, CheckpointException) as err:
+            shutil.rmtree(save_dir, ignore_errors=True)
+            self.staging.mkdir(mode=0o700, exist_ok=True)
+            save_dir.mkdir(mode=0o700)
+            files = self._buffer.stage(self.store.state_files(engine, state, save_dir))
+            with open(save_dir / STAGED_FILES, "wb") as f:
+                pickle.dump(files, f)
+        # FSDP2's distributed checkpoint raises its CheckpointException (a BaseException) on
+        # every rank, so they agree on it anyway
+        except (OSError, CheckpointException) as err:
             free = shutil.disk_usage(self.staging.parent).free
             return (
                 f"staging in {self.staging} failed ({free / 2**20:.1f} MiB free there): "
                 f"{_last_line(err)}"
             )
-        self._staged_bytes = sum(p.stat().st_size for p in self.staging.rglob("*") if p.is_file())
+        self._staged_bytes = sum(p.stat().st_size for p in save_dir.rglob("*") if p.is_file())
         return ""
 
     def _room_to_stage(self) -> bool:
         """Collective: whether the staging file system has room for another save like the
-        last one of every rank of this node (they share it: /dev/shm is one per node)."""
+        last one of every rank of this node (they share it: /dev/shm is one per node), beside
+        the buffers they keep. (A buffer that must grow and cannot is an error of staging.)"""
         assert self.staging is not None
         node = socket.gethostname()
         shares: list[Any] = [None] * dist.get_world_size()

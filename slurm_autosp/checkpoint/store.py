@@ -45,6 +45,7 @@ from slurm_autosp.checkpoint.manifest import (
     verify_share,
     write_manifest,
 )
+from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.config import ConfigError
 from slurm_autosp.lifecycle.durable import fsync_path, rename_durably
 from slurm_autosp.lifecycle.run_dir import checkpoint_dir_problem
@@ -70,7 +71,7 @@ class EngineState(Protocol):
     name: str
     module: nn.Module
 
-    def save(self, path: Path) -> None: ...
+    def save(self, path: Path) -> StateFiles: ...
 
     def load(self, path: Path) -> None: ...
 
@@ -151,7 +152,7 @@ class CheckpointStore:
         """Collective and synchronous: every rank writes its part straight to shared storage,
         then hashes its share of the files."""
         partial, final = self.begin(state)
-        self.write_state(engine, state, partial)
+        self.state_files(engine, state, partial).write(partial)
         dist.barrier()
         files = list_files(partial)
         records: dict[str, FileRecord] = {}
@@ -173,14 +174,17 @@ class CheckpointStore:
         dist.barrier()
         return partial, final
 
-    def write_state(self, engine: EngineState, state: TrainerState, into: Path) -> None:
-        """Collective: this rank's part of the save under `into` (the `.partial` directory, or
-        the rank's staging directory of an asynchronous save)."""
-        (into / "rng").mkdir(parents=True, exist_ok=True)
-        engine.save(into / ENGINE_TAG)
-        torch.save(rng_state(), into / "rng" / f"rank_{self.rank:05d}.pt")
+    def state_files(self, engine: EngineState, state: TrainerState, into: Path) -> StateFiles:
+        """Collective: this rank's part of the save. What only a collective can write (FSDP2's
+        distributed checkpoint) is written under `into` now (the `.partial` directory, or the
+        rank's staging directory of an asynchronous save); the rest is returned, as files to
+        write under the checkpoint's directory."""
+        (into / ENGINE_TAG).mkdir(parents=True, exist_ok=True)
+        files = engine.save(into / ENGINE_TAG).under(ENGINE_TAG)
+        files.trees[f"rng/rank_{self.rank:05d}.pt"] = rng_state()
         if self.rank == 0:
-            (into / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=1))
+            files.texts[TRAINER_STATE] = json.dumps(asdict(state), indent=1)
+        return files
 
     def finish(
         self, partial: Path, final: Path, records: dict[str, FileRecord], state: TrainerState

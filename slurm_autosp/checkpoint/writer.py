@@ -1,59 +1,121 @@
-"""The background checkpoint writer: a process of its own per rank, so that persisting a save
-shares neither the training loop's GIL nor its time.
+"""The background checkpoint writer: a process of its own per rank, so that serialising and
+persisting a save shares neither the training loop's GIL nor its time.
 
-Each request names a staging directory (the rank's save, written to node-local memory at the
-step boundary) and the checkpoint's `.partial` directory on shared storage. The writer copies
-every staged file there, hashing it as it goes (the manifest's records, so no file is read
-twice), forces it to stable storage and frees its staged copy; then it answers with the
+Each request names the rank's staged save in node memory (a directory of the files a collective
+wrote at the step boundary, with the save's other files as trees whose tensors lie in the
+rank's staging buffer: checkpoint/staging_buffer.py), that buffer, and the checkpoint's
+`.partial` directory on shared storage. The writer copies every staged file there and writes
+every tree with torch.save, hashing each as it goes (the manifest's records, so no file is read
+twice), forces it to stable storage and frees the staged files; then it answers with the
 records, or with the error that stopped it. It runs as `python -m slurm_autosp.checkpoint.writer
 <rank's pid>`, dies with that rank (a killed rank leaves no writer adding files to a run no job
 holds) and with nothing else: it ignores the signals Slurm may send a job's whole process group
-(USR2, TERM, INT), which are its rank's to act on (commit the save or abandon it); it takes one JSON line per request on stdin and answers one per request on stdout, and
-imports neither torch nor the rest of the package: it starts in a fraction of a second and
-holds no GPU context.
+(USR2, TERM, INT), which are its rank's to act on (commit the save or abandon it). It takes one
+JSON line per request on stdin and answers one per request on stdout; it imports torch for
+torch.save and holds no GPU context.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
+import pickle
 import shutil
 import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import BinaryIO, cast
+
+import torch
 
 from slurm_autosp.checkpoint.manifest import FileRecord
+from slurm_autosp.checkpoint.staging_buffer import unstage
+from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.lifecycle.durable import fsync_path
 from slurm_autosp.lifecycle.parent_death import die_with
 
 _CHUNK = 16 * 2**20
+STAGED_FILES = "state_files.pkl"  # in a staged save: its trees, their tensors in the buffer
 
 
-def persist(staged: Path, partial: Path) -> dict[str, FileRecord]:
-    """Move every file below `staged` to the same relative path below `partial`, durably,
-    with its size and sha256; `staged` is gone afterwards."""
+class _HashedFile:
+    """A file being written, its size and sha256 taken from the bytes as they pass."""
+
+    def __init__(self, file: BinaryIO):
+        self._file = file
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def record(self) -> FileRecord:
+        return FileRecord(size=self.size, sha256=self.digest.hexdigest())
+
+
+def persist(staged: Path, partial: Path, buffer: Path) -> dict[str, FileRecord]:
+    """Write the save staged in `staged` and `buffer` to the same relative paths below
+    `partial`, durably, with each file's size and sha256; `staged` is gone afterwards (the
+    buffer stays for the next save)."""
     records: dict[str, FileRecord] = {}
-    for source in sorted(p for p in staged.rglob("*") if p.is_file()):
+    trees = staged / STAGED_FILES
+    for source in sorted(p for p in staged.rglob("*") if p.is_file() and p != trees):
         name = str(source.relative_to(staged))
-        target = partial / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256()
-        size = 0
-        with open(source, "rb") as src, open(target, "wb") as dst:
+        with open(source, "rb") as src, _create(partial / name) as dst:
+            hashed = _HashedFile(dst)
             while chunk := src.read(_CHUNK):
-                digest.update(chunk)
-                dst.write(chunk)
-                size += len(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
+                hashed.write(chunk)
+            records[name] = _durable(hashed, dst)
         source.unlink()  # the staged copy holds node memory: free it as soon as it is written
-        records[name] = FileRecord(size=size, sha256=digest.hexdigest())
+    if trees.is_file():
+        records.update(_write_trees(trees, buffer, partial))
     for directory in {partial / Path(name).parent for name in records} | {partial}:
         fsync_path(directory)
     shutil.rmtree(staged, ignore_errors=True)
     return records
+
+
+def _write_trees(trees: Path, buffer: Path, partial: Path) -> dict[str, FileRecord]:
+    """Every tree of the staged save written with torch.save, every text as it is."""
+    with open(trees, "rb") as f:
+        staged: StateFiles = pickle.load(f)  # written by this job's own rank, in its 0700 directory
+    with open(buffer, "r+b") as mapped, mmap.mmap(mapped.fileno(), 0) as memory:
+        # the rebuilt tensors view the mapping: they are gone when _write_files returns
+        return _write_files(unstage(staged, memory), partial)
+
+
+def _write_files(files: StateFiles, partial: Path) -> dict[str, FileRecord]:
+    records: dict[str, FileRecord] = {}
+    for name, tree in files.trees.items():
+        with _create(partial / name) as dst:
+            hashed = _HashedFile(dst)
+            torch.save(tree, cast(BinaryIO, hashed))  # torch.save only writes and flushes
+            records[name] = _durable(hashed, dst)
+    for name, text in files.texts.items():
+        with _create(partial / name) as dst:
+            hashed = _HashedFile(dst)
+            hashed.write(text.encode())
+            records[name] = _durable(hashed, dst)
+    return records
+
+
+def _create(target: Path) -> BinaryIO:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return open(target, "wb")
+
+
+def _durable(hashed: _HashedFile, file: BinaryIO) -> FileRecord:
+    file.flush()
+    os.fsync(file.fileno())
+    return hashed.record()
 
 
 # what Slurm sends every process of a job step (proctrack/pgid, `scancel --signal`): the rank's
@@ -68,10 +130,14 @@ def main() -> None:
         request = json.loads(line)
         answer: dict[str, object]
         try:
-            records = persist(Path(request["staged"]), Path(request["partial"]))
+            records = persist(
+                Path(request["staged"]), Path(request["partial"]), Path(request["buffer"])
+            )
             answer = {"records": {name: asdict(r) for name, r in records.items()}}
         except OSError as err:
             answer = {"error": f"{err.filename or request['partial']}: {err.strerror or err}"}
+        except RuntimeError as err:  # torch.save's stream errors
+            answer = {"error": f"{request['partial']}: {err}"}
         print(json.dumps(answer), flush=True)
 
 

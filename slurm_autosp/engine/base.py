@@ -9,6 +9,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from slurm_autosp.checkpoint.state_files import StateFiles
+
 
 class TrainEngine(Protocol):
     """Forward, backward, optimizer step, and the engine's own checkpoint format.
@@ -39,8 +41,9 @@ class TrainEngine(Protocol):
     def grad_norm(self) -> float:
         """Global gradient norm of the last optimizer step, before clipping."""
 
-    def save(self, path: Path) -> None:
-        """Collective: every rank writes its part of the engine state under `path`."""
+    def save(self, path: Path) -> StateFiles:
+        """Collective: this rank's part of the engine state. What only a collective can write
+        is written under `path` now; the rest is returned, as files to write under `path`."""
 
     def load(self, path: Path) -> None:
         """Collective: restore what `save` wrote."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slurm_autosp.checkpoint.export import whole_weights
+from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.checkpoint.store import CheckpointError
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.engine import zero1_checkpoint
@@ -106,8 +107,8 @@ class ZeRO1Engine:
     def grad_norm(self) -> float:
         return float(self._engine.get_global_grad_norm() or 0.0)
 
-    def save(self, path: Path) -> None:
-        zero1_checkpoint.save(path, self.module, self._partition, self._engine.lr_scheduler)
+    def save(self, path: Path) -> StateFiles:
+        return zero1_checkpoint.save(self.module, self._partition, self._engine.lr_scheduler)
 
     def load(self, path: Path) -> None:
         if zero1_checkpoint.is_saved(path):

@@ -40,6 +40,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from slurm_autosp.checkpoint.export import distinct_tensors
+from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.compat.torch_api import clear_sharding_prop_cache
 from slurm_autosp.compile import AutoSPCompileError, decoder_layers
 from slurm_autosp.config import ConfigError, JobConfig
@@ -133,14 +134,16 @@ class FSDP2Engine:
     def grad_norm(self) -> float:
         return self._grad_norm
 
-    def save(self, path: Path) -> None:
-        """Each rank writes its own shards (torch distributed checkpoint), rank 0 the schedule.
-        The checkpoint records each tensor's whole shape, and `load` reads every rank's slice
-        of it: another world size or layout resumes it."""
+    def save(self, path: Path) -> StateFiles:
+        """Each rank writes its own shards (torch distributed checkpoint, a collective: under
+        `path` now), rank 0 the schedule. The checkpoint records each tensor's whole shape, and
+        `load` reads every rank's slice of it: another world size or layout resumes it."""
         model_state, optim_state = get_state_dict(self.module, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+        files = StateFiles()
         if dist.get_rank() == 0:
-            torch.save(self.scheduler.state_dict(), path / SCHEDULE_FILE)
+            files.trees[SCHEDULE_FILE] = self.scheduler.state_dict()
+        return files
 
     def load(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.module, self.optimizer)

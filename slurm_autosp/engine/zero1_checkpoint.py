@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.checkpoint.store import CheckpointError
 
 if TYPE_CHECKING:
@@ -45,21 +46,20 @@ MASTER = "master"  # a piece's fp32 master weights, beside its optimizer state t
 
 
 def save(
-    path: Path,
     module: nn.Module,
     partition: ZeroPartition,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> None:
-    """Collective: every rank writes its pieces under `path`; rank 0 the rest and the index."""
+) -> StateFiles:
+    """Collective: every rank's pieces, rank 0's also the rest and the index, as files to
+    write. Each flat partition is there whole, as its own tensor: no copy, however large."""
     rank = dist.get_rank()
-    (path / FRAGMENTS_DIR).mkdir(parents=True, exist_ok=True)
     optimizer, flats = partition.optimizer, partition.flat_partitions()
     keys = _state_keys(optimizer, flats)
-    # each flat partition whole, written from its own storage: no copy, however large
-    torch.save(
-        {MASTER: flats, **{key: [optimizer.state[f][key] for f in flats] for key in keys}},
-        _rank_file(path, rank),
-    )
+    files = StateFiles()
+    files.trees[_rank_file(rank)] = {
+        MASTER: flats,
+        **{key: [optimizer.state[f][key] for f in flats] for key in keys},
+    }
     held = [
         (name, fragment.start, fragment.numel, fragment.group, fragment.offset)
         for name, fragment in _fragments(module, partition)
@@ -67,18 +67,20 @@ def save(
     every: list[list[tuple[str, int, int, int, int]]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(every, held)
     if rank != 0:
-        return
-    torch.save(module.state_dict(), path / MODULE_FILE)
+        return files
+    files.trees[MODULE_FILE] = module.state_dict()
     state = optimizer.state_dict()
     scalars = {i: {k: v for k, v in s.items() if k not in keys} for i, s in state["state"].items()}
-    torch.save({"state": scalars, "param_groups": state["param_groups"]}, path / OPTIMIZER_FILE)
-    torch.save(scheduler.state_dict(), path / SCHEDULE_FILE)
+    files.trees[OPTIMIZER_FILE] = {"state": scalars, "param_groups": state["param_groups"]}
+    files.trees[SCHEDULE_FILE] = scheduler.state_dict()
     parameters: dict[str, list[tuple[int, ...]]] = {}
     for saved_by, ranges in enumerate(every):
         for name, *where in ranges:
             parameters.setdefault(name, []).append((saved_by, *where))
-    index = {"ranks": len(every), "state": keys, "parameters": parameters}
-    (path / INDEX_FILE).write_text(json.dumps(index))
+    files.texts[INDEX_FILE] = json.dumps(
+        {"ranks": len(every), "state": keys, "parameters": parameters}
+    )
+    return files
 
 
 def load(
@@ -104,7 +106,10 @@ def load(
                     continue
                 if saved_by not in files:
                     files[saved_by] = torch.load(
-                        _rank_file(path, saved_by), mmap=True, weights_only=True, map_location="cpu"
+                        path / _rank_file(saved_by),
+                        mmap=True,
+                        weights_only=True,
+                        map_location="cpu",
                     )
                 saved = files[saved_by]
                 for key, target in targets.items():
@@ -170,5 +175,5 @@ def _load_untrained(module: nn.Module, file: Path) -> None:
     )
 
 
-def _rank_file(path: Path, rank: int) -> Path:
-    return path / FRAGMENTS_DIR / f"rank_{rank:05d}.pt"
+def _rank_file(rank: int) -> str:
+    return f"{FRAGMENTS_DIR}/rank_{rank:05d}.pt"

@@ -1,10 +1,10 @@
 """Whether a node's host memory can stage asynchronous saves (checkpoint/async_save.py) beside
 what the plan already keeps there (offloaded activations and optimizer state).
 
-An asynchronous save is first written whole to node memory: every rank's fp32 master weights
+An asynchronous save is first copied whole to node memory: every rank's fp32 master weights
 and Adam moments (12 bytes per parameter over the world), and, under ZeRO-1, rank 0's copy of
-the model's weights. It stays there until the background writer has persisted it, so the plan
-counts it at full size. Where it does not fit, saves are synchronous, said in the plan."""
+the model's weights. Its staging buffers stay allocated from save to save, so the plan counts
+them at full size. Where it does not fit, saves are synchronous, said in the plan."""
 
 from __future__ import annotations
 

@@ -1,0 +1,183 @@
+"""A rank's staging buffer: an asynchronous save stalls training only while its tensors are
+copied here, one copy per tensor storage (from an accelerator, an asynchronous copy into pinned
+memory), and the rank's writer process serialises them from here to shared storage.
+
+The buffer is one file in the rank's staging directory (node memory, /dev/shm by default),
+mapped into the rank and into its writer. It is allocated at the first save and reused by the
+next ones, so a save's copy touches memory already mapped (a fresh file's first write costs its
+page faults, more than the copy itself); it grows when a save needs more. A save's trees go to
+the writer with each tensor replaced by a `StagedTensor`, where its storage's bytes lie in the
+buffer; the writer rebuilds the tensors as views of its own mapping (`unstage`) and writes the
+trees with torch.save: the same files a synchronous save writes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from slurm_autosp.checkpoint.state_files import StateFiles
+from slurm_autosp.compat.torch_api import register_pinned, unregister_pinned
+
+ALIGN = 4096  # each storage's bytes start on a page of their own
+
+
+@dataclass(frozen=True)
+class StagedTensor:
+    """A tensor of a staged tree: its storage's bytes at `offset` in the buffer, and the view
+    of them it is."""
+
+    offset: int
+    nbytes: int  # of its storage
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    requires_grad: bool
+    parameter: bool
+
+
+class StagingBuffer:
+    """One rank's buffer, at `path` (a file in its staging directory)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._memory: torch.Tensor | None = None  # uint8, mapped shared from the file
+        self._pinned = False
+        self.staged_bytes = 0  # what the last save copied here
+
+    @torch.no_grad()
+    def stage(self, files: StateFiles) -> StateFiles:
+        """Copy the storage of every tensor in `files`' trees into the buffer (a storage that
+        several tensors view, once); returns the files with a StagedTensor in each tensor's
+        place. An OSError (no room for the buffer) leaves nothing half staged to write."""
+        places: dict[tuple[str, int, int], int] = {}
+        storages: list[tuple[int, torch.UntypedStorage]] = []
+        end = 0
+
+        def place(tensor: torch.Tensor) -> StagedTensor:
+            nonlocal end
+            storage = tensor.untyped_storage()
+            # empty storages all start at address 0; torch keeps one Python object per
+            # storage (alive in `storages`), so its id tells them apart
+            at = storage.data_ptr() if storage.nbytes() else id(storage)
+            key = (str(tensor.device), at, storage.nbytes())
+            if key not in places:
+                places[key] = end
+                storages.append((end, storage))
+                end += max(1, -(-storage.nbytes() // ALIGN)) * ALIGN  # every storage its own offset
+            return StagedTensor(
+                places[key],
+                storage.nbytes(),
+                tensor.dtype,
+                tuple(tensor.size()),
+                tuple(tensor.stride()),
+                int(tensor.storage_offset()),
+                tensor.requires_grad,
+                isinstance(tensor, nn.Parameter),
+            )
+
+        staged = StateFiles(
+            {
+                name: _map_tensors(tree, _is_plain_tensor, place)
+                for name, tree in files.trees.items()
+            },
+            dict(files.texts),
+        )
+        memory = self._reserve(end)
+        for offset, storage in storages:
+            source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            memory[offset : offset + source.numel()].copy_(source, non_blocking=self._pinned)
+        if self._pinned:
+            torch.cuda.synchronize()  # the writer reads the buffer as soon as it is handed over
+        self.staged_bytes = sum(storage.nbytes() for _, storage in storages)
+        return staged
+
+    def _reserve(self, nbytes: int) -> torch.Tensor:
+        """The buffer, grown to `nbytes` if smaller. The file's memory is reserved first
+        (posix_fallocate): a full staging file system is an OSError here, not a SIGBUS when
+        the copy touches a page that cannot exist."""
+        if self._memory is not None and self._memory.numel() >= nbytes:
+            return self._memory
+        self.close()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        memory = torch.from_file(
+            str(self.path), shared=True, size=max(nbytes, 1), dtype=torch.uint8
+        )
+        if torch.cuda.is_available():  # device-to-host copies straight in, asynchronously
+            register_pinned(memory.data_ptr(), memory.numel())
+            self._pinned = True
+        self._memory = memory
+        return memory
+
+    def close(self) -> None:
+        """Unmap the buffer (its file is removed with the staging directory)."""
+        if self._memory is not None and self._pinned:
+            unregister_pinned(self._memory.data_ptr())
+        self._memory, self._pinned = None, False
+
+
+def unstage(files: StateFiles, buffer: mmap.mmap) -> StateFiles:
+    """The writer's side: `files` with each StagedTensor rebuilt as a view of `buffer`, the
+    writer's mapping of the staging buffer; tensors that viewed one storage view one again."""
+    storages: dict[int, torch.UntypedStorage] = {}
+
+    def rebuild(staged: StagedTensor) -> torch.Tensor:
+        if staged.offset not in storages:
+            storages[staged.offset] = (
+                torch.frombuffer(
+                    buffer, dtype=torch.uint8, count=staged.nbytes, offset=staged.offset
+                )
+                if staged.nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            ).untyped_storage()
+        tensor = torch.empty(0, dtype=staged.dtype).set_(
+            storages[staged.offset], staged.storage_offset, staged.size, staged.stride
+        )
+        if staged.parameter:
+            return nn.Parameter(tensor, requires_grad=staged.requires_grad)
+        return tensor.requires_grad_(staged.requires_grad)
+
+    return StateFiles(
+        {
+            name: _map_tensors(tree, lambda x: isinstance(x, StagedTensor), rebuild)
+            for name, tree in files.trees.items()
+        },
+        dict(files.texts),
+    )
+
+
+def _is_plain_tensor(value: Any) -> bool:
+    """A tensor whose bytes are all it holds (a subclass, e.g. a DTensor, is pickled whole)."""
+    return type(value) in (torch.Tensor, nn.Parameter)
+
+
+def _map_tensors(tree: Any, matches: Callable[[Any], bool], replace: Callable[[Any], Any]) -> Any:
+    """`tree` with every leaf that `matches` replaced, through dicts (an OrderedDict keeps its
+    attributes: a module's state dict carries its `_metadata`), lists and tuples."""
+    if matches(tree):
+        return replace(tree)
+    if isinstance(tree, dict):
+        mapped = {key: _map_tensors(value, matches, replace) for key, value in tree.items()}
+        if type(tree) is OrderedDict:
+            ordered = OrderedDict(mapped)
+            ordered.__dict__.update(tree.__dict__)
+            return ordered
+        return mapped if type(tree) is dict else tree
+    if type(tree) is list:
+        return [_map_tensors(value, matches, replace) for value in tree]
+    if type(tree) is tuple:
+        return tuple(_map_tensors(value, matches, replace) for value in tree)
+    return tree

@@ -1,0 +1,86 @@
+"""The staging buffer: trees staged by a rank and rebuilt by the writer from its own mapping
+write the bytes torch.save writes of the originals; the buffer is kept and grown, not remade."""
+
+import io
+import mmap
+import pickle
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from slurm_autosp.checkpoint.staging_buffer import StagingBuffer, unstage
+from slurm_autosp.checkpoint.state_files import StateFiles
+
+
+def saved_bytes(tree):
+    buffer = io.BytesIO()
+    torch.save(tree, buffer)
+    return buffer.getvalue()
+
+
+def trees():
+    """What checkpoints hold: a module's state dict (an OrderedDict with `_metadata`), views of
+    one storage, a parameter, bf16, an empty tensor, a transposed view, scalars and strings."""
+    base = torch.arange(24, dtype=torch.float32)
+    state = OrderedDict(weight=torch.randn(3, 4), bias=torch.zeros(0))
+    state._metadata = OrderedDict({"": {"version": 2}})  # type: ignore[attr-defined]
+    return {
+        "module.pt": state,
+        "pieces.pt": {
+            "views": [base[:8], base[8:].view(4, 4).t(), base],
+            "master": nn.Parameter(torch.randn(5)),
+            "moments": (torch.randn(7, dtype=torch.bfloat16), torch.ones(2, requires_grad=True)),
+            "step": 3,
+            "name": "adamw",
+        },
+    }
+
+
+def written_by_the_writer(files, buffer_path):
+    """`files` as the writer process gets them (pickled) and writes them (unstaged)."""
+    staged = pickle.loads(pickle.dumps(files))
+    with open(buffer_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as memory:
+        rebuilt = unstage(staged, memory)
+        written = {name: saved_bytes(tree) for name, tree in rebuilt.trees.items()}
+        del rebuilt
+    return written
+
+
+def test_staged_trees_are_written_as_torch_save_writes_the_originals(tmp_path):
+    originals = StateFiles(trees(), {"index.json": "{}"})
+    buffer = StagingBuffer(tmp_path / "buffer")
+    try:
+        staged = buffer.stage(originals)
+        written = written_by_the_writer(staged, buffer.path)
+    finally:
+        buffer.close()
+    assert staged.texts == originals.texts
+    assert written == {name: saved_bytes(tree) for name, tree in originals.trees.items()}
+    loaded = torch.load(io.BytesIO(written["pieces.pt"]), weights_only=False)
+    first, transposed, whole = loaded["views"]
+    assert first.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    assert torch.equal(transposed, torch.arange(8, 24.0).view(4, 4).t())
+    assert isinstance(loaded["master"], nn.Parameter)
+    assert torch.load(io.BytesIO(written["module.pt"]))._metadata == {"": {"version": 2}}
+
+
+def test_the_buffer_is_kept_between_saves_and_grows_when_a_save_needs_more(tmp_path):
+    buffer = StagingBuffer(tmp_path / "buffer")
+    small = StateFiles({"a.pt": torch.randn(1000)})
+    large = StateFiles({"a.pt": torch.randn(100_000)})
+    try:
+        buffer.stage(small)
+        kept = buffer.path.stat()
+        buffer.stage(small)
+        assert buffer.path.stat().st_ino == kept.st_ino
+        buffer.stage(large)
+        grown = buffer.path.stat().st_size
+        assert grown >= 400_000 > kept.st_size
+        staged = buffer.stage(small)  # a smaller save reuses the grown buffer
+        assert buffer.path.stat().st_size == grown
+        assert written_by_the_writer(staged, buffer.path) == {
+            "a.pt": saved_bytes(small.trees["a.pt"])
+        }
+    finally:
+        buffer.close()
