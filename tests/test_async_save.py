@@ -10,11 +10,19 @@ import threading
 
 import pytest
 import torch
-from test_checkpoint_store import engine, params, perturb, settings, state  # noqa: F401
+from test_checkpoint_store import (  # noqa: F401
+    engine,
+    job_config,
+    params,
+    perturb,
+    settings,
+    state,
+)
 
 from slurm_autosp.checkpoint.async_save import BUFFER_FILE, CheckpointSaves, staging_dir_for
 from slurm_autosp.checkpoint.manifest import read_manifest
 from slurm_autosp.checkpoint.store import CheckpointError, CheckpointStore
+from slurm_autosp.engine import build_engine
 
 
 def writers_of(parents):
@@ -212,6 +220,43 @@ def test_a_staging_file_system_that_fills_up_falls_back_to_a_synchronous_save(
     read_manifest(store.root / "step_00000001")
     assert not list(store.root.glob(".*.partial"))
     assert not any(p.is_file() for p in small_tmpfs.rglob("*"))
+
+
+def test_a_distributed_checkpoint_that_cannot_be_staged_leaves_saves_synchronous(
+    tmp_path,
+    single_rank_group,
+    caplog,
+):
+    """FSDP2's distributed checkpoint is written into node memory by a thread after the stall:
+    a staging file system with room for the buffer but not for those files fails that write.
+    The save is removed, named, and the next one is made synchronously; nothing else is lost."""
+    fsdp2 = build_engine(job_config(3), torch.device("cpu"), 3)
+    probe = CheckpointStore(tmp_path / "probe", rank=0, world_size=1, keep=1)
+    probe.root.mkdir()
+    (tmp_path / "shm").mkdir()
+    sizing = CheckpointSaves.start(probe, True, str(tmp_path / "shm"), tmp_path)
+    sizing.save(fsdp2, state(1, fsdp2.name), synchronous=False)
+    buffer_bytes = sizing.staged_bytes
+    sizing.close()
+    small = tmp_path / "small_shm"
+    small.mkdir()
+    room = f"size={buffer_bytes + buffer_bytes // 4 + 2**20}"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", room, "tmpfs", str(small)], check=True)
+    try:
+        store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
+        store.root.mkdir()
+        saves = CheckpointSaves.start(store, True, str(small), tmp_path)
+        with caplog.at_level("WARNING"):
+            saves.save(fsdp2, state(1, fsdp2.name), synchronous=False)
+            wait_written(saves)
+            assert not saves.asynchronous
+            saves.save(fsdp2, state(2, fsdp2.name), synchronous=False)
+        saves.close()
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert "the asynchronous save of step 1 could not be staged" in caplog.text
+    assert [p.name for p in store.checkpoints()] == ["step_00000002"]
+    assert not list(store.root.glob(".*.partial"))
 
 
 def test_what_a_killed_job_left_in_staging_is_freed_when_the_run_starts(

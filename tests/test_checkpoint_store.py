@@ -14,8 +14,13 @@ from reference_run import prepared_dataset
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from slurm_autosp.checkpoint.identity import run_settings  # noqa: E402
-from slurm_autosp.checkpoint.manifest import FileRecord, hash_files, read_manifest, write_manifest  # noqa: E402
-from slurm_autosp.checkpoint.state_files import StateFiles  # noqa: E402
+from slurm_autosp.checkpoint.manifest import (  # noqa: E402
+    FileRecord,
+    hash_files,
+    list_files,
+    read_manifest,
+    write_manifest,
+)
 from slurm_autosp.checkpoint.store import (  # noqa: E402
     DAMAGE_NOTE,
     TRAINER_STATE,
@@ -115,7 +120,7 @@ def test_a_fenced_job_saves_commits_and_removes_nothing(tmp_path, engine):
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2, fence=lambda: fenced)
     store.save(engine, state(1, engine.name))
     partial, final = store.begin(state(2, engine.name))
-    store.state_files(engine, state(2, engine.name), partial).write(partial)
+    store.state_files(engine, state(2, engine.name)).write(partial)
     fenced = "a later start trains the run now"
     with pytest.raises(CheckpointError, match="not saving step 3: a later start trains the run"):
         store.save(engine, state(3, engine.name))
@@ -146,7 +151,7 @@ def test_save_that_dies_half_way_leaves_the_previous_checkpoint_in_use(
     def die(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(engine, "save", die)
+    monkeypatch.setattr(torch, "save", die)  # the first file of the engine's state
     with pytest.raises(OSError, match="No space left"):
         store.save(engine, state(2, engine.name))
     monkeypatch.undo()
@@ -245,16 +250,16 @@ def test_a_zero1_checkpoint_in_deepspeeds_own_format_resumes_on_as_many_ranks_on
     resumes as before on the world size that wrote it, and another is refused naming both."""
     torch.manual_seed(0)
     engine = build_engine(job_config(1), torch.device("cpu"), 1)
-    own_format = engine._engine.save_checkpoint
-
-    def save_own_format(path):
-        own_format(str(path.parent), tag=path.name, save_latest=False)
-        return StateFiles()
-
-    monkeypatch.setattr(engine, "save", save_own_format)
     store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
     before = params(engine)
     store.save(engine, state(1, engine.name))
+    checkpoint = tmp_path / "step_00000001"
+    shutil.rmtree(checkpoint / "engine")  # the engine's state in DeepSpeed's format instead
+    engine._engine.save_checkpoint(str(checkpoint), tag="engine", save_latest=False)
+    manifest = read_manifest(checkpoint)
+    write_manifest(
+        checkpoint, hash_files(checkpoint, list_files(checkpoint), False), manifest["meta"]
+    )
     perturb(engine)
     assert store.load_latest(engine, settings(engine.name)) == state(1, engine.name)
     assert all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))

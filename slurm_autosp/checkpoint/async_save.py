@@ -3,10 +3,11 @@ background writer process per rank persists it to shared storage while training 
 
 A save is staged at a step boundary: every rank copies the tensors of its part into its
 staging buffer (checkpoint/staging_buffer.py: node memory under `checkpoint.staging_dir`,
-/dev/shm by default, reused from save to save, so the copy runs at memory speed) beside what
-only a collective writes at once (FSDP2's distributed checkpoint, written to its staging
-directory), and hands it to its writer (checkpoint/writer.py), which writes each file into the
-checkpoint's `.partial` directory in the engine's own format, hashing and fsyncing it.
+/dev/shm by default, reused from save to save, so the copy runs at memory speed) and hands it
+to its writer (checkpoint/writer.py), which writes each file into the checkpoint's `.partial`
+directory in the engine's own format, hashing and fsyncing it. What only a collective writes
+(FSDP2's distributed checkpoint) a thread of the rank writes first, from the buffer into the
+staging directory (checkpoint/background_write.py); the writer starts once it is done.
 The checkpoint becomes one only when every rank's writer has finished: at a later step
 boundary, where the ranks agree on it anyway, rank 0 writes the manifest from the writers'
 records, renames it into place and moves `latest`, as a synchronous save does. Until then
@@ -35,17 +36,21 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException
 
+from slurm_autosp.checkpoint.background_write import BackgroundWrite
 from slurm_autosp.checkpoint.manifest import FileRecord
 from slurm_autosp.checkpoint.staging_buffer import StagingBuffer
+from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
@@ -62,6 +67,16 @@ BUFFER_FILE = "buffer"
 SAVE_DIR = "save"
 
 
+@dataclass(frozen=True)
+class SaveFailure:
+    """Why a rank's part of an asynchronous save was not written. `staging`: what a collective
+    writes in the background (FSDP2's distributed checkpoint) could not be written to node
+    memory, and the job goes on saving synchronously; otherwise the writer failed on storage."""
+
+    message: str
+    staging: bool = False
+
+
 class BackgroundWriter:
     """This rank's writer process: one request at a time (a new save waits for the previous)."""
 
@@ -73,15 +88,35 @@ class BackgroundWriter:
             text=True,
         )
         self._answer: dict[str, Any] | None = None
+        self.copied_bytes = 0  # of the last save: the files it copied from the staging directory
+        self._sending = threading.Lock()  # a background write's thread may send the request
+        self._stopped = False
         self.busy = False
 
-    def submit(self, staged: Path, partial: Path, buffer: Path) -> None:
-        assert self._process.stdin is not None and not self.busy
-        request = {"staged": str(staged), "partial": str(partial), "buffer": str(buffer)}
-        self._process.stdin.write(json.dumps(request))
-        self._process.stdin.write("\n")
-        self._process.stdin.flush()
+    def submit(self, staged: Path, partial: Path, buffer: Path, after: Future[Any] | None) -> None:
+        """Hand the writer a staged save; `after`: once this background write is done (the
+        request is then sent from its thread), or, if it failed, answer with its error."""
+        assert not self.busy
         self.busy, self._answer = True, None
+        request = {"staged": str(staged), "partial": str(partial), "buffer": str(buffer)}
+        if after is None:
+            self._send(request)
+        else:
+            after.add_done_callback(lambda written: self._send_after(written, request))
+
+    def _send_after(self, written: Future[Any], request: dict[str, str]) -> None:
+        error = written.exception()
+        if error is None:
+            self._send(request)
+        else:
+            self._answer = {"error": f"{request['staged']}: {_last_line(error)}", "staging": True}
+
+    def _send(self, request: dict[str, str]) -> None:
+        assert self._process.stdin is not None
+        with self._sending:
+            if not self._stopped:
+                self._process.stdin.write(json.dumps(request) + "\n")
+                self._process.stdin.flush()
 
     def done(self) -> bool:
         """Whether the request in flight is answered, without waiting."""
@@ -99,15 +134,16 @@ class BackgroundWriter:
             select.select([self._process.stdout], [], [], timeout)
         return self.done()
 
-    def result(self) -> dict[str, FileRecord] | str:
-        """Wait for the answer: the files' records, or what stopped the writer."""
-        if self._answer is None:
-            self._read()
+    def result(self) -> dict[str, FileRecord] | SaveFailure:
+        """Wait for the answer: the files' records, or what stopped the save."""
+        while not self.wait(WAIT_POLL_S):
+            pass
         assert self._answer is not None
         answer, self._answer, self.busy = self._answer, None, False
         if "records" in answer:
+            self.copied_bytes = answer["copied"]
             return {name: FileRecord(**r) for name, r in answer["records"].items()}
-        return str(answer["error"])
+        return SaveFailure(str(answer["error"]), bool(answer.get("staging")))
 
     def _read(self) -> None:
         assert self._process.stdout is not None
@@ -120,6 +156,8 @@ class BackgroundWriter:
 
     def stop(self) -> None:
         """End the writer now, whatever it is doing (its partial save is abandoned)."""
+        with self._sending:
+            self._stopped = True
         self._process.kill()
         self._process.wait()
 
@@ -143,7 +181,12 @@ class CheckpointSaves:
         self._buffer = StagingBuffer(staging / BUFFER_FILE) if staging is not None else None
         self._writer: BackgroundWriter | None = None
         self._pending: PendingSave | None = None
-        self._staged_bytes = 0  # what this rank's last save staged beside its buffer
+        self._background_write: BackgroundWrite | None = None  # made at the first it needs
+        self._background: Future[None] | None = None  # the pending save's, until written
+        self._distributed: dict[str, Any] = {}  # staged, for the background write
+        # what this rank's last written save put in node memory beside its buffer (FSDP2's
+        # distributed checkpoint, until the writer copied it)
+        self._staged_bytes = 0
 
     @property
     def asynchronous(self) -> bool:
@@ -151,9 +194,8 @@ class CheckpointSaves:
 
     @property
     def staged_bytes(self) -> int:
-        """What this rank's last asynchronous save held in node memory: its buffer's copies and
-        what a collective wrote beside them."""
-        return (self._buffer.staged_bytes if self._buffer else 0) + self._staged_bytes
+        """What this rank's last asynchronous save copied into its buffer: training's stall."""
+        return self._buffer.staged_bytes if self._buffer else 0
 
     def writing(self) -> bool:
         """Whether this rank's part of the pending save is still being written (no wait)."""
@@ -214,7 +256,14 @@ class CheckpointSaves:
             )
         if self._writer is None:
             self._writer = BackgroundWriter()
-        self._writer.submit(self.staging / SAVE_DIR, partial, self._buffer.path)
+        if self._distributed:  # last: its thread's planning then contends with nothing here
+            if self._background_write is None:
+                self._background_write = BackgroundWrite()
+            self._background = self._background_write.start(
+                self._buffer, self._distributed, self.staging / SAVE_DIR
+            )
+            self._distributed = {}
+        self._writer.submit(self.staging / SAVE_DIR, partial, self._buffer.path, self._background)
         self._pending = PendingSave(partial, final, state)
         return False
 
@@ -241,7 +290,10 @@ class CheckpointSaves:
         if self._writer is not None:
             self._writer.stop()
             self._writer = None
-        self._pending = None
+        self._pending, self._background = None, None
+        if self._background_write is not None:
+            self._background_write.close()
+            self._background_write = None
         if self._buffer is not None:
             self._buffer.close()
         if self.staging is not None:
@@ -252,27 +304,26 @@ class CheckpointSaves:
                 pass
 
     def _stage(self, engine: EngineState, state: TrainerState) -> str:
-        """Stage this rank's part of the save: its tensors into the buffer, what a collective
-        writes into the staging directory, the trees beside it; what stopped it (a full or
-        failing staging file system), empty when it is staged."""
+        """Stage this rank's part of the save: its tensors into the buffer, the trees naming
+        their places into the staging directory, the distributed state dicts (views of the
+        buffer) kept for the background write; what stopped it (a full or failing staging file
+        system), empty when it is staged."""
         assert self.staging is not None and self._buffer is not None
         save_dir = self.staging / SAVE_DIR
         try:
             shutil.rmtree(save_dir, ignore_errors=True)
             self.staging.mkdir(mode=0o700, exist_ok=True)
             save_dir.mkdir(mode=0o700)
-            files = self._buffer.stage(self.store.state_files(engine, state, save_dir))
+            staged = self._buffer.stage(self.store.state_files(engine, state))
             with open(save_dir / STAGED_FILES, "wb") as f:
-                pickle.dump(files, f)
-        # FSDP2's distributed checkpoint raises its CheckpointException (a BaseException) on
-        # every rank, so they agree on it anyway
-        except (OSError, CheckpointException) as err:
+                pickle.dump(StateFiles(staged.trees, staged.texts), f)
+            self._distributed = staged.distributed
+        except OSError as err:
             free = shutil.disk_usage(self.staging.parent).free
             return (
                 f"staging in {self.staging} failed ({free / 2**20:.1f} MiB free there): "
                 f"{_last_line(err)}"
             )
-        self._staged_bytes = sum(p.stat().st_size for p in save_dir.rglob("*") if p.is_file())
         return ""
 
     def _room_to_stage(self) -> bool:
@@ -299,6 +350,9 @@ class CheckpointSaves:
     def _abandon(self, pending: PendingSave) -> None:
         log.info("abandoning the asynchronous save of step %d, not yet written", pending.state.step)
         assert self._writer is not None
+        if self._background is not None:  # it writes into node memory: let it end, failed or not
+            wait_for([self._background])
+            self._background = None
         self._writer.stop()
         self._writer = None
         dist.barrier()  # no writer adds a file to the directory removed next
@@ -309,14 +363,26 @@ class CheckpointSaves:
         a writer failed, remove it and stop the job naming what failed."""
         assert self._writer is not None
         outcome = self._writer.result()
-        self._pending = None
+        self._pending, self._background = None, None
+        self._staged_bytes = self._writer.copied_bytes
         outcomes: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(outcomes, outcome)
-        errors = [o for o in outcomes if isinstance(o, str)]
-        if errors:
+        failures = [o for o in outcomes if isinstance(o, SaveFailure)]
+        if failures:
             self.store.abandon(pending.partial)
+            why = "; ".join(failure.message for failure in failures)
+            if all(failure.staging for failure in failures):
+                log.warning(
+                    "the asynchronous save of step %d could not be staged (%s): removed, and "
+                    "saves are synchronous from here on",
+                    pending.state.step,
+                    why,
+                )
+                self.close()
+                self.staging, self._buffer = None, None
+                return
             raise CheckpointError(
-                f"the asynchronous save of step {pending.state.step} failed: {'; '.join(errors)}. "
+                f"the asynchronous save of step {pending.state.step} failed: {why}. "
                 "It was removed; the previous checkpoint is untouched. Fix the storage and submit "
                 "again (or set checkpoint.async_save=false)"
             )

@@ -8,7 +8,10 @@ next ones, so a save's copy touches memory already mapped (a fresh file's first 
 page faults, more than the copy itself); it grows when a save needs more. A save's trees go to
 the writer with each tensor replaced by a `StagedTensor`, where its storage's bytes lie in the
 buffer; the writer rebuilds the tensors as views of its own mapping (`unstage`) and writes the
-trees with torch.save: the same files a synchronous save writes.
+trees with torch.save: the same files a synchronous save writes. A distributed state dict
+(FSDP2's) is staged the same way, each DTensor's local shard, and written from views of the
+buffer by a thread of the rank (checkpoint/background_write.py): a collective, which the
+writer process cannot join.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.compat.torch_api import register_pinned, unregister_pinned
@@ -56,9 +60,11 @@ class StagingBuffer:
 
     @torch.no_grad()
     def stage(self, files: StateFiles) -> StateFiles:
-        """Copy the storage of every tensor in `files`' trees into the buffer (a storage that
-        several tensors view, once); returns the files with a StagedTensor in each tensor's
-        place. An OSError (no room for the buffer) leaves nothing half staged to write."""
+        """Copy the storage of every tensor in `files` into the buffer (a storage that several
+        tensors view, once). Returns the files with the place of each tensor (a StagedTensor;
+        a DTensor's, of its local shard) where the tensor was: the trees for the writer
+        process, the distributed state dicts for `views`. An OSError (no room for the buffer)
+        leaves nothing half staged to write."""
         places: dict[tuple[str, int, int], int] = {}
         storages: list[tuple[int, torch.UntypedStorage]] = []
         end = 0
@@ -85,21 +91,43 @@ class StagingBuffer:
                 isinstance(tensor, nn.Parameter),
             )
 
-        staged = StateFiles(
-            {
-                name: _map_tensors(tree, _is_plain_tensor, place)
-                for name, tree in files.trees.items()
-            },
-            dict(files.texts),
-        )
+        def place_shard(tensor: torch.Tensor) -> StagedTensor | _StagedShard:
+            if isinstance(tensor, DTensor):
+                return _StagedShard(place(tensor.to_local()), tensor)
+            return place(tensor)
+
+        trees = {
+            name: _map_tensors(tree, _is_plain_tensor, place) for name, tree in files.trees.items()
+        }
+        distributed = {
+            name: _map_tensors(state, _is_tensor, place_shard)
+            for name, state in files.distributed.items()
+        }
         memory = self._reserve(end)
         for offset, storage in storages:
             source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             memory[offset : offset + source.numel()].copy_(source, non_blocking=self._pinned)
         if self._pinned:
-            torch.cuda.synchronize()  # the writer reads the buffer as soon as it is handed over
+            torch.cuda.synchronize()  # the writers read the buffer as soon as it is handed over
         self.staged_bytes = sum(storage.nbytes() for _, storage in storages)
-        return staged
+        return StateFiles(trees, dict(files.texts), distributed)
+
+    def views(self, distributed: dict[str, Any]) -> dict[str, Any]:
+        """The staged distributed state dicts with each tensor, or DTensor's local shard, a
+        view of the buffer: for the thread that writes them (made there: making a DTensor
+        costs Python time the stall need not spend)."""
+        memory = self._memory
+        assert memory is not None
+
+        def view(staged: StagedTensor | _StagedShard) -> torch.Tensor:
+            return (
+                staged.view(memory) if isinstance(staged, _StagedShard) else _view(memory, staged)
+            )
+
+        return {
+            name: _map_tensors(state, lambda x: isinstance(x, StagedTensor | _StagedShard), view)
+            for name, state in distributed.items()
+        }
 
     def _reserve(self, nbytes: int) -> torch.Tensor:
         """The buffer, grown to `nbytes` if smaller. The file's memory is reserved first
@@ -127,6 +155,36 @@ class StagingBuffer:
         if self._memory is not None and self._pinned:
             unregister_pinned(self._memory.data_ptr())
         self._memory, self._pinned = None, False
+
+
+@dataclass(frozen=True)
+class _StagedShard:
+    """A DTensor of a distributed state dict: its local shard staged, the rest as it was."""
+
+    local: StagedTensor
+    like: DTensor
+
+    def view(self, memory: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            _view(memory, self.local),
+            self.like.device_mesh,
+            self.like.placements,
+            run_check=False,
+            shape=self.like.shape,
+            stride=self.like.stride(),
+        )
+
+
+def _view(memory: torch.Tensor, staged: StagedTensor) -> torch.Tensor:
+    """The tensor `staged` describes, viewing the rank's buffer `memory` (offsets are
+    page-aligned, so every element size divides them)."""
+    itemsize = staged.dtype.itemsize
+    return torch.empty(0, dtype=staged.dtype).set_(
+        memory.untyped_storage(),
+        staged.offset // itemsize + staged.storage_offset,
+        staged.size,
+        staged.stride,
+    )
 
 
 def unstage(files: StateFiles, buffer: mmap.mmap) -> StateFiles:
@@ -162,6 +220,10 @@ def unstage(files: StateFiles, buffer: mmap.mmap) -> StateFiles:
 def _is_plain_tensor(value: Any) -> bool:
     """A tensor whose bytes are all it holds (a subclass, e.g. a DTensor, is pickled whole)."""
     return type(value) in (torch.Tensor, nn.Parameter)
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _map_tensors(tree: Any, matches: Callable[[Any], bool], replace: Callable[[Any], Any]) -> Any:

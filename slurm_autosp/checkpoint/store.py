@@ -71,7 +71,7 @@ class EngineState(Protocol):
     name: str
     module: nn.Module
 
-    def save(self, path: Path) -> StateFiles: ...
+    def state_files(self) -> StateFiles: ...
 
     def load(self, path: Path) -> None: ...
 
@@ -152,7 +152,7 @@ class CheckpointStore:
         """Collective and synchronous: every rank writes its part straight to shared storage,
         then hashes its share of the files."""
         partial, final = self.begin(state)
-        self.state_files(engine, state, partial).write(partial)
+        self.state_files(engine, state).write(partial)
         dist.barrier()
         files = list_files(partial)
         records: dict[str, FileRecord] = {}
@@ -174,13 +174,10 @@ class CheckpointStore:
         dist.barrier()
         return partial, final
 
-    def state_files(self, engine: EngineState, state: TrainerState, into: Path) -> StateFiles:
-        """Collective: this rank's part of the save. What only a collective can write (FSDP2's
-        distributed checkpoint) is written under `into` now (the `.partial` directory, or the
-        rank's staging directory of an asynchronous save); the rest is returned, as files to
-        write under the checkpoint's directory."""
-        (into / ENGINE_TAG).mkdir(parents=True, exist_ok=True)
-        files = engine.save(into / ENGINE_TAG).under(ENGINE_TAG)
+    def state_files(self, engine: EngineState, state: TrainerState) -> StateFiles:
+        """Collective: this rank's part of the save, by path in the checkpoint: the engine's
+        state in its own format, the rank's RNG state, rank 0's trainer state."""
+        files = engine.state_files().under(ENGINE_TAG)
         files.trees[f"rng/rank_{self.rank:05d}.pt"] = rng_state()
         if self.rank == 0:
             files.texts[TRAINER_STATE] = json.dumps(asdict(state), indent=1)

@@ -2,8 +2,8 @@
 persisting a save shares neither the training loop's GIL nor its time.
 
 Each request names the rank's staged save in node memory (a directory of the files a collective
-wrote at the step boundary, with the save's other files as trees whose tensors lie in the
-rank's staging buffer: checkpoint/staging_buffer.py), that buffer, and the checkpoint's
+wrote, FSDP2's distributed checkpoint, with the save's other files as trees whose tensors lie in
+the rank's staging buffer: checkpoint/staging_buffer.py), that buffer, and the checkpoint's
 `.partial` directory on shared storage. The writer copies every staged file there and writes
 every tree with torch.save, hashing each as it goes (the manifest's records, so no file is read
 twice), forces it to stable storage and frees the staged files; then it answers with the
@@ -61,10 +61,10 @@ class _HashedFile:
         return FileRecord(size=self.size, sha256=self.digest.hexdigest())
 
 
-def persist(staged: Path, partial: Path, buffer: Path) -> dict[str, FileRecord]:
+def persist(staged: Path, partial: Path, buffer: Path) -> tuple[dict[str, FileRecord], int]:
     """Write the save staged in `staged` and `buffer` to the same relative paths below
-    `partial`, durably, with each file's size and sha256; `staged` is gone afterwards (the
-    buffer stays for the next save)."""
+    `partial`, durably; each file's size and sha256, and the bytes copied from `staged`, which
+    is gone afterwards (the buffer stays for the next save)."""
     records: dict[str, FileRecord] = {}
     trees = staged / STAGED_FILES
     for source in sorted(p for p in staged.rglob("*") if p.is_file() and p != trees):
@@ -75,12 +75,13 @@ def persist(staged: Path, partial: Path, buffer: Path) -> dict[str, FileRecord]:
                 hashed.write(chunk)
             records[name] = _durable(hashed, dst)
         source.unlink()  # the staged copy holds node memory: free it as soon as it is written
+    copied = sum(record.size for record in records.values())
     if trees.is_file():
         records.update(_write_trees(trees, buffer, partial))
     for directory in {partial / Path(name).parent for name in records} | {partial}:
         fsync_path(directory)
     shutil.rmtree(staged, ignore_errors=True)
-    return records
+    return records, copied
 
 
 def _write_trees(trees: Path, buffer: Path, partial: Path) -> dict[str, FileRecord]:
@@ -130,10 +131,10 @@ def main() -> None:
         request = json.loads(line)
         answer: dict[str, object]
         try:
-            records = persist(
+            records, copied = persist(
                 Path(request["staged"]), Path(request["partial"]), Path(request["buffer"])
             )
-            answer = {"records": {name: asdict(r) for name, r in records.items()}}
+            answer = {"records": {name: asdict(r) for name, r in records.items()}, "copied": copied}
         except OSError as err:
             answer = {"error": f"{err.filename or request['partial']}: {err.strerror or err}"}
         except RuntimeError as err:  # torch.save's stream errors

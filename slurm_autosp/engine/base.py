@@ -41,9 +41,9 @@ class TrainEngine(Protocol):
     def grad_norm(self) -> float:
         """Global gradient norm of the last optimizer step, before clipping."""
 
-    def save(self, path: Path) -> StateFiles:
-        """Collective: this rank's part of the engine state. What only a collective can write
-        is written under `path` now; the rest is returned, as files to write under `path`."""
+    def state_files(self) -> StateFiles:
+        """Collective: this rank's part of the engine state, as files for the checkpoint to
+        write (at once, or staged and written in the background)."""
 
     def load(self, path: Path) -> None:
         """Collective: restore what `save` wrote."""

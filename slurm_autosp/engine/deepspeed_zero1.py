@@ -107,8 +107,8 @@ class ZeRO1Engine:
     def grad_norm(self) -> float:
         return float(self._engine.get_global_grad_norm() or 0.0)
 
-    def save(self, path: Path) -> StateFiles:
-        return zero1_checkpoint.save(self.module, self._partition, self._engine.lr_scheduler)
+    def state_files(self) -> StateFiles:
+        return zero1_checkpoint.state_files(self.module, self._partition, self._engine.lr_scheduler)
 
     def load(self, path: Path) -> None:
         if zero1_checkpoint.is_saved(path):

@@ -134,13 +134,12 @@ class FSDP2Engine:
     def grad_norm(self) -> float:
         return self._grad_norm
 
-    def save(self, path: Path) -> StateFiles:
-        """Each rank writes its own shards (torch distributed checkpoint, a collective: under
-        `path` now), rank 0 the schedule. The checkpoint records each tensor's whole shape, and
-        `load` reads every rank's slice of it: another world size or layout resumes it."""
+    def state_files(self) -> StateFiles:
+        """Each rank's own shards (a torch distributed checkpoint), rank 0's also the schedule.
+        The checkpoint records each tensor's whole shape, and `load` reads every rank's slice
+        of it: another world size or layout resumes it."""
         model_state, optim_state = get_state_dict(self.module, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
-        files = StateFiles()
+        files = StateFiles(distributed={"": {"model": model_state, "optimizer": optim_state}})
         if dist.get_rank() == 0:
             files.trees[SCHEDULE_FILE] = self.scheduler.state_dict()
         return files

@@ -45,7 +45,7 @@ SCHEDULE_FILE = "schedule.pt"
 MASTER = "master"  # a piece's fp32 master weights, beside its optimizer state tensors
 
 
-def save(
+def state_files(
     module: nn.Module,
     partition: ZeroPartition,
     scheduler: torch.optim.lr_scheduler.LRScheduler,

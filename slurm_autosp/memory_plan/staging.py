@@ -4,7 +4,8 @@ what the plan already keeps there (offloaded activations and optimizer state).
 An asynchronous save is first copied whole to node memory: every rank's fp32 master weights
 and Adam moments (12 bytes per parameter over the world), and, under ZeRO-1, rank 0's copy of
 the model's weights. Its staging buffers stay allocated from save to save, so the plan counts
-them at full size. Where it does not fit, saves are synchronous, said in the plan."""
+them at full size; under FSDP2 twice, since its distributed checkpoint is written from the
+buffer into node memory before the writer copies it out. Where it does not fit, saves are synchronous, said in the plan."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def checkpoint_staging(plan: MemoryPlan) -> Staging:
     ranks = cfg.cluster.ranks_per_node
     rank0 = rank0_checkpoint_bytes(cfg, plan.parameters, plan.zero_stage)
     other = rank0_checkpoint_bytes(cfg, plan.parameters, 3)  # an optimizer shard, no weights
-    node = rank0 + (ranks - 1) * other
+    copies = 2 if plan.zero_stage == 3 else 1
+    node = copies * (rank0 + (ranks - 1) * other)
     room = (memory.host_bytes_per_rank - memory.host_bytes) * ranks
     requested = cfg.checkpoint.async_save is not False
     return Staging(requested and node <= room, requested, node, room)
