@@ -8,6 +8,9 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from slurm_autosp.checkpoint.staging_buffer import StagingBuffer, unstage
 from slurm_autosp.checkpoint.state_files import StateFiles
@@ -82,5 +85,37 @@ def test_the_buffer_is_kept_between_saves_and_grows_when_a_save_needs_more(tmp_p
         assert written_by_the_writer(staged, buffer.path) == {
             "a.pt": saved_bytes(small.trees["a.pt"])
         }
+    finally:
+        buffer.close()
+
+
+def test_a_dtensor_of_a_gpu_mesh_is_written_from_its_shard_in_the_buffer(
+    tmp_path, single_rank_group
+):
+    """FSDP2's state on a GPU node: DTensors of a CUDA mesh. Their staged views keep each shard
+    in the host buffer, under the same mesh, placements and shape, for the distributed
+    checkpoint to write from (DTensor.from_local would copy it back to the mesh's device; on
+    this machine, which has none, it raises). The mesh is a CUDA one made without its backend:
+    the stand-in for the device."""
+    gpu_mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+    on_host = DTensor.from_local(
+        torch.arange(12.0).view(4, 3), DeviceMesh("cpu", torch.arange(1)), [Shard(0)]
+    )
+    shard = DTensorSpec(gpu_mesh, on_host.placements, on_host._spec.tensor_meta)
+    state = {
+        "model": {"w": DTensor(on_host.to_local(), shard, requires_grad=False)},
+        "step": torch.tensor(3),
+    }
+    buffer = StagingBuffer(tmp_path / "buffer")
+    try:
+        staged = buffer.stage(StateFiles(distributed={"": state}))
+        written = buffer.views(staged.distributed)[""]
+        w = written["model"]["w"]
+        assert (w.device_mesh.device_type, w.placements, w.shape) == ("cuda", (Shard(0),), (4, 3))
+        local = w.to_local()
+        assert local.device.type == "cpu" and torch.equal(local, torch.arange(12.0).view(4, 3))
+        memory = buffer._memory
+        assert memory.data_ptr() <= local.data_ptr() < memory.data_ptr() + memory.numel()
+        assert torch.equal(written["step"], torch.tensor(3))
     finally:
         buffer.close()

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from slurm_autosp.checkpoint.state_files import StateFiles
-from slurm_autosp.compat.torch_api import register_pinned, unregister_pinned
+from slurm_autosp.compat.torch_api import dtensor_over, register_pinned, unregister_pinned
 
 ALIGN = 4096  # each storage's bytes start on a page of their own
 
@@ -165,14 +165,7 @@ class _StagedShard:
     like: DTensor
 
     def view(self, memory: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            _view(memory, self.local),
-            self.like.device_mesh,
-            self.like.placements,
-            run_check=False,
-            shape=self.like.shape,
-            stride=self.like.stride(),
-        )
+        return dtensor_over(_view(memory, self.local), self.like)
 
 
 def _view(memory: torch.Tensor, staged: StagedTensor) -> torch.Tensor:

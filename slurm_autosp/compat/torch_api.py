@@ -1,8 +1,8 @@
 """torch's private names that slurm_autosp uses: the compiler's, the plan's layer tracing and
 the CUDA kernel of document attention (the flash varlen forward and backward that
 torch.nn.attention.varlen calls, with its arguments), and the reset of DTensor's sharding
-caches, which outlive the process groups of their meshes; and the hook in a module's call
-that runs outside its compiled frame."""
+caches, which outlive the process groups of their meshes; the hook in a module's call that
+runs outside its compiled frame; and a DTensor made over a host copy of its shard."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.cuda._pin_memory_utils import pin_memory as register_pinned
 from torch.cuda._pin_memory_utils import unpin_memory as unregister_pinned
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear_sharding_prop_cache
 
 # (query, key, value [T, H, D], cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
@@ -39,6 +40,7 @@ __all__ = [
     "aot_module_simplified",
     "clear_sharding_prop_cache",
     "compile_fx",
+    "dtensor_over",
     "dynamo_config",
     "flash_attention_backward",
     "flash_attention_forward",
@@ -59,6 +61,13 @@ def inductor_default_cache_dir() -> str:
     """Inductor's cache directory when TORCHINDUCTOR_CACHE_DIR is unset; importing
     torch._dynamo exports it as TORCHINDUCTOR_CACHE_DIR."""
     return os.path.abspath(_inductor_cache_dir_utils.default_cache_dir())
+
+
+def dtensor_over(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor of `like`'s mesh, placements and shape whose local shard is `local`, where it
+    is: DTensor.from_local would move a host copy to the mesh's device (DTensor's own
+    constructor, as torch's checkpoint stager makes its host copies)."""
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 def wrap_module_call(
