@@ -3,6 +3,7 @@ throughput against the disk's own `dd` rate, measured in one run.
 
     python bench/save_stall_bench.py                  # Llama hidden 512, 4 layers: ~0.7 GB checkpoint
     python bench/save_stall_bench.py --layers 8 --saves 3 --engine fsdp2
+    python bench/save_stall_bench.py --hidden 1536 --saves 5     # 9x the bytes per tensor
 
 Two CPU ranks (gloo, fp32, DP=2) build the engine the job would (`build_engine`, ZeRO-1 or
 FSDP2), take one optimizer step so Adam's state exists, then save `--saves` times each way
@@ -13,8 +14,9 @@ through the job's own path (`CheckpointSaves`) into a run directory beside the d
   training would go on from here;
 - async written: from the stall's end until every rank's writer is done (the background part),
   then the commit (manifest, rename, `latest`) at the next step boundary.
-- one memory copy: the bytes a rank staged, copied once between two buffers already mapped:
-  the floor of the stall.
+- one memory copy: the bytes a rank staged, copied once between two buffers already mapped,
+  and the rank's state copied tensor by tensor (each storage once) into one: the floors of
+  the stall, the second with the state's own layout.
 Times are the slower rank's, medians over the saves (the first asynchronous save maps its
 buffer: `--saves` of at least 3 keep the median off it). dd writes the checkpoint's size with
 fsync (`conv=fsync`) to the same directory: the disk's sequential write rate in this run.
@@ -61,8 +63,8 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
             "parallel.sp_size=1",
             f"parallel.zero_stage={stage}",
             "compile.enabled=false",
-            "model.hidden_size=512",
-            "model.intermediate_size=1408",
+            f"model.hidden_size={args.hidden}",
+            f"model.intermediate_size={args.hidden * 11 // 4}",
             f"model.num_hidden_layers={args.layers}",
             "model.num_attention_heads=8",
             "model.num_key_value_heads=8",
@@ -91,6 +93,7 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
         "written": [],
         "commit": [],
         "memcpy": [],
+        "tensors": [],
     }
     step = 0
     for _ in range(args.saves):
@@ -114,20 +117,55 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
         rows["commit"].append(slowest(time.perf_counter() - start))
     staged = saves.staged_bytes
     saves.close()
-    # the same bytes copied once between buffers whose pages are already mapped
+    # the floors of the stall, into buffers whose pages are already mapped: the same number
+    # of bytes copied at once, and the state's own tensors, each copied once
     source = torch.ones(staged, dtype=torch.uint8)
     target = torch.empty_like(source)
     target.copy_(source)
+    storages = state_storages(store.state_files(engine, state(step)))
     for _ in range(args.saves):
         dist.barrier()
         start = time.perf_counter()
         target.copy_(source)
         rows["memcpy"].append(slowest(time.perf_counter() - start))
+        dist.barrier()
+        start = time.perf_counter()
+        offset = 0
+        for storage in storages:
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+            target[offset : offset + whole.numel()].copy_(whole)
+            offset += whole.numel()
+        rows["tensors"].append(slowest(time.perf_counter() - start))
     latest = store.root / (store.root / "latest").read_text()
     size = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"rows": rows, "bytes": size, "staged": staged}, f)
     dist.destroy_process_group()
+
+
+def state_storages(files):
+    """Each storage the save's tensors view, once (a DTensor's, of its local shard)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    found = {}
+
+    def visit(value):
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            found[(storage.data_ptr(), storage.nbytes())] = storage
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item)
+
+    visit(files.trees)
+    visit(files.distributed)
+    return list(found.values())
 
 
 def dd_rate(directory: Path, nbytes: int) -> float:
@@ -152,6 +190,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size (a multiple of 8)")
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--engine", choices=["zero1", "fsdp2"], default="zero1")
     parser.add_argument("--dir", default=None, help="where to save (default: a temporary dir)")
@@ -184,11 +223,14 @@ def main() -> None:
     )
     print(f"| dd (bs=16M, conv=fsync) | - | - | - | {disk / 1e6:,.0f} MB/s |")
     staged = max(r["staged"] for r in results)
-    print(
-        f"| one memory copy of a rank's staged bytes ({staged / 1e6:,.0f} MB) | "
-        f"{median['memcpy']:.3f} s (the asynchronous stall is "
-        f"{median['async'] / median['memcpy']:.2f}x) | - | - | {staged / median['memcpy'] / 1e6:,.0f} MB/s |"
-    )
+    for key, what in (
+        ("memcpy", "one memory copy of a rank's staged bytes"),
+        ("tensors", "its state's tensors, each copied once"),
+    ):
+        print(
+            f"| {what} ({staged / 1e6:,.0f} MB) | {median[key]:.3f} s (the asynchronous stall "
+            f"is {median['async'] / median[key]:.2f}x) | - | - | {staged / median[key] / 1e6:,.0f} MB/s |"
+        )
 
 
 if __name__ == "__main__":
