@@ -38,10 +38,18 @@ def job_state(job_id: str) -> str:
     ).stdout.strip()
 
 
+def has_processes(job_id: str) -> bool:
+    """Whether the node still runs a process of the job (its run before a requeue ending)."""
+    listed = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True)
+    return listed.returncode == 0 and len(listed.stdout.strip().splitlines()) > 1
+
+
 def release_requeued(job_id: str, timeout_s: float = 300) -> None:
     """Once the job said it stops: it is RUNNING while it saves, then requeued it waits ~120 s
-    (its BeginTime); start it then instead. Returning while it still saved would leave it to
-    wait out the BeginTime."""
+    (its BeginTime); start it then instead, once none of its processes is left on the node.
+    Started while they still end, slurmd may refuse the new start (its credential revoked by
+    the requeue it has not finished) and the job fails; returning while it still saved would
+    leave it to wait out the BeginTime."""
     deadline = time.monotonic() + timeout_s
     requeued = False
     released_at = -1e9
@@ -52,7 +60,7 @@ def release_requeued(job_id: str, timeout_s: float = 300) -> None:
         requeued = requeued or state not in ("RUNNING", "")  # "": squeue did not answer
         # The update makes it eligible now and runs the scheduler (a StartTime in the future
         # waits for its next periodic pass); again if it did not start.
-        if state == "PENDING" and time.monotonic() - released_at > 5:
+        if state == "PENDING" and time.monotonic() - released_at > 5 and not has_processes(job_id):
             subprocess.run(
                 ["scontrol", "update", f"jobid={job_id}", "StartTime=now"], capture_output=True
             )

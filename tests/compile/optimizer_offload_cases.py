@@ -76,7 +76,7 @@ def offload_steps(
         engine, before_save, sp_size, grad_accum, after_backward=keep_first_grads
     )
     if checkpoint:
-        engine.save(Path(checkpoint))
+        engine.state_files().write(Path(checkpoint))
         engine.close()
         engine = _build(zero_stage, cfg, offload)
         engine.load(Path(checkpoint))

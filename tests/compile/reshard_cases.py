@@ -128,7 +128,7 @@ def zero1_state_saved(precision: str, offload: bool, checkpoint: str) -> dict | 
     batch = make_batch(1, 32, VOCAB, seed=7 + dist.get_rank())
     engine.backward(engine(**batch, use_cache=False).loss * engine.loss_scale)
     engine.step()
-    engine.save(Path(checkpoint))
+    engine.state_files().write(Path(checkpoint))
     state = _whole_state(engine)
     deepspeeds = {}
     for name, param in engine.module.named_parameters():
