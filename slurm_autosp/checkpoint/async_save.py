@@ -183,7 +183,6 @@ class CheckpointSaves:
         self._pending: PendingSave | None = None
         self._background_write: BackgroundWrite | None = None  # made at the first it needs
         self._background: Future[None] | None = None  # the pending save's, until written
-        self._distributed: dict[str, Any] = {}  # staged, for the background write
         # what this rank's last written save put in node memory beside its buffer (FSDP2's
         # distributed checkpoint, until the writer copied it)
         self._staged_bytes = 0
@@ -235,7 +234,7 @@ class CheckpointSaves:
         assert self.staging is not None  # the buffer's directory
         started = time.perf_counter()
         partial, final = self.store.begin(state)
-        failure = self._stage(engine, state)
+        distributed, failure = self._stage(engine, state)
         if not _all_ranks(not failure):
             log.warning(
                 "saving step %d synchronously: %s",
@@ -256,13 +255,12 @@ class CheckpointSaves:
             )
         if self._writer is None:
             self._writer = BackgroundWriter()
-        if self._distributed:  # last: its thread's planning then contends with nothing here
+        if distributed:  # last: its thread's planning then contends with nothing here
             if self._background_write is None:
                 self._background_write = BackgroundWrite()
             self._background = self._background_write.start(
-                self._buffer, self._distributed, self.staging / SAVE_DIR
+                self._buffer, distributed, self.staging / SAVE_DIR
             )
-            self._distributed = {}
         self._writer.submit(self.staging / SAVE_DIR, partial, self._buffer.path, self._background)
         self._pending = PendingSave(partial, final, state)
         return False
@@ -303,10 +301,10 @@ class CheckpointSaves:
             except OSError:
                 pass
 
-    def _stage(self, engine: EngineState, state: TrainerState) -> str:
+    def _stage(self, engine: EngineState, state: TrainerState) -> tuple[dict[str, Any], str]:
         """Stage this rank's part of the save: its tensors into the buffer, the trees naming
-        their places into the staging directory, the distributed state dicts (views of the
-        buffer) kept for the background write; what stopped it (a full or failing staging file
+        their places into the staging directory. Returns the distributed state dicts staged
+        (for the background write) and what stopped it (a full or failing staging file
         system), empty when it is staged."""
         assert self.staging is not None and self._buffer is not None
         save_dir = self.staging / SAVE_DIR
@@ -317,14 +315,13 @@ class CheckpointSaves:
             staged = self._buffer.stage(self.store.state_files(engine, state))
             with open(save_dir / STAGED_FILES, "wb") as f:
                 pickle.dump(StateFiles(staged.trees, staged.texts), f)
-            self._distributed = staged.distributed
         except OSError as err:
             free = shutil.disk_usage(self.staging.parent).free
-            return (
+            return {}, (
                 f"staging in {self.staging} failed ({free / 2**20:.1f} MiB free there): "
                 f"{_last_line(err)}"
             )
-        return ""
+        return staged.distributed, ""
 
     def _room_to_stage(self) -> bool:
         """Collective: whether the staging file system has room for another save like the

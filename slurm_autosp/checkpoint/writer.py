@@ -17,6 +17,7 @@ torch.save and holds no GPU context.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -25,9 +26,11 @@ import pickle
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
+from operator import methodcaller
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO
 
 import torch
 
@@ -69,11 +72,10 @@ def persist(staged: Path, partial: Path, buffer: Path) -> tuple[dict[str, FileRe
     trees = staged / STAGED_FILES
     for source in sorted(p for p in staged.rglob("*") if p.is_file() and p != trees):
         name = str(source.relative_to(staged))
-        with open(source, "rb") as src, _create(partial / name) as dst:
-            hashed = _HashedFile(dst)
-            while chunk := src.read(_CHUNK):
-                hashed.write(chunk)
-            records[name] = _durable(hashed, dst)
+        with open(source, "rb") as src:
+            records[name] = _write_hashed(
+                partial / name, lambda dst: shutil.copyfileobj(src, dst, _CHUNK)
+            )
         source.unlink()  # the staged copy holds node memory: free it as soon as it is written
     copied = sum(record.size for record in records.values())
     if trees.is_file():
@@ -95,27 +97,21 @@ def _write_trees(trees: Path, buffer: Path, partial: Path) -> dict[str, FileReco
 
 def _write_files(files: StateFiles, partial: Path) -> dict[str, FileRecord]:
     records: dict[str, FileRecord] = {}
-    for name, tree in files.trees.items():
-        with _create(partial / name) as dst:
-            hashed = _HashedFile(dst)
-            torch.save(tree, cast(BinaryIO, hashed))  # torch.save only writes and flushes
-            records[name] = _durable(hashed, dst)
+    for name, tree in files.trees.items():  # torch.save only writes and flushes
+        records[name] = _write_hashed(partial / name, functools.partial(torch.save, tree))
     for name, text in files.texts.items():
-        with _create(partial / name) as dst:
-            hashed = _HashedFile(dst)
-            hashed.write(text.encode())
-            records[name] = _durable(hashed, dst)
+        records[name] = _write_hashed(partial / name, methodcaller("write", text.encode()))
     return records
 
 
-def _create(target: Path) -> BinaryIO:
+def _write_hashed(target: Path, write: Callable[[Any], object]) -> FileRecord:
+    """`write` the file at `target` through a hash, then force it to stable storage."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    return open(target, "wb")
-
-
-def _durable(hashed: _HashedFile, file: BinaryIO) -> FileRecord:
-    file.flush()
-    os.fsync(file.fileno())
+    with open(target, "wb") as file:
+        hashed = _HashedFile(file)
+        write(hashed)
+        file.flush()
+        os.fsync(file.fileno())
     return hashed.record()
 
 
