@@ -46,21 +46,30 @@ def has_processes(job_id: str) -> bool:
 
 def release_requeued(job_id: str, timeout_s: float = 300) -> None:
     """Once the job said it stops: it is RUNNING while it saves, then requeued it waits ~120 s
-    (its BeginTime); start it then instead, once none of its processes is left on the node.
-    Started while they still end, slurmd may refuse the new start (its credential revoked by
-    the requeue it has not finished) and the job fails; returning while it still saved would
-    leave it to wait out the BeginTime."""
+    (its BeginTime); start it then instead, once none of its processes is left on the node and
+    the clock has passed the second of the requeue. slurmd revokes the job's credentials as of
+    that second, in whole seconds: a start allocated within it is refused ('Job credential
+    revoked') and the job fails. Returning while it still saved would leave it to wait out the
+    BeginTime."""
     deadline = time.monotonic() + timeout_s
-    requeued = False
+    requeued_at = None  # wall clock, as slurmd's revocation is
     released_at = -1e9
     while time.monotonic() < deadline:
         state = job_state(job_id)
-        if state == "RUNNING" and requeued:
+        if state == "RUNNING" and requeued_at is not None:
             return
-        requeued = requeued or state not in ("RUNNING", "")  # "": squeue did not answer
+        if state == "" and requeued_at is not None:
+            _raise_if_ended(job_id)
+        if state not in ("RUNNING", "") and requeued_at is None:  # "": squeue did not answer
+            requeued_at = time.time()
         # The update makes it eligible now and runs the scheduler (a StartTime in the future
         # waits for its next periodic pass); again if it did not start.
-        if state == "PENDING" and time.monotonic() - released_at > 5 and not has_processes(job_id):
+        if (
+            state == "PENDING"
+            and time.time() >= int(requeued_at) + 2
+            and time.monotonic() - released_at > 5
+            and not has_processes(job_id)
+        ):
             subprocess.run(
                 ["scontrol", "update", f"jobid={job_id}", "StartTime=now"], capture_output=True
             )
@@ -69,6 +78,18 @@ def release_requeued(job_id: str, timeout_s: float = 300) -> None:
     raise AssertionError(
         f"job {job_id} did not run again within {timeout_s}s (state {job_state(job_id)!r})"
     )
+
+
+def _raise_if_ended(job_id: str) -> None:
+    """squeue lists no ended job: fail at once, with the controller's word on why it ended."""
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
+    ).stdout
+    if m := re.search(r"JobState=(\S+) Reason=(\S+)", shown):
+        if m.group(1) not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING"):
+            raise AssertionError(
+                f"job {job_id} ended {m.group(1)} ({m.group(2)}) instead of running again"
+            )
 
 
 class RunningSubmit:
