@@ -16,9 +16,11 @@ through the job's own path (`CheckpointSaves`) into a run directory beside the d
   then the commit (manifest, rename, `latest`) at the next step boundary.
 - one memory copy: the bytes a rank staged, copied once between two buffers already mapped,
   and the rank's state copied tensor by tensor (each storage once) into one: the floors of
-  the stall, the second with the state's own layout.
+  the stall, the second with the state's own layout, each measured after every asynchronous
+  save (the machine's memory bandwidth drifts between runs more than the stall's overhead).
 Times are the slower rank's, medians over the saves (the first asynchronous save maps its
-buffer: `--saves` of at least 3 keep the median off it). dd writes the checkpoint's size with
+buffer: `--saves` of at least 3 keep the median off it); the stall's ratio to a floor is the
+median of each save's ratio to the floor measured after it. dd writes the checkpoint's size with
 fsync (`conv=fsync`) to the same directory: the disk's sequential write rate in this run.
 About a minute on 2 cores.
 """
@@ -102,6 +104,7 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
         start = time.perf_counter()
         saves.save(engine, state(step), synchronous=True)
         rows["sync"].append(slowest(time.perf_counter() - start))
+    source = target = storages = None
     for _ in range(args.saves):
         step += 1
         dist.barrier()
@@ -115,15 +118,13 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
         start = time.perf_counter()
         saves.commit_written(False)
         rows["commit"].append(slowest(time.perf_counter() - start))
-    staged = saves.staged_bytes
-    saves.close()
-    # the floors of the stall, into buffers whose pages are already mapped: the same number
-    # of bytes copied at once, and the state's own tensors, each copied once
-    source = torch.ones(staged, dtype=torch.uint8)
-    target = torch.empty_like(source)
-    target.copy_(source)
-    storages = state_storages(store.state_files(engine, state(step)))
-    for _ in range(args.saves):
+        if source is None:  # the floors' buffers, their pages mapped before they are timed
+            source = torch.ones(saves.staged_bytes, dtype=torch.uint8)
+            target = torch.empty_like(source)
+            target.copy_(source)
+            storages = state_storages(store.state_files(engine, state(step)))
+        # the floors of the stall, measured right after it on the same machine state: the
+        # same number of bytes copied at once, and the state's own tensors, each copied once
         dist.barrier()
         start = time.perf_counter()
         target.copy_(source)
@@ -136,6 +137,8 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
             target[offset : offset + whole.numel()].copy_(whole)
             offset += whole.numel()
         rows["tensors"].append(slowest(time.perf_counter() - start))
+    staged = saves.staged_bytes
+    saves.close()
     latest = store.root / (store.root / "latest").read_text()
     size = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
     with open(f"{out}.{rank}", "w") as f:
@@ -227,9 +230,10 @@ def main() -> None:
         ("memcpy", "one memory copy of a rank's staged bytes"),
         ("tensors", "its state's tensors, each copied once"),
     ):
+        ratio = statistics.median(a / f for a, f in zip(rows["async"], rows[key], strict=True))
         print(
             f"| {what} ({staged / 1e6:,.0f} MB) | {median[key]:.3f} s (the asynchronous stall "
-            f"is {median['async'] / median[key]:.2f}x) | - | - | {staged / median[key] / 1e6:,.0f} MB/s |"
+            f"is {ratio:.2f}x) | - | - | {staged / median[key] / 1e6:,.0f} MB/s |"
         )
 
 

@@ -77,7 +77,9 @@ def test_an_asynchronous_save_becomes_the_latest_checkpoint_only_once_written(sa
         assert saves.writing()
         saves.commit_written(True)  # another rank still writing: nothing changes
         assert (saves.store.root / "latest").read_text() == "step_00000001"
-        assert (saves.store.root / ".step_00000002.partial").is_dir()
+        # the writer makes the save's directory on storage, off the training stall
+        assert not (saves.store.root / ".step_00000002.partial").exists()
+        assert (saves.staging / "save").is_dir()
     finally:
         os.kill(writer, signal.SIGCONT)
     wait_written(saves)
@@ -163,14 +165,32 @@ def test_a_stop_while_a_new_save_waits_for_the_previous_abandons_it_and_saves_no
 def test_a_failed_background_write_is_removed_and_stops_the_job_naming_the_file(saves, engine):  # noqa: F811
     writer = stopped_writer(saves, engine)
     saves.save(engine, state(2, engine.name), synchronous=False)
-    partial = saves.store.root / ".step_00000002.partial"
-    partial.rmdir()
+    partial = saves.store.root / ".step_00000002.partial"  # the writer makes it: not yet
     partial.write_text("not a directory")  # the writer cannot put a file below it
     os.kill(writer, signal.SIGCONT)
     with pytest.raises(CheckpointError, match=r"save of step 2 failed: .*\.step_00000002\.partial"):
         wait_written(saves)
     assert not partial.exists()
     assert (saves.store.root / "latest").read_text() == "step_00000001"
+
+
+def test_a_fenced_job_stages_no_save(tmp_path, engine):  # noqa: F811
+    """Once another start of the job holds the run, an asynchronous save is refused before
+    anything is staged, as a synchronous one is before it begins."""
+    fenced = ""
+    store = CheckpointStore(tmp_path / "checkpoints", 0, 1, keep=2, fence=lambda: fenced)
+    (tmp_path / "shm").mkdir()
+    saves = CheckpointSaves.start(store, True, str(tmp_path / "shm"), tmp_path)
+    try:
+        saves.save(engine, state(1, engine.name), synchronous=False)
+        wait_written(saves)
+        fenced = "a later start trains the run now"
+        with pytest.raises(CheckpointError, match="not saving step 2: a later start trains"):
+            saves.save(engine, state(2, engine.name), synchronous=False)
+        assert not (saves.staging / "save").exists() and not saves.writing()
+        assert sorted(p.name for p in store.root.iterdir()) == ["latest", "step_00000001"]
+    finally:
+        saves.close()
 
 
 def test_a_staging_directory_planted_by_someone_else_is_refused_and_saves_stay_synchronous(

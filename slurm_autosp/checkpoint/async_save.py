@@ -228,12 +228,12 @@ class CheckpointSaves:
             self._abandon(pending)
         elif pending is not None:
             self._commit(pending)
-        if synchronous or self._buffer is None or not _all_ranks(self._room_to_stage()):
+        if synchronous or self._buffer is None or not self._agree_to_stage(state):
             self._save_now(engine, state)
             return stopped
         assert self.staging is not None  # the buffer's directory
         started = time.perf_counter()
-        partial, final = self.store.begin(state)
+        partial, final = self.store.paths(state)  # the writers make it, off the stall
         distributed, failure = self._stage(engine, state)
         if not _all_ranks(not failure):
             log.warning(
@@ -323,26 +323,35 @@ class CheckpointSaves:
             )
         return staged.distributed, ""
 
-    def _room_to_stage(self) -> bool:
-        """Collective: whether the staging file system has room for another save like the
-        last one of every rank of this node (they share it: /dev/shm is one per node), beside
-        the buffers they keep. (A buffer that must grow and cannot is an error of staging.)"""
+    def _agree_to_stage(self, state: TrainerState) -> bool:
+        """Collective, the one agreement before staging: this job may still write the run
+        (else CheckpointError, as a synchronous save's), and every node's staging file system
+        has room for another save like the last one of each of its ranks (they share it:
+        /dev/shm is one per node), beside the buffers they keep. (A buffer that must grow and
+        cannot is an error of staging.)"""
         assert self.staging is not None
-        node = socket.gethostname()
-        shares: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, (node, self._staged_bytes))
-        need = sum(staged for host, staged in shares if host == node)
+        fenced = self.store.fence() if self.store.rank == 0 else ""
         free = shutil.disk_usage(self.staging.parent).free
-        if free >= 1.1 * need:
-            return True
-        log.warning(
-            "%s has %.1f GiB free, less than the last save of this node's ranks (%.1f GiB): "
-            "saving synchronously",
-            self.staging.parent,
-            free / 2**30,
-            need / 2**30,
-        )
-        return False
+        shares: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, (socket.gethostname(), self._staged_bytes, free, fenced))
+        if fenced := shares[0][3]:
+            raise CheckpointError(f"not saving step {state.step}: {fenced}")
+        need: dict[str, int] = {}
+        room: dict[str, int] = {}
+        for node, staged, free, _ in shares:
+            need[node] = need.get(node, 0) + staged
+            room[node] = free
+        short = [node for node in need if room[node] < 1.1 * need[node]]
+        if short and self.store.rank == 0:
+            log.warning(
+                "the staging directory %s has %.1f GiB free on %s, less than the last save of "
+                "the node's ranks (%.1f GiB): saving synchronously",
+                self.staging.parent,
+                room[short[0]] / 2**30,
+                short[0],
+                need[short[0]] / 2**30,
+            )
+        return not short
 
     def _abandon(self, pending: PendingSave) -> None:
         log.info("abandoning the asynchronous save of step %d, not yet written", pending.state.step)

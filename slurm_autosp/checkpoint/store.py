@@ -162,11 +162,14 @@ class CheckpointStore:
             records.update(share)
         return self.finish(partial, final, records, state)
 
-    def begin(self, state: TrainerState) -> tuple[Path, Path]:
-        """Collective: rank 0 makes the save's empty `.partial` directory; returns it and the
-        name it will have once complete."""
+    def paths(self, state: TrainerState) -> tuple[Path, Path]:
+        """The save's `.partial` directory and the name it will have once complete."""
         final = self.root / step_dir_name(state.step)
-        partial = self.root / f".{final.name}.partial"
+        return self.root / f".{final.name}.partial", final
+
+    def begin(self, state: TrainerState) -> tuple[Path, Path]:
+        """Collective: rank 0 makes the save's empty `.partial` directory; returns `paths`."""
+        partial, final = self.paths(state)
         self._check_fence(f"not saving step {state.step}")
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
