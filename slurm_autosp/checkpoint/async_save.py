@@ -233,7 +233,9 @@ class CheckpointSaves:
             return stopped
         assert self.staging is not None  # the buffer's directory
         started = time.perf_counter()
-        partial, final = self.store.paths(state)  # the writers make it, off the stall
+        partial, final = self.store.paths(state)
+        if self.store.rank == 0:  # no rank waits for it: the writers only add files below it
+            partial.mkdir(parents=True, exist_ok=True)
         distributed, failure = self._stage(engine, state)
         if not _all_ranks(not failure):
             log.warning(
