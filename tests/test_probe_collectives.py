@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from slurm_autosp.config import load_config
 from slurm_autosp.probe.collectives import CollectiveTiming, step_messages
@@ -63,3 +64,31 @@ def test_under_a_ring_the_all_to_alls_are_the_ulysses_groups_and_the_ring_passes
     assert messages[("send_recv", "ring dk / dv (fp32)", "ring")] == 2 * 2 * 1 * 128 * 16 * 4
     ulysses_only = load_config([tiny, "parallel.sp_size=2", "parallel.ring_size=1"])
     assert all(m.group != "ring" for m in step_messages(ulysses_only, 1))
+
+
+def _reduction(*overrides, stage):
+    cfg = load_config(
+        [f"cfg={Path(__file__).parents[1] / 'configs' / overrides[0]}", *overrides[1:]]
+    )
+    return [m for m in step_messages(cfg, stage) if m.group == "world"]
+
+
+def test_the_gradient_reduction_is_timed_over_every_rank_in_fp32_as_each_engine_sends_it():
+    """SP ranks reduce gradients too (DP=1 at SP=2 still reduces over both), always in fp32:
+    DeepSpeed's BF16_Optimizer all-reduces buckets closed once past reduce_bucket_size (up to
+    5e8 plus the 128k x 4096 embedding at Llama-8B: 4.1 GB), its fp32 optimizer reduce-scatters
+    buckets of 5e8, FSDP2 reduce-scatters one layer and never all-reduces."""
+    [bf16] = _reduction("llama8b_32k.yaml", stage=1)
+    assert (bf16.collective, bf16.dtype) == ("all_reduce", torch.float32)
+    assert bf16.nbytes == (500_000_000 + 128_256 * 4096) * 4  # 4.1 GB
+    [fp32] = _reduction("llama8b_32k.yaml", "train.precision=fp32", stage=1)
+    assert (fp32.collective, fp32.nbytes) == ("reduce_scatter", 500_000_000 * 4)
+    [layer] = _reduction("llama8b_32k.yaml", stage=3)
+    assert (layer.collective, layer.dtype) == ("reduce_scatter", torch.float32)
+    assert layer.nbytes == 218_112_000 * 4  # one Llama-8B decoder layer
+    tiny = f"cfg={Path(__file__).parents[1] / 'configs' / 'tiny_cpu.yaml'}"
+    sp_only = load_config([tiny, "parallel.sp_size=2", "cluster.tasks_per_node=2"])
+    assert sp_only.dp_size == 1
+    assert [m.group for m in step_messages(sp_only, 1)].count("world") == 1
+    alone = load_config([tiny, "parallel.sp_size=1", "cluster.tasks_per_node=1"])
+    assert all(m.group != "world" for m in step_messages(alone, 1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.cluster.placement import ring_size_for
@@ -25,7 +26,7 @@ class CollectiveTiming:
     collective: str
     what: str
     group: str
-    group_index: int  # which Ulysses (the SP group without a ring) or DP group this rank is in
+    group_index: int  # which Ulysses (the SP group without a ring) or ring group it is (world: 0)
     group_size: int
     nbytes: int
     seconds: float  # per call: the median sample of CALLS back-to-back calls, over CALLS
@@ -50,8 +51,7 @@ def _element_bytes(cfg: JobConfig) -> tuple[torch.dtype, int]:
 def step_messages(cfg: JobConfig, zero_stage: int) -> list[Message]:
     """The Ulysses all-to-alls of one attention call over the Ulysses group of U ranks (the SP
     group without a ring: q and the output [B, H, S/P, D]; k and v with their heads repeated up
-    to U when fewer) and the gradient reduction over DP groups (ZeRO-1: DeepSpeed's bucket, at
-    most the model; ZeRO-3: one layer's fp32 gradient). Under a ring of R, also ring
+    to U when fewer) and the gradient reduction (`gradient_reduction`). Under a ring of R, also ring
     attention's pass of one K/V block to the next ring rank (its Ulysses rank's KV heads over
     S/R tokens; each is sent R-1 times forward and backward) and of its fp32 dK/dV (R times)."""
     hf = hf_config(cfg.model)
@@ -80,27 +80,28 @@ def step_messages(cfg: JobConfig, zero_stage: int) -> list[Message]:
             Message("send_recv", "ring k / v block", "ring", block * b, dtype),
             Message("send_recv", "ring dk / dv (fp32)", "ring", block * 4, torch.float32),
         ]
-    if cfg.dp_size > 1:
-        size = model_size(cfg)
-        if zero_stage == 3:
-            grads = Message(
-                "reduce_scatter",
-                "layer gradient (fp32)",
-                "dp",
-                size.layer * REDUCE_BYTES,
-                torch.float32,
-            )
-            messages += [
-                grads,
-                Message("all_reduce", "layer gradient (fp32)", "dp", grads.nbytes, torch.float32),
-            ]
-        else:
-            nbytes = int(min(size.total, ZERO_BUCKET_ELEMENTS)) * b
-            messages += [
-                Message("all_reduce", "gradient bucket", "dp", nbytes, dtype),
-                Message("reduce_scatter", "gradient bucket", "dp", nbytes, dtype),
-            ]
+    if cfg.cluster.world_size > 1:
+        messages.append(gradient_reduction(cfg, zero_stage))
     return messages
+
+
+def gradient_reduction(cfg: JobConfig, zero_stage: int) -> Message:
+    """The gradients' reduction as the engine sends it: over the whole world (SP ranks hold
+    partial gradients of the same weights, and neither engine is told of SP: `loss_scale` undoes
+    the average), in fp32 either way (REDUCE_BYTES). FSDP2 reduce-scatters each layer over its
+    1-D mesh; DeepSpeed's BF16_Optimizer all-reduces buckets, each sent once it holds more than
+    reduce_bucket_size elements (so up to that plus the largest tensor, the embedding or
+    lm_head); ZeRO-1's fp32 optimizer reduce-scatters buckets of reduce_bucket_size."""
+    size = model_size(cfg)
+    if zero_stage == 3:
+        what, collective, elements = "layer gradient (fp32)", "reduce_scatter", size.layer
+    elif cfg.precision is Precision.bf16:
+        what, collective = "gradient bucket (fp32)", "all_reduce"
+        elements = int(min(size.total, ZERO_BUCKET_ELEMENTS + size.head))
+    else:
+        what, collective = "gradient bucket (fp32)", "reduce_scatter"
+        elements = int(min(size.total, ZERO_BUCKET_ELEMENTS))
+    return Message(collective, what, "world", elements * REDUCE_BYTES, torch.float32)
 
 
 def nominal_bandwidth(cfg: JobConfig, group: str, device: torch.device) -> tuple[float | None, str]:
@@ -127,7 +128,7 @@ def time_collectives(
             dims.dp_rank * dims.ring_size + dims.ring_rank,
             dims.ulysses_size,
         ),
-        "dp": (dims.dp_group, dims.sp_rank, dims.dp_size),
+        "world": (dist.group.WORLD, 0, dist.get_world_size()),
     }
     if dims.ring_group is not None:  # ring ranks: the same Ulysses position, ulysses_size rings
         groups["ring"] = (
