@@ -121,6 +121,8 @@ def time_collectives(
 ) -> list[CollectiveTiming]:
     """Time every message of `step_messages` on this rank's group (every rank takes part); an
     agreed stop request ends the timing between two messages."""
+    world = dist.group.WORLD
+    assert world is not None  # the job's process group is up
     groups = {
         # the all-to-alls' ranks: the Ulysses group, ring_size of them in each SP group
         "sp": (
@@ -128,7 +130,7 @@ def time_collectives(
             dims.dp_rank * dims.ring_size + dims.ring_rank,
             dims.ulysses_size,
         ),
-        "world": (dist.group.WORLD, 0, dist.get_world_size()),
+        "world": (world, 0, dist.get_world_size()),
     }
     if dims.ring_group is not None:  # ring ranks: the same Ulysses position, ulysses_size rings
         groups["ring"] = (
