@@ -10,7 +10,7 @@ RCCL reads the same NCCL_* variables as NCCL.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -255,15 +255,28 @@ def collective_env(
     A variable the user set (under its name or an alias) keeps the user's value in the
     result and none of our aliases is added, so exporting the result never overrides them.
     """
+    return _user_values_win(
+        collective_env_settings(
+            vendor,
+            fabric,
+            user_env=user_env,
+            flight_recorder_prefix=flight_recorder_prefix,
+            debug=debug,
+            node_local_cache_dir=node_local_cache_dir,
+        ),
+        user_env,
+    )
+
+
+def allocator_env(user_env: Mapping[str, str]) -> dict[str, str]:
+    """The CUDA allocator's configuration a job on NVIDIA GPUs runs with (the memory plan
+    assumes it), for a process that measures what such a job would; the user's value wins."""
+    return _user_values_win([s for s in _NVIDIA if s.name == "PYTORCH_CUDA_ALLOC_CONF"], user_env)
+
+
+def _user_values_win(settings: Iterable[EnvSetting], user_env: Mapping[str, str]) -> dict[str, str]:
     env: dict[str, str] = {}
-    for setting in collective_env_settings(
-        vendor,
-        fabric,
-        user_env=user_env,
-        flight_recorder_prefix=flight_recorder_prefix,
-        debug=debug,
-        node_local_cache_dir=node_local_cache_dir,
-    ):
+    for setting in settings:
         user_names = [n for n in (setting.name, *setting.aliases) if n in user_env]
         if user_names:
             env.update({n: user_env[n] for n in user_names})

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from slurm_autosp.cluster.comm_env import allocator_env
 from slurm_autosp.probe.gpu_rows import OUT_OF_TIME, Row, error_row, exactness_row, render
 
 OUTPUT = "gpu_check.json"
@@ -145,6 +146,23 @@ def versions() -> str:
     return ", ".join(parts)
 
 
+def allocator_in_use(device: torch.device) -> str:
+    """Whether the GPU's allocator grows its segments in place, as the memory plan's margin
+    for fragmentation assumes (a segment of the allocator's own snapshot says)."""
+    if device.type != "cuda":
+        return "allocator: the host's"
+    probe = torch.empty(1, device=device)
+    segments = torch.cuda.memory._snapshot(device)["segments"]
+    del probe
+    if any(segment.get("is_expandable") for segment in segments):
+        return "allocator: expandable segments"
+    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    return (
+        f"allocator: NOT expandable segments (PYTORCH_CUDA_ALLOC_CONF={setting or 'unset'}): "
+        "peaks measured here hold fragmentation the plan does not count"
+    )
+
+
 def run_check(
     device: torch.device, tiny: bool, eager: bool, out: Path, sections: Sections
 ) -> list[Row]:
@@ -230,11 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     if refusal:
         print(f"gpu_check: {refusal}", file=sys.stderr)
         return 2
+    if args.device == "cuda" and not torch.version.hip:  # before CUDA starts: as a job runs
+        os.environ.update(allocator_env(os.environ))
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     name = torch.cuda.get_device_name(device) if args.device == "cuda" else "CPU"
     started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
     found = versions()
-    print(f"gpu_check: {name}, {found}; output in {out / OUTPUT}", flush=True)
+    allocator = allocator_in_use(device)
+    print(f"gpu_check: {name}, {found}, {allocator}; output in {out / OUTPUT}", flush=True)
 
     def report(rows: list[Row], complete: bool) -> dict:
         return {
@@ -244,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": name,
             "torch": torch.__version__,
             "versions": found,
+            "allocator": allocator,
             "rocm": torch.version.hip,
             "tiny": args.tiny,
             "eager": args.eager,

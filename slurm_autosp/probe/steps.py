@@ -171,6 +171,8 @@ class ProbeSteps:
         losses: list[float] = []
         held: int | None = None
         oom: OutOfMemory | None = None
+        if dims.device.type == "cuda":  # cached blocks of another length: free, as a new job is
+            torch.cuda.empty_cache()
         memory.reset_peak()
         start_bytes = memory.read()[0]
         for step in range(steps):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_autosp.cluster.comm_env import collective_env, collective_env_settings
+from slurm_autosp.cluster.comm_env import allocator_env, collective_env, collective_env_settings
 from slurm_autosp.cluster.compile_cache import private_cache_dir
 from slurm_autosp.compat import torch_api
 from slurm_autosp.config import ConfigError, Fabric, Vendor, load_config
@@ -51,6 +51,12 @@ def test_nvidia_runs_get_expandable_segments_unless_the_user_configured_the_allo
         assert e[name] == "max_split_size_mb:512"
         assert [k for k in e if k.endswith("ALLOC_CONF")] == [name]
     assert not any(k.endswith("ALLOC_CONF") for k in env(vendor="amd"))
+
+
+def test_the_gpu_check_runs_with_the_allocator_setting_of_an_nvidia_job_or_the_users():
+    assert allocator_env({}) == {"PYTORCH_CUDA_ALLOC_CONF": env()["PYTORCH_CUDA_ALLOC_CONF"]}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        assert allocator_env({name: "max_split_size_mb:512"}) == {name: "max_split_size_mb:512"}
 
 
 def test_compile_caches_are_node_local_and_follow_slurm_tmpdir():
