@@ -28,6 +28,13 @@ def valid_sp_sizes(query_heads: int, kv_heads: int) -> list[int]:
     ]
 
 
+def grouped_on_each_rank(query_heads: int, kv_heads: int, ulysses: int) -> bool:
+    """Whether each of `ulysses` ranks still holds fewer key/value heads than query heads once
+    the heads are split (a KV head repeated to one per rank where there are fewer than ranks)."""
+    kv_repeat = max(1, ulysses // kv_heads)
+    return query_heads // ulysses != kv_heads * kv_repeat // ulysses
+
+
 def ulysses_ring_pairs(
     sp_size: int, query_heads: int | None, kv_heads: int | None
 ) -> list[tuple[int, int]]:

@@ -22,7 +22,12 @@ from slurm_autosp.config import (
     Precision,
     Vendor,
 )
-from slurm_autosp.heads import pairs_text, ulysses_ring_pairs, valid_sp_sizes
+from slurm_autosp.heads import (
+    grouped_on_each_rank,
+    pairs_text,
+    ulysses_ring_pairs,
+    valid_sp_sizes,
+)
 from slurm_autosp.sp.attention_pattern import unsupported_attention, windowed_attention
 from slurm_autosp.sp.chunked_loss import unsupported_logits
 from slurm_autosp.sp.router_loss import (
@@ -169,6 +174,7 @@ def _field_problems(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
     problems = unsupported_attention(config, seq_len) if cfg.compile.enabled else []
     if cfg.compile.enabled and cfg.cluster.gpus_per_node > 0:
         problems += _untested_varlen_attention(cfg, config, seq_len)
+        problems += _math_kernel_attention(cfg, config, seq_len)
     model_class = _hf_model_class(config)
     if cfg.model.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         problems.insert(
@@ -355,6 +361,31 @@ def _untested_varlen_attention(cfg: JobConfig, config: Any, seq_len: int) -> lis
     else:
         return []
     return [f"{p} over {seq_len} tokens {why}" for p in needed]
+
+
+def _math_kernel_attention(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
+    """On GPU ranks an fp32 SDPA call whose ranks keep grouped key/value heads (enable_gqa)
+    has no fused kernel (flash computes bf16/fp16; the memory-efficient one takes no grouped
+    heads) and falls to the math kernel, which holds every S x S score: refused by name.
+    (Windows, packed documents and the ring run kernels of their own, refused in fp32 there.)"""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    ulysses = cfg.parallel.sp_size // ring_size_for(cfg)
+    if (
+        cfg.precision is not Precision.fp32
+        or ring_size_for(cfg) > 1
+        or windowed_attention(config, seq_len)
+        or cfg.data.documents is DocumentBoundaries.masked
+        or not grouped_on_each_rank(heads, kv_heads, ulysses)
+    ):
+        return []
+    return [
+        f"grouped key/value heads in fp32 on GPUs (train.precision=fp32): {heads} query and "
+        f"{kv_heads} key/value heads over {ulysses} Ulysses ranks leave each rank grouped heads, "
+        "which no fused fp32 attention kernel takes; torch would fall back to its math kernel, "
+        f"which holds the {seq_len:,} x {seq_len:,} scores of each head; set "
+        "train.precision=bf16"
+    ]
 
 
 def _call_builder(cfg: ModelConfig) -> nn.Module:

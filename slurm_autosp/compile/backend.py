@@ -27,7 +27,7 @@ from slurm_autosp.compile.activation_checkpointing import (
     inductor_config_patches,
 )
 from slurm_autosp.config import ActivationCheckpointing
-from slurm_autosp.heads import valid_sp_sizes
+from slurm_autosp.heads import grouped_on_each_rank, valid_sp_sizes
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _SDPA_PARAMS = (
@@ -87,7 +87,7 @@ class HeadLayout:
     @property
     def local_grouped(self) -> bool:
         """Whether each rank still has fewer KV heads than query heads (SDPA's enable_gqa)."""
-        return self.query_heads // self.sp_size != self.kv_heads * self.kv_repeat // self.sp_size
+        return grouped_on_each_rank(self.query_heads, self.kv_heads, self.sp_size)
 
 
 def _where(node: fx.Node) -> str:

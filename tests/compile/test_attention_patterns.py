@@ -195,3 +195,19 @@ def test_gpu_jobs_get_windows_and_documents_in_bf16_on_nvidia_and_fp32_or_rocm_i
             refuse_unsupported_attention(load_config([*gpu, key]))
         assert named in str(refused.value) and why in str(refused.value)
     refuse_unsupported_attention(load_config(["cfg=configs/tiny_cpu.yaml", *overrides]))
+
+
+def test_fp32_on_gpus_is_refused_where_ranks_keep_grouped_kv_heads_which_only_the_math_kernel_takes():
+    """Llama-8B's 32 query / 8 key-value heads stay grouped on each of 8 ranks (4 to 1): in
+    fp32 on GPUs SDPA would run its math kernel over 32,768 x 32,768 scores per head. bf16, CPU
+    ranks, and heads repeated to one key/value head per query head are accepted."""
+    gpu = ["cfg=configs/llama8b_32k.yaml"]
+    with pytest.raises(ConfigError, match=r"grouped key/value heads in fp32 on GPUs") as refused:
+        refuse_unsupported_attention(load_config([*gpu, "train.precision=fp32"]))
+    assert "32 query and 8 key/value heads over 8 Ulysses ranks" in str(refused.value)
+    assert "32,768 x 32,768" in str(refused.value) and "train.precision=bf16" in str(refused.value)
+    refuse_unsupported_attention(load_config(gpu))
+    refuse_unsupported_attention(
+        load_config([*gpu, "train.precision=fp32", "model.num_key_value_heads=32"])
+    )
+    refuse_unsupported_attention(load_config(["cfg=configs/tiny_cpu.yaml"]))  # 4 / 2 heads, CPU
