@@ -50,6 +50,13 @@ def _check_cuda(query: torch.Tensor) -> None:
             f"ring attention on CUDA runs the flash kernel, which computes in bf16 or fp16, not "
             f"{query.dtype}: train with train.precision=bf16, or parallel.ring_size=1"
         )
+    head_dim = query.shape[-1]
+    if head_dim % 8 or head_dim > 256:
+        raise RingAttentionError(
+            f"ring attention on CUDA runs the flash kernel, which takes head dimensions that "
+            f"are multiples of 8 up to 256, not {head_dim}: set parallel.ring_size=1 with a "
+            "parallel.sp_size the heads split over"
+        )
 
 
 def _rows(batch: int, seq: int, device: torch.device) -> torch.Tensor:

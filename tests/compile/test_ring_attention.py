@@ -94,7 +94,7 @@ def test_cuda_block_kernel_returns_what_the_ring_merges_on_a_fake_cuda_device():
     tensors (torch's meta kernels give the shapes; nothing runs): the output and fp32
     log-sum-exp of the block's queries, gradients with the KV heads as they came; flash called
     with each row one sequence, the block's lengths, its causality and the scale both ways, no
-    dropout; fp32 refused by name."""
+    dropout; fp32 and head dimensions flash does not take refused by name."""
     chunk = 6
     with FakeTensorMode(), FlashCalls() as recorded:
         query = torch.empty(2, 4, 2 * chunk, 64, dtype=torch.bfloat16, device="cuda")
@@ -114,6 +114,9 @@ def test_cuda_block_kernel_returns_what_the_ring_merges_on_a_fake_cuda_device():
             assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
         with pytest.raises(RingAttentionError, match="train.precision=bf16"):
             block_forward(query.float(), key.float(), key.float(), True, 0.125)
+        odd = torch.empty(2, 4, chunk, 60, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(RingAttentionError, match="multiples of 8 up to 256, not 60"):
+            block_forward(odd, odd.narrow(1, 0, 1), odd.narrow(1, 0, 1), True, 0.125)
     calls = recorded.calls
     assert [c[0] for c in calls] == [flash_attention_forward, flash_attention_backward] * 3
     for index, ((_, q_len), (_, k_len), causal) in enumerate(blocks):
