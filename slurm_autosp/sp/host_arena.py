@@ -50,7 +50,10 @@ class HostArena:
         slab = torch.empty(size, dtype=torch.uint8, device="cpu")
         if self.pin:
             torch_api.register_pinned(slab.data_ptr(), size)
-            weakref.finalize(slab, torch_api.unregister_pinned, slab.data_ptr())
+            unpin = weakref.finalize(slab, torch_api.unregister_pinned, slab.data_ptr())
+            # not at interpreter exit, when the CUDA context may be gone: the process's end
+            # unpins its memory anyway (torch's own checkpoint stager does the same)
+            unpin.atexit = False
         self.reserved_bytes += size
         return slab
 
