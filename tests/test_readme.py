@@ -100,3 +100,11 @@ def test_every_relative_link_points_to_an_existing_file():
         if not target(path, link).exists()
     ]
     assert not dangling, f"links to no file: {dangling}"
+
+
+def test_the_oldest_torch_ci_tests_is_pyprojects_lower_bound_and_the_readmes():
+    ci = (REPO / ".ci" / "run").read_text()
+    oldest = re.search(r'OLDEST_TORCH="torch==([\d.]+)"', ci).group(1)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"torch>={oldest.removesuffix(".0")}"' in pyproject
+    assert f"{oldest} (the fast tier, in CI too)" in (REPO / "README.md").read_text()
