@@ -44,6 +44,7 @@ __all__ = [
     "dynamo_config",
     "flash_attention_backward",
     "flash_attention_forward",
+    "flash_refusal",
     "inductor_config",
     "inductor_default_cache_dir",
     "maybe_mark_dynamic",
@@ -55,6 +56,17 @@ __all__ = [
     "unregister_pinned",
     "wrap_module_call",
 ]
+
+
+def flash_refusal(query: torch.Tensor) -> tuple[str, bool]:
+    """What torch's CUDA flash kernel would fail on for this query (empty when nothing), and
+    whether the precision is the cause (train.precision=bf16 fixes it)."""
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return f"computes in bf16 or fp16, not {query.dtype}", True
+    head_dim = query.shape[-1]
+    if head_dim % 8 or head_dim > 256:
+        return f"takes head dimensions that are multiples of 8 up to 256, not {head_dim}", False
+    return "", False
 
 
 def inductor_default_cache_dir() -> str:

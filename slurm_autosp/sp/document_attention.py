@@ -36,7 +36,11 @@ from itertools import pairwise
 
 import torch
 
-from slurm_autosp.compat.torch_api import flash_attention_backward, flash_attention_forward
+from slurm_autosp.compat.torch_api import (
+    flash_attention_backward,
+    flash_attention_forward,
+    flash_refusal,
+)
 
 aten = torch.ops.aten
 # query tokens per chunk of a windowed document: the window, within these bounds. The upper one
@@ -309,18 +313,17 @@ def _check_flash(query: torch.Tensor) -> None:
             "flash varlen kernel, which has not been tested there: train packed documents with "
             "data.documents=concat, sliding windows no shorter than the sequence, and right padding"
         )
-    if query.dtype not in (torch.bfloat16, torch.float16):
+    why, precision = flash_refusal(query)
+    if why:
         raise DocumentAttentionError(
             f"per-document and sliding-window attention on CUDA run the flash varlen kernel, "
-            f"which computes in bf16 or fp16, not {query.dtype}: train with train.precision=bf16"
-        )
-    head_dim = query.shape[-1]
-    if head_dim % 8 or head_dim > 256:
-        raise DocumentAttentionError(
-            f"per-document and sliding-window attention on CUDA run the flash varlen kernel, "
-            f"which takes head dimensions that are multiples of 8 up to 256, not {head_dim}: "
-            "train packed documents with data.documents=concat, sliding windows no shorter "
-            "than the sequence, and right padding"
+            f"which {why}: "
+            + (
+                "train with train.precision=bf16"
+                if precision
+                else "train packed documents with data.documents=concat, sliding windows no "
+                "shorter than the sequence, and right padding"
+            )
         )
 
 

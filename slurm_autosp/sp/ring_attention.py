@@ -30,7 +30,11 @@ with each row one sequence, as document attention runs it. The CUDA kernel has n
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.compat.torch_api import flash_attention_backward, flash_attention_forward
+from slurm_autosp.compat.torch_api import (
+    flash_attention_backward,
+    flash_attention_forward,
+    flash_refusal,
+)
 from slurm_autosp.sp.all_to_all import communication_counts, current_ring_group
 
 aten = torch.ops.aten
@@ -45,17 +49,12 @@ class RingAttentionError(RuntimeError):
 
 
 def _check_cuda(query: torch.Tensor) -> None:
-    if query.dtype not in (torch.bfloat16, torch.float16):
+    why, precision = flash_refusal(query)
+    if why:
         raise RingAttentionError(
-            f"ring attention on CUDA runs the flash kernel, which computes in bf16 or fp16, not "
-            f"{query.dtype}: train with train.precision=bf16, or parallel.ring_size=1"
-        )
-    head_dim = query.shape[-1]
-    if head_dim % 8 or head_dim > 256:
-        raise RingAttentionError(
-            f"ring attention on CUDA runs the flash kernel, which takes head dimensions that "
-            f"are multiples of 8 up to 256, not {head_dim}: set parallel.ring_size=1 with a "
-            "parallel.sp_size the heads split over"
+            f"ring attention on CUDA runs the flash kernel, which {why}: "
+            + ("train with train.precision=bf16, or " if precision else "set ")
+            + "parallel.ring_size=1 with a parallel.sp_size the heads split over"
         )
 
 
