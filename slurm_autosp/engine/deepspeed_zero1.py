@@ -17,7 +17,12 @@ from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.checkpoint.store import CheckpointError
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.engine import zero1_checkpoint
-from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
+from slurm_autosp.optim import (
+    apply_hyperparameters,
+    build_lr_scheduler,
+    build_optimizer,
+    fused_kernel,
+)
 from slurm_autosp.sp.loss import loss_scale
 
 
@@ -75,7 +80,8 @@ class ZeRO1Engine:
         from slurm_autosp.compat.deepspeed_api import ZeroPartition, skip_shared_memory_comm_build
 
         skip_shared_memory_comm_build()
-        optimizer = build_optimizer(model, cfg.train, fused=offload_optimizer)
+        self._fused = fused_kernel(cfg, offload_optimizer)
+        optimizer = build_optimizer(model, cfg.train, fused=self._fused)
         self._engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -85,7 +91,6 @@ class ZeRO1Engine:
         self.module = self._engine.module
         self._partition = ZeroPartition(self._engine.optimizer)
         self._train = cfg.train
-        self._fused = offload_optimizer
         self.loss_scale = loss_scale(cfg.cluster.world_size, cfg.train.grad_accum)
 
     def __call__(self, **kwargs: Any) -> Any:

@@ -45,7 +45,12 @@ from slurm_autosp.compat.torch_api import clear_sharding_prop_cache
 from slurm_autosp.compile import AutoSPCompileError, decoder_layers
 from slurm_autosp.config import ConfigError, JobConfig
 from slurm_autosp.model import compute_dtype
-from slurm_autosp.optim import apply_hyperparameters, build_lr_scheduler, build_optimizer
+from slurm_autosp.optim import (
+    apply_hyperparameters,
+    build_lr_scheduler,
+    build_optimizer,
+    fused_kernel,
+)
 from slurm_autosp.sp import loss_scale
 
 SCHEDULE_FILE = "schedule.pt"
@@ -88,10 +93,10 @@ class FSDP2Engine:
             "ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning
         )
         self.module = model
-        self.optimizer = build_optimizer(model, cfg.train, fused=offload_optimizer)
+        self._fused = fused_kernel(cfg, offload_optimizer)
+        self.optimizer = build_optimizer(model, cfg.train, fused=self._fused)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
         self._train = cfg.train
-        self._fused = offload_optimizer
         self.loss_scale = loss_scale(world, cfg.train.grad_accum, averages_micro_batches=False)
         self._grad_accum = cfg.train.grad_accum
         self._max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
