@@ -119,7 +119,7 @@ def main() -> None:
     built = {name: needed[name].version for name in BUILT_HERE if name in needed}
     if "deepspeed" in built:  # its ops left to build just in time, against the target's torch
         build(f"deepspeed=={built['deepspeed']}", args.directory, {"DS_BUILD_OPS": "0"})
-    if ROOT.replace("_", "-") in built:
+    if normalized(ROOT) in built:
         build(str(Path(__file__).resolve().parents[1]), args.directory, {})
     size = sum(p.stat().st_size for p in args.directory.glob("*.whl"))
     print(
