@@ -315,15 +315,20 @@ def _refuse_unsplit_heads(cfg: JobConfig, config: Any, traced: TracedAttention) 
         )
 
 
-def _refuse_inexact_ring(cfg: JobConfig, config: Any, seq_len: int) -> None:
-    """Ring attention passes whole causal key/value blocks: it does not yet apply windows or
-    document boundaries, so an SP size split over a ring is refused for them, by name."""
-    ring = ring_size_for(cfg)
-    needed = windowed_attention(config, seq_len) + (
+def _document_kernel_patterns(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
+    """The attention patterns `document_attention` computes (windows, packed documents)."""
+    return windowed_attention(config, seq_len) + (
         ["per-document attention (data.documents=masked)"]
         if cfg.data.documents is DocumentBoundaries.masked
         else []
     )
+
+
+def _refuse_inexact_ring(cfg: JobConfig, config: Any, seq_len: int) -> None:
+    """Ring attention passes whole causal key/value blocks: it does not yet apply windows or
+    document boundaries, so an SP size split over a ring is refused for them, by name."""
+    ring = ring_size_for(cfg)
+    needed = _document_kernel_patterns(cfg, config, seq_len)
     if ring > 1 and needed:
         sp = cfg.parallel.sp_size
         raise ConfigError(
@@ -343,11 +348,7 @@ def _untested_varlen_attention(cfg: JobConfig, config: Any, seq_len: int) -> lis
     """On GPU ranks `document_attention` (windows, packed documents) runs torch's flash varlen
     kernel: in bf16 on NVIDIA GPUs. fp32 (flash computes bf16/fp16 only) and ROCm (untested)
     are refused, naming the key to change."""
-    needed = windowed_attention(config, seq_len) + (
-        ["per-document attention (data.documents=masked)"]
-        if cfg.data.documents is DocumentBoundaries.masked
-        else []
-    )
+    needed = _document_kernel_patterns(cfg, config, seq_len)
     if cfg.cluster.vendor is Vendor.amd:
         why = (
             "on AMD GPUs (cluster.vendor=amd): the flash varlen kernel it runs there has not "
@@ -370,12 +371,12 @@ def _math_kernel_attention(cfg: JobConfig, config: Any, seq_len: int) -> list[st
     (Windows, packed documents and the ring run kernels of their own, refused in fp32 there.)"""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    ulysses = cfg.parallel.sp_size // ring_size_for(cfg)
+    ring = ring_size_for(cfg)
+    ulysses = cfg.parallel.sp_size // ring
     if (
         cfg.precision is not Precision.fp32
-        or ring_size_for(cfg) > 1
-        or windowed_attention(config, seq_len)
-        or cfg.data.documents is DocumentBoundaries.masked
+        or ring > 1
+        or _document_kernel_patterns(cfg, config, seq_len)
         or not grouped_on_each_rank(heads, kv_heads, ulysses)
     ):
         return []

@@ -340,9 +340,9 @@ class CheckpointSaves:
             raise CheckpointError(f"not saving step {state.step}: {fenced}")
         need: dict[str, int] = {}
         room: dict[str, int] = {}
-        for node, staged, free, _ in shares:
+        for node, staged, node_free, _ in shares:
             need[node] = need.get(node, 0) + staged
-            room[node] = free
+            room[node] = node_free
         short = [node for node in need if room[node] < 1.1 * need[node]]
         if short and self.store.rank == 0:
             log.warning(
