@@ -301,10 +301,15 @@ def children(pid: int) -> list[int]:
 
 
 def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Whether any thread of `pid` is left. A killed process's first thread can be a zombie
+    while its others still exit, holding its open files (the output's lock among them)."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def test_a_second_prepare_to_an_output_being_written_is_refused_by_name(
