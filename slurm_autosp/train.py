@@ -35,6 +35,7 @@ from slurm_autosp.lifecycle.save_schedule import SaveSchedule
 from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
+from slurm_autosp.metrics.outside_allocator import record_outside_allocator
 from slurm_autosp.sp import prepare_sp_inputs, set_sp_groups
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.sp.offload import ActivationOffload
@@ -148,6 +149,8 @@ def train(
                 backend.require_sdpa_found()
             losses.append(loss)
             done = step + 1
+            if step == first_step:  # every collective of training has run once
+                record_outside_allocator(RunDir(cfg.run.dir).outside_allocator, dims, done)
             tracer.log_step(done, loss, lr, engine.grad_norm())
             if evaluator is not None and evaluator.due(done):
                 evaluator.report(done, evaluator.evaluate(engine), tracer.writer)

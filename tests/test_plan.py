@@ -10,7 +10,8 @@ from in_process import run_command
 from slurm_helpers import REPO
 
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
-from slurm_autosp.config import ActivationCheckpointing, load_config
+from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config
+from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.memory_plan import (
     AUTO_CANDIDATES,
     activation_checkpoint_spec_for,
@@ -30,6 +31,7 @@ from slurm_autosp.memory_plan.terms import (
     policy_memory,
     ring_blocks_per_token,
 )
+from slurm_autosp.metrics.outside_allocator import OutsideAllocator
 from slurm_autosp.model import build_skeleton
 from slurm_autosp.plan import main as plan_main
 from slurm_autosp.sp.host_arena import SLAB_BYTES
@@ -131,7 +133,7 @@ def test_equal_query_and_key_value_heads_need_no_expanded_gradients_and_cpu_rank
     two_nodes = load_config(["cfg=configs/llama8b_32k.yaml", "cluster.nodes=2"])
     assert communicators(two_nodes) == 3  # the world's, an SP group's and a DP group's
     cpu = load_config(["cfg=configs/tiny_cpu.yaml"])
-    assert outside_allocator(cpu) == {}
+    assert outside_allocator(cpu) == ({}, "")
 
 
 @pytest.mark.parametrize("plan_fixture", ["llama70b_plan", "llama8b_plan"])
@@ -611,3 +613,35 @@ def test_the_plan_of_an_moe_job_prints_a_verdict():
     proc = run_command(plan_main, *[a.replace("cfg=", f"cfg={REPO}/", 1) for a in MOE])
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     assert "verdict:" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_memory_outside_the_allocator_a_job_measured_replaces_the_estimate(tmp_path):
+    """After its first step a GPU job records its busiest rank's device memory outside torch's
+    allocator (the CUDA context, NCCL's buffers as NCCL sized them); the run's next plan
+    counts that, for the layout it was measured at only."""
+    keys = ["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"]
+    cfg = load_config(keys)
+    path = RunDir(cfg.run.dir).outside_allocator
+    path.parent.mkdir(parents=True)
+    estimated, source = outside_allocator(cfg)
+    assert estimated == {"cuda_context": 0.6e9, "nccl_buffers": 2**28}
+    assert source == "estimated until a job of this layout measures it"
+
+    record = OutsideAllocator(3.1e9, 8, 8, 1, "NVIDIA H100 80GB HBM3", 1)
+    record.write(path)
+    assert OutsideAllocator.read(path) == record
+    plan = build_plan(cfg)
+    memory = plan.configured
+    assert memory.outside == {"outside_allocator": 3.1e9}
+    assert memory.total == pytest.approx(memory.subtotal * 1.05 + 3.1e9)
+    assert f"measured on NVIDIA H100 80GB HBM3 after step 1, the busiest rank: {path}" in render(
+        plan
+    )
+
+    two_nodes, source = outside_allocator(load_config([*keys, "cluster.nodes=2"]))
+    assert two_nodes == {"cuda_context": 0.6e9, "nccl_buffers": 3 * 2**28}
+    assert "holds another layout's (world 8, SP 8, ring 1)" in source, source
+
+    path.write_text('{"bytes": -1}')
+    with pytest.raises(ConfigError, match="not a record of memory outside torch's allocator"):
+        outside_allocator(cfg)

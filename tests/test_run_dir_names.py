@@ -24,6 +24,7 @@ NAMES = {
     "requeues.jsonl",
     "probe.json",
     "step_time.json",
+    "outside_allocator.json",
 }
 JOINS = {"join", "joinpath", "with_name"}  # os.path.join, Path.joinpath, Path.with_name
 
@@ -82,6 +83,7 @@ def test_every_name_checked_is_one_run_dir_gives():
             run.requeues,
             run.probe_report,
             run.step_time,
+            run.outside_allocator,
         )
         for part in p.relative_to(run.root).parts
     }

@@ -103,6 +103,12 @@ class RunDir:
         return self.root / "step_time.json"
 
     @property
+    def outside_allocator(self) -> Path:
+        """The GPU memory outside torch's allocator a job measured after its first step, which
+        the run's next plan counts (metrics.outside_allocator)."""
+        return self.root / "outside_allocator.json"
+
+    @property
     def start_check(self) -> Path:
         """The job's exactness check before step 1: its outcome and report, and the torch and
         transformers versions it ran with (verify.start_check)."""

@@ -54,7 +54,9 @@ def render(plan: MemoryPlan) -> str:
         f"  {'fragmentation_margin':<26}{_gb(memory.margin)}   ({FRAGMENTATION:.0%} of the above: expandable segments)"
     )
     for name, value in memory.outside.items():
-        lines.append(f"  {name:<26}{_gb(value)}   (outside torch's allocator, estimated)")
+        lines.append(f"  {name:<26}{_gb(value)}   (outside torch's allocator)")
+    if memory.outside:
+        lines.append(f"  {'':<26}outside torch's allocator: {memory.outside_source}")
     lines.append(f"  {'total':<26}{_gb(memory.total)}   of {c.gpu_memory_gb:g} GB")
     t = memory.trace
     lines.append(

@@ -42,7 +42,8 @@ bf16, 4 in fp32) and `world` ranks:
   at the full sequence (flash's fp32 dq accumulator; with fewer key/value heads than query
   heads on the rank, dk and dv expanded to every query head before they are summed; an untiled
   layer's attention only: a tiled layer's schedule counts them), and cuBLAS's workspaces;
-  outside torch's allocator, the CUDA context and NCCL's buffers per communicator;
+  outside torch's allocator, the CUDA context and NCCL's buffers per communicator, or, once a
+  job of the run's layout has run a step, what it measured (metrics.outside_allocator);
 - fragmentation: 5% of the allocator's terms (the job runs with expandable segments).
 Optimizer offload moves state from the GPU to host memory: under ZeRO-1 (DeepSpeed's
 ZeRO-Offload) the optimizer shard, plus a pinned b-byte staging copy of the rank's parameter
@@ -64,8 +65,10 @@ import torch
 from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
+from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.memory_plan.layer_graph import LayerTrace, hf_layer_classes
 from slurm_autosp.memory_plan.policies import Rung, rung_label, tile_tokens_for
+from slurm_autosp.metrics.outside_allocator import OutsideAllocator
 from slurm_autosp.model import hf_config
 from slurm_autosp.sp.host_arena import SLAB_BYTES
 
@@ -108,14 +111,29 @@ def communicators(cfg: JobConfig) -> int:
     return 1 + (1 < sp < world) + (1 < world // sp < world) + 2 * (ring > 1)
 
 
-def outside_allocator(cfg: JobConfig) -> dict[str, float]:
-    """GPU memory torch's allocator never sees (none on CPU ranks)."""
+def outside_allocator(cfg: JobConfig) -> tuple[dict[str, float], str]:
+    """GPU memory torch's allocator never sees (none on CPU ranks), and where the figure comes
+    from: measured by the run's own job after its first step where it ran this layout
+    (metrics.outside_allocator), else estimated."""
     if not cfg.cluster.uses_gpus:
-        return {}
+        return {}, ""
+    path = RunDir(cfg.run.dir).outside_allocator
+    recorded = OutsideAllocator.read(path)
+    ulysses, ring = ulysses_ring(cfg)
+    if recorded is not None and recorded.matches(cfg.cluster.world_size, ulysses * ring, ring):
+        return {"outside_allocator": recorded.bytes}, (
+            f"measured on {recorded.device} after step {recorded.step}, the busiest rank: {path}"
+        )
+    other = (
+        f"; {path} holds another layout's (world {recorded.world_size}, SP {recorded.sp_size}, "
+        f"ring {recorded.ring_size})"
+        if recorded is not None
+        else ""
+    )
     return {
         "cuda_context": CUDA_CONTEXT_BYTES,
         "nccl_buffers": NCCL_BYTES_PER_COMMUNICATOR * communicators(cfg),
-    }
+    }, f"estimated until a job of this layout measures it{other}"
 
 
 def attention_backward_per_token(cfg: JobConfig) -> float:
@@ -214,6 +232,7 @@ class PolicyMemory:
     tile_excess: tuple[float, float] = (0.0, 0.0)
     # bytes outside torch's allocator: the CUDA context, NCCL's buffers
     outside: dict[str, float] = field(default_factory=dict)
+    outside_source: str = ""  # measured or estimated, and by what
 
     @property
     def spec(self) -> ActivationCheckpointSpec:
@@ -420,5 +439,5 @@ def policy_memory(
         tile,
         host_state + (SLAB_BYTES if rung.offload else 0.0),
         tile_excess,
-        outside_allocator(cfg),
+        *outside_allocator(cfg),
     )
