@@ -373,19 +373,25 @@ def test_zero3_terms_are_fsdp2_fp32_shards_plus_gathered_bf16_layers(llama70b_pl
     root = 2 * head + m.hidden_size
     params = layer * m.num_hidden_layers + root
     assert llama70b_plan.parameters == params
-    zero3, zero1 = (
-        llama70b_plan.configured.terms,
-        llama70b_plan.memories[1][llama70b_plan.configured.rung].terms,
-    )
+    zero1_memory = llama70b_plan.memories[1][llama70b_plan.configured.rung]
+    zero3, zero1 = llama70b_plan.configured.terms, zero1_memory.terms
     assert zero3["parameters"] == zero3["gradients"] == 4 * params / world
     assert zero3["optimizer_shard"] == 8 * params / world
     assert zero3["parameters"] + zero3["gradients"] + zero3["optimizer_shard"] == pytest.approx(
         16 * params / world
     )
     assert zero3["gathered_weights"] == 2 * (root + 2 * layer + head) + (2 + 4) * layer
-    assert zero1["communication"] - zero3["communication"] == 5e8 * (
-        4 + 2
-    )  # no DeepSpeed buckets under ZeRO-3 (ZeRO-1's: an fp32 reduce, a bf16 all-gather)
+    assert zero1["communication"] == zero3["communication"]  # the all-to-all's alone
+    # DeepSpeed's buckets (an fp32 reduce, a bf16 all-gather) live after backward, beside the
+    # model state alone: none under ZeRO-3
+    assert zero1_memory.after_backward == {
+        "parameters": zero1["parameters"],
+        "gradients": zero1["gradients"],
+        "optimizer_shard": zero1["optimizer_shard"],
+        "reduce_buckets": 5e8 * (4 + 2),
+        "cublas_workspace": 64 * 2**20,
+    }
+    assert "reduce_buckets" not in llama70b_plan.configured.after_backward
     assert "gathered_weights" not in zero1
 
 
@@ -645,3 +651,24 @@ def test_memory_outside_the_allocator_a_job_measured_replaces_the_estimate(tmp_p
     path.write_text('{"bytes": -1}')
     with pytest.raises(ConfigError, match="not a record of memory outside torch's allocator"):
         outside_allocator(cfg)
+
+
+def test_zero1_buckets_count_after_backward_where_they_set_the_peak_only_at_short_sequences():
+    """DeepSpeed reduces after backward: its 3 GB of buckets do not add to the activations'
+    peak. At 32k tokens the activations' phase is the peak; at 512 tokens the phase after
+    backward is, and the plan's total is the model state plus the buckets."""
+    long = build_plan(load_config(["cfg=configs/llama8b_32k.yaml", "parallel.zero_stage=1"]))
+    memory = long.configured
+    assert not memory.peak_after_backward
+    assert memory.subtotal == pytest.approx(sum(memory.terms.values()))
+    assert "below the above" in render(long)
+    short = build_plan(
+        load_config(["cfg=configs/llama8b_32k.yaml", "parallel.zero_stage=1", "data.seq_len=512"])
+    )
+    memory = short.configured
+    assert memory.peak_after_backward
+    state = memory.after_backward
+    assert memory.allocator_total == pytest.approx(1.05 * sum(state.values()))
+    assert memory.total_at(1) == pytest.approx(memory.total)
+    assert "sets the peak in place of the above" in render(short)
+    assert memory.longest_local_seq(memory.total - 1) == 0  # not even the state fits

@@ -27,9 +27,7 @@ bf16, 4 in fp32) and `world` ranks:
 - document boundaries (`data.documents=masked` only): every prepared micro-batch's cu_seqlens,
   int32, at most one entry per token of the whole sequence (a document per token) plus one;
 - communication: the all-to-all send/receive/concatenate buffers of the largest all-to-all
-  (over the Ulysses group: the layer is traced at the Ulysses size), and under ZeRO-1
-  DeepSpeed's reduce bucket (5e8 fp32 elements) and all-gather bucket (5e8 elements of the
-  training dtype);
+  (over the Ulysses group: the layer is traced at the Ulysses size);
 - ring attention (`parallel.ring_size` > 1 only): the key/value blocks in flight during one
   layer's attention, a send and a receive buffer of K and of V (forward, and again when
   backward passes them round), and in backward also a send and a receive buffer of dK and dV,
@@ -45,6 +43,10 @@ bf16, 4 in fp32) and `world` ranks:
   outside torch's allocator, the CUDA context and NCCL's buffers per communicator, or, once a
   job of the run's layout has run a step, what it measured (metrics.outside_allocator);
 - fragmentation: 5% of the allocator's terms (the job runs with expandable segments).
+The terms above are the step's peak while activations live (forward and backward). Under ZeRO-1
+DeepSpeed reduces the gradient after backward, when the activations are gone: its reduce bucket
+(5e8 fp32 elements) and all-gather bucket (5e8 elements of the training dtype) live beside the
+model state only (`after_backward`), and the allocator's peak is the larger of the two phases.
 Optimizer offload moves state from the GPU to host memory: under ZeRO-1 (DeepSpeed's
 ZeRO-Offload) the optimizer shard, plus a pinned b-byte staging copy of the rank's parameter
 partition on the host; under ZeRO-3 (FSDP2's CPUOffloadPolicy) the fp32 parameter and gradient
@@ -233,6 +235,9 @@ class PolicyMemory:
     # bytes outside torch's allocator: the CUDA context, NCCL's buffers
     outside: dict[str, float] = field(default_factory=dict)
     outside_source: str = ""  # measured or estimated, and by what
+    # the phase after backward, when the activations are gone: the model state, the cuBLAS
+    # workspace and ZeRO-1's reduce and all-gather buckets (name -> bytes, in print order)
+    after_backward: dict[str, float] = field(default_factory=dict)
 
     @property
     def spec(self) -> ActivationCheckpointSpec:
@@ -251,7 +256,17 @@ class PolicyMemory:
 
     @property
     def subtotal(self) -> float:
-        return sum(self.terms.values())
+        """The allocator's bytes at the step's peak, the larger phase's."""
+        return max(sum(self.terms.values()), self.after_backward_subtotal)
+
+    @property
+    def after_backward_subtotal(self) -> float:
+        return sum(self.after_backward.values())
+
+    @property
+    def peak_after_backward(self) -> bool:
+        """Whether the phase after backward, not the activations', sets the peak."""
+        return self.after_backward_subtotal > sum(self.terms.values())
 
     @property
     def margin(self) -> float:
@@ -270,7 +285,8 @@ class PolicyMemory:
     def total_at(self, tokens: float) -> float:
         """The total, margin and memory outside the allocator included, at `tokens` local
         tokens instead of the traced ones."""
-        allocator = with_margin(self.fixed + self.per_token * tokens + self.excess_at(tokens))
+        step = self.fixed + self.per_token * tokens + self.excess_at(tokens)
+        allocator = with_margin(max(step, self.after_backward_subtotal))
         return allocator + sum(self.outside.values())
 
     @property
@@ -279,6 +295,8 @@ class PolicyMemory:
 
     def longest_local_seq(self, gpu_bytes: float) -> int:
         room = (gpu_bytes - sum(self.outside.values())) / (1 + FRAGMENTATION) - self.fixed
+        if room + self.fixed < self.after_backward_subtotal:
+            return 0
         longest = max(0, int(room // self.per_token)) if self.per_token else 0
         excess_per_token, excess_fixed = self.tile_excess
         if excess_fixed and self.per_token + excess_per_token > 0:  # both branches must fit
@@ -393,7 +411,6 @@ def policy_memory(
         else (0.0, 0.0)
     )
     logits_chunk = chunk * vocab * (b + 4 + 4)  # logits in the model dtype, fp32, fp32 gradient
-    buckets = ZERO_BUCKET_ELEMENTS * (REDUCE_BYTES + b) if zero_stage == 1 else 0.0
     if cfg.data.documents is DocumentBoundaries.masked:  # bytes per document: bound by tokens
         per_token["document_boundaries"] = (
             CU_SEQLENS_BYTES * cfg.parallel.sp_size * cfg.train.grad_accum
@@ -406,7 +423,7 @@ def policy_memory(
         **({"gathered_weights": _gathered_weights(cfg, size)} if zero_stage == 3 else {}),
         "activations": per_token["activations"] * tokens,
         "logits_and_loss": per_token["logits_and_loss_saved"] * tokens + logits_chunk,
-        "communication": per_token["communication_all_to_all"] * tokens + buckets,
+        "communication": per_token["communication_all_to_all"] * tokens,
         "recompute_working": trace.working_bytes_with(tile),
         "attention_backward": per_token["attention_backward"] * tokens,
         **(
@@ -440,4 +457,18 @@ def policy_memory(
         host_state + (SLAB_BYTES if rung.offload else 0.0),
         tile_excess,
         *outside_allocator(cfg),
+        _after_backward(cfg, state, zero_stage),
     )
+
+
+def _after_backward(cfg: JobConfig, state: dict[str, float], zero_stage: int) -> dict[str, float]:
+    """The allocator's terms once backward has freed the activations: the model state, and
+    under ZeRO-1 DeepSpeed's reduce and all-gather buckets (it reduces after backward:
+    overlap_comm is off at stage 1, and BF16_Optimizer reduces its fp32 gradient after)."""
+    buckets = (
+        {"reduce_buckets": ZERO_BUCKET_ELEMENTS * (REDUCE_BYTES + bytes_per_element(cfg))}
+        if zero_stage == 1
+        else {}
+    )
+    workspace = {"cublas_workspace": CUBLAS_WORKSPACE_BYTES} if cfg.cluster.uses_gpus else {}
+    return {**state, **buckets, **workspace}

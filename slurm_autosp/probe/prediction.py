@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.memory_plan import TrainingChoices, build_plan
 from slurm_autosp.memory_plan.policies import Rung
-from slurm_autosp.memory_plan.terms import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.model import hf_config
 
 
@@ -49,13 +48,11 @@ def predict_memory(cfg: JobConfig, choices: TrainingChoices) -> PlanPrediction |
     vocab = hf_config(cfg.model).vocab_size
     logits_chunk = chunk * vocab * (b + 4 + 4)  # in the model's dtype, fp32, fp32 gradient
     one_chunk_kept = tokens * vocab * 4 if chunk == tokens else 0
-    buckets = ZERO_BUCKET_ELEMENTS * (REDUCE_BYTES + b) if choices.zero_stage == 1 else 0.0
     held = t["activations"] + t["logits_and_loss"] - logits_chunk + one_chunk_kept
     transient = (
         t["activations"]
         + t["logits_and_loss"]
         + t["communication"]
-        - buckets
         + t["recompute_working"]
         + t["attention_backward"]
     )
