@@ -1,12 +1,16 @@
 """bench/gpu_check.sh (python -m slurm_autosp.probe.gpu_check): fails fast where no GPU is
 visible, never leaves an earlier run's output to be read, and in its CPU self-test (tiny shapes,
 eager) runs every row's code; its parts: the kernel checks' adapter, the rewrites' exactness
-check (which must catch a broken rewrite), and the search for the longest sequence."""
+check (which must catch a broken rewrite), the search for the longest sequence, and the budget
+each section gets of the check's time."""
 
+import itertools
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import oom_model
@@ -17,17 +21,21 @@ from in_process import run_command
 
 from slurm_autosp.compile import tiling
 from slurm_autosp.probe import kernels
+from slurm_autosp.probe.budget import Budget
 from slurm_autosp.probe.exactness import TINY_SHAPE, check_rewrites
-from slurm_autosp.probe.gpu_check import OUTPUT, one_rank
+from slurm_autosp.probe.gpu_check import OUTPUT, Sections, one_rank
 from slurm_autosp.probe.gpu_measure import (
+    GPU_SCALE,
     TINY_SCALE,
     Scale,
     Target,
     check_config,
+    longest_row,
     plan_row,
     policy_rows,
     step_row,
 )
+from slurm_autosp.probe.gpu_rows import OUT_OF_TIME, Row
 from slurm_autosp.probe.prediction import PlanPrediction
 from slurm_autosp.probe.search import longest_fitting
 from slurm_autosp.probe.steps import OutOfMemory, StepMeasurement
@@ -35,6 +43,7 @@ from slurm_autosp.sp.kernel_check import CASES
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
+UNLIMITED = Budget(math.inf, math.inf)
 
 
 def test_the_script_fails_fast_without_a_gpu_and_leaves_no_earlier_output(tmp_path):
@@ -147,9 +156,16 @@ def _memory_of(capacity):
     return fits, tried
 
 
+def _search(fits, known_fit, known_oom, *, ceiling=1 << 20, budget=UNLIMITED):
+    """The GPU's search: multiples of 8,192, to 12.5%."""
+    return longest_fitting(
+        fits, known_fit, known_oom, granule=8192, ceiling=ceiling, resolution=0.125, budget=budget
+    )
+
+
 def test_the_search_doubles_to_the_first_oom_then_halves_the_gap_to_the_resolution():
     fits, tried = _memory_of(300_000)
-    found = longest_fitting(fits, 131072, None, granule=8192, ceiling=1 << 20, resolution=0.125)
+    found = _search(fits, 131072, None)
     assert tried == [262144, 524288, 393216, 327680, 294912]
     assert (found.longest, found.first_oom) == (294912, 327680)
     assert found.first_oom - found.longest <= 0.125 * found.longest
@@ -157,24 +173,86 @@ def test_the_search_doubles_to_the_first_oom_then_halves_the_gap_to_the_resoluti
 
 def test_the_search_halves_when_even_the_known_lengths_run_out_of_memory():
     fits, tried = _memory_of(20_000)
-    found = longest_fitting(fits, None, 32768, granule=8192, ceiling=1 << 20, resolution=0.125)
+    found = _search(fits, None, 32768)
     assert tried == [16384, 24576] and (found.longest, found.first_oom) == (16384, 24576)
     fits, tried = _memory_of(1000)
-    nothing = longest_fitting(fits, None, 32768, granule=8192, ceiling=1 << 20, resolution=0.125)
+    nothing = _search(fits, None, 32768)
     assert tried == [16384, 8192] and nothing.longest is None
     assert nothing.describe() == "nothing fits: 8,192 tokens ran out of memory"
 
 
 def test_the_search_stops_at_its_ceiling():
     fits, tried = _memory_of(10**9)
-    found = longest_fitting(fits, 131072, None, granule=8192, ceiling=393216, resolution=0.125)
+    found = _search(fits, 131072, None, ceiling=393216)
     assert tried == [262144, 393216] and found.first_oom is None
     assert "the ceiling" in found.describe()
+
+
+def test_the_search_stops_before_a_try_once_its_budget_is_spent_and_reports_what_it_found():
+    """Each try takes a second (the clock counts them): a budget spent after two stops the
+    search before its third, its row out of time with the lower bound found so far."""
+    fits, tried = _memory_of(300_000)
+    found = _search(fits, 131072, None, budget=Budget(12.0, 2.0, clock=lambda: len(tried)))
+    assert tried == [262144, 524288]
+    row = longest_row("none", found, GPU_SCALE)
+    assert (row.measured, row.result, row.correctness) == (
+        "longest >= 262,144 tokens, 524,288 ran out of memory; "
+        "search stopped at its budget of 12.0 s",
+        OUT_OF_TIME,
+        False,
+    )
+    fits, tried = _memory_of(1000)
+    nothing = _search(fits, None, 32768, budget=Budget(3.0, 1.0, clock=lambda: len(tried)))
+    assert tried == [16384] and nothing.describe() == (
+        "none found to fit yet, 16,384 ran out of memory; search stopped at its budget of 3.0 s"
+    )
+
+
+def test_each_section_gets_the_time_left_shared_equally_and_one_past_it_is_not_run():
+    """60 s for four sections on a clock the sections move: the first's 5 s leave 55 s over
+    three; the second overruns its 18.3 s to 40 s, which only those after it pay for (the third
+    gets 7.5 s of the 15 left); the fourth, with nothing left, is one failed row. The rows so far
+    are saved after every section."""
+    now = [0.0]
+    shares: list[float] = []
+    saved: list[int] = []
+
+    def taking(seconds):
+        def rows_of(budget):
+            shares.append(budget.seconds)
+            now[0] += seconds
+            assert budget.spent() is (seconds >= budget.seconds)
+            return [Row("step", "measured", "-", f"{seconds} s", "measured")]
+
+        return rows_of
+
+    sections = Sections(60, "abcd", lambda rows: saved.append(len(rows)), clock=lambda: now[0])
+    for name, seconds in zip("abcd", (5, 40, 20, 1), strict=True):
+        sections.run(name, taking(seconds))
+    assert shares == pytest.approx([15, 55 / 3, 7.5])
+    assert saved == [1, 2, 3, 4]
+    assert sections.done[-1] == Row(
+        "section", "d", "within --budget-s 60", "not run: the budget was spent", OUT_OF_TIME, True
+    )
+    assert sections.done[-1].failed
+    with pytest.raises(
+        ValueError, match=r"section 'a' run out of the order declared to Sections \(all have run\)"
+    ):
+        sections.run("a", taking(0))
+
+
+def _forget_deepspeeds_world():
+    """DeepSpeed forgets the world group an earlier test's engine cached (its group destroyed
+    since), as a new process would never have seen it."""
+    from deepspeed.utils import groups
+
+    groups._WORLD_GROUP = None
 
 
 @pytest.fixture()
 def cpu_rank():
     """This process as a one-rank job (gloo); the environment it sets is put back after."""
+    _forget_deepspeeds_world()
     saved = dict(os.environ)
     try:
         with one_rank(CPU):
@@ -199,12 +277,51 @@ def test_a_policys_rows_search_on_through_out_of_memory_errors(tmp_path, cpu_ran
     cfg = check_config(scale, target, "none", 256)
     assert cfg.model.builder == "oom_model:build_short"
     dims = build_parallel_dims(cfg, local_rank=0, device=CPU)
-    rows = policy_rows(scale, target, "none", dims, {("none", 256): None, ("none", 512): None})
+    rows = policy_rows(
+        scale, target, "none", dims, {("none", 256): None, ("none", 512): None}, UNLIMITED
+    )
     longest = rows[-1]
     assert 640 <= oom_model.SHORT_FIT < 704
     assert longest.measured == "640 tokens fit, 704 ran out of memory", longest
     assert longest.detail == "tries: 1,024 OOM, 768 OOM, 640 fits, 704 OOM"
     assert [r.result for r in rows[:-1]] == ["-", "measured", "-", "measured"]
+
+
+def test_a_policy_past_its_budget_keeps_what_it_measured_and_records_the_rest_out_of_time(
+    tmp_path, cpu_rank
+):
+    """The budget is asked before each length and each try (the clock counts the asks): spent
+    after the first length, the second length's rows and the search are out of time, the first
+    length's rows measured. Spent before the first, every row is out of time, nothing searched."""
+    from slurm_autosp.cluster.parallel_dims import build_parallel_dims
+
+    target = Target(CPU, "none", 0.0, compiled=False, out=tmp_path)
+    dims = build_parallel_dims(
+        check_config(TINY_SCALE, target, "none", 256), local_rank=0, device=CPU
+    )
+    planned = {("none", 256): None, ("none", 512): None}
+    asks = itertools.count()
+    budget = Budget(30.0, 1.0, clock=lambda: next(asks))
+    rows = policy_rows(TINY_SCALE, target, "none", dims, planned, budget)
+    assert [(r.check, r.case, r.result) for r in rows] == [
+        ("plan vs peak", "none @ 256", "-"),
+        ("step", "none @ 256", "measured"),
+        ("plan vs peak", "none @ 512", OUT_OF_TIME),
+        ("step", "none @ 512", OUT_OF_TIME),
+        ("longest", "none", OUT_OF_TIME),
+    ]
+    assert rows[2].measured == "not reached: the section's budget of 30.0 s was spent"
+    assert rows[-1].measured == "longest >= 256 tokens; search stopped at its budget of 30.0 s"
+    assert rows[-1].detail == "no try: the budget was spent before the first"
+    assert not any(r.failed for r in rows)
+    spent = policy_rows(TINY_SCALE, target, "none", dims, planned, Budget(1.0, -1.0))
+    assert [(r.check, r.result) for r in spent] == [
+        ("plan vs peak", OUT_OF_TIME),
+        ("step", OUT_OF_TIME),
+        ("plan vs peak", OUT_OF_TIME),
+        ("step", OUT_OF_TIME),
+        ("longest", OUT_OF_TIME),
+    ]
 
 
 def _measured(peak_gb: float, oom: bool = False) -> StepMeasurement:
@@ -275,13 +392,10 @@ def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_r
 
 def _run_in_process(*arguments: str):
     """gpu_check's CPU self-test in this process (so a section can be broken), its environment
-    put back after. DeepSpeed forgets the world group an earlier test's engine cached (its
-    group destroyed since), as a new process would never have seen it."""
-    from deepspeed.utils import groups
-
+    put back after."""
     from slurm_autosp.probe import gpu_check
 
-    groups._WORLD_GROUP = None
+    _forget_deepspeeds_world()
     saved = dict(os.environ)
     try:
         return run_command(gpu_check.main, "--device", "cpu", "--tiny", "--eager", *arguments)
@@ -290,14 +404,31 @@ def _run_in_process(*arguments: str):
         os.environ.update(saved)
 
 
-def test_past_its_budget_no_section_starts_and_each_is_recorded_as_not_run(tmp_path):
-    done = _run_in_process("--out", str(tmp_path), "--budget-s", "0")
+def test_a_section_that_spends_the_budget_is_kept_and_every_later_one_is_recorded_not_run(
+    tmp_path, monkeypatch
+):
+    """The bandwidth (first) takes a second of a half-second budget: its row is kept, each later
+    section is a failed 'not run' row, and the report is complete."""
+    from slurm_autosp.probe import bandwidth
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        return [Row("bandwidth", "all-reduce", "-", "1 GB/s", "measured")]
+
+    monkeypatch.setattr(bandwidth, "bandwidth_rows", slow)
+    done = _run_in_process("--out", str(tmp_path), "--budget-s", "0.5")
     assert done.returncode == 1, done.stdout + done.stderr
     report = json.loads((tmp_path / OUTPUT).read_text())
+    not_run = ("kernels", "rewrites", "none", "sac_budget_0", "full")
     assert [(r["case"], r["result"]) for r in report["rows"]] == [
-        (name, "not run") for name in ("kernels", "rewrites", "none", "sac_budget_0", "full")
-    ] + [("bandwidth", "not run")]
-    assert all(r["expected"] == "within --budget-s 0" for r in report["rows"])
+        *((name, OUT_OF_TIME) for name in not_run),
+        ("all-reduce", "measured"),
+    ]
+    assert all(
+        r["expected"] == "within --budget-s 0.5"
+        and r["measured"] == "not run: the budget was spent"
+        for r in report["rows"][:-1]
+    )
     assert report["complete"] and not report["passed"]
 
 

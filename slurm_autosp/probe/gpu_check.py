@@ -11,15 +11,19 @@ at SP=1, prints one table and writes it to DIR/gpu_check.json (default runs/gpu_
   at budget 0, full) at 32k and 128k tokens, 4 decoder layers of Llama-3.1-8B width (goal: ±10%);
 - step: step time, tokens/s and MFU at the same lengths;
 - longest: per policy, the longest sequence that fits, searched by memory through the same
-  compiled model (probe/search.py), never cut short by a time budget;
+  compiled model (probe/search.py), within the policy's share of the budget;
 - bandwidth: all-reduce and all-to-all across the GPUs, where more than one is visible.
 
 A section that raises is one failed row naming the error; the sections after it still run and
 the report is still written, as it is after every section (a run killed at a time limit leaves
-what it measured). Past --budget-s no further section starts: each left is a failed row. Exit
-status 0 only when every correctness row passed (a row the device refuses, e.g. a kernel ROCm
-lacks, is named as refused and does not fail it); 1 otherwise; 2 without a GPU. The output of
-an earlier run is removed first, so a failed run never leaves old results to read.
+what it measured). --budget-s is shared out so that one slow section cannot take every later
+one's time: each section gets the time left divided equally among those still to run, and asks
+it between units of work (a kernel cannot be stopped safely midway): a length it did not reach,
+or a search it stopped, is an "out of time" row beside what it measured; a section with no time
+left is one failed "out of time" row. Exit status 0 only when every section ran and every
+correctness row passed (a row the device refuses, e.g. a kernel ROCm lacks, is named as refused
+and does not fail it); 1 otherwise; 2 without a GPU. The output of an earlier run is removed
+first, so a failed run never leaves old results to read.
 
   --device cpu --tiny --eager: every row's code on CPU, tiny shapes, uncompiled (a self-test
   of this command, not evidence about any kernel); --tiny alone compiles them.
@@ -36,7 +40,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from functools import partial
@@ -45,6 +49,7 @@ from pathlib import Path
 import torch
 
 from slurm_autosp.cluster.comm_env import allocator_env
+from slurm_autosp.probe.budget import Budget
 from slurm_autosp.probe.gpu_rows import OUT_OF_TIME, Row, error_row, exactness_row, render
 
 OUTPUT = "gpu_check.json"
@@ -94,42 +99,72 @@ def one_rank(device: torch.device) -> Iterator[None]:
 
 
 class Sections:
-    """Runs the check's sections one by one, each on its own: one that raises becomes a failed
-    row naming the error, and the sections after it still run. The rows so far are written after
-    every section (`save`), so a run killed at a time limit leaves what it measured; once the
-    budget is spent the remaining sections are recorded as not run (a running one is not cut
-    short)."""
+    """Runs the check's sections one by one, in their declared order, each on its own: one that
+    raises becomes a failed row naming the error, and the sections after it still run. The rows
+    so far are written after every section (`save`), so a run killed at a time limit leaves what
+    it measured.
 
-    def __init__(self, budget_s: float, save: Callable[[list[Row]], None]):
+    Each section's `Budget` is the time left divided equally among the sections still to run,
+    not a share declared with it: no section's time on a GPU has been measured to declare, and
+    an equal share of what is left passes what a short section (the kernels: seconds) leaves on
+    to the ones after it, while one that overruns (a unit of work is never cut short) takes
+    only from those after it. A section with no time left is one failed row, not run."""
+
+    def __init__(
+        self,
+        budget_s: float,
+        names: Sequence[str],
+        save: Callable[[list[Row]], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.budget_s = budget_s
-        self.deadline = time.perf_counter() + budget_s
+        self._clock = clock
+        self.deadline = clock() + budget_s
+        self._left = list(names)
         self.done: list[Row] = []
         self._save = save
 
-    def run(self, name: str, rows_of: Callable[[], list[Row]]) -> list[Row]:
-        start = time.perf_counter()
-        if start > self.deadline:
-            rows = [
-                Row(
-                    "section",
-                    name,
-                    f"within --budget-s {self.budget_s:g}",
-                    "not run: the budget was spent",
-                    OUT_OF_TIME,
-                    True,
-                )
-            ]
+    def run(self, name: str, rows_of: Callable[[Budget], list[Row]]) -> list[Row]:
+        if self._left[:1] != [name]:
+            expected = f"the next is {self._left[0]!r}" if self._left else "all have run"
+            raise ValueError(
+                f"section {name!r} run out of the order declared to Sections ({expected})"
+            )
+        start = self._clock()
+        share = (self.deadline - start) / len(self._left)
+        self._left.pop(0)
+        if share <= 0:
+            rows = [self._not_run(name)]
         else:
             try:
-                rows = rows_of()
+                rows = rows_of(Budget(share, start + share, self._clock))
             except Exception as error:  # noqa: BLE001 - recorded in the table, never lost
                 rows = [error_row(name, error)]
         print(
-            f"gpu_check: {name}: {len(rows)} rows, {time.perf_counter() - start:.0f} s", flush=True
+            f"gpu_check: {name}: {len(rows)} rows, {self._clock() - start:.0f} s of its "
+            f"{max(share, 0):.0f} s",
+            flush=True,
         )
         self.done += rows
         self._save(self.done)
         return rows
+
+    def _not_run(self, name: str) -> Row:
+        return Row(
+            "section",
+            name,
+            f"within --budget-s {self.budget_s:g}",
+            "not run: the budget was spent",
+            OUT_OF_TIME,
+            True,
+        )
+
+
+def section_names() -> tuple[str, ...]:
+    """run_check's sections, in its order: declared up front, so that each gets its share."""
+    from slurm_autosp.probe.gpu_measure import POLICIES  # after the GPU check, as run_check
+
+    return ("bandwidth", "kernels", "rewrites", *POLICIES)
 
 
 def versions() -> str:
@@ -191,7 +226,7 @@ def run_check(
     use_private_compile_cache(None)
     bandwidth = sections.run(
         "bandwidth",
-        lambda: bandwidth_rows(
+        lambda _: bandwidth_rows(
             torch.cuda.device_count() if on_gpu else 2, on_gpu, BANDWIDTH_BYTES[tiny]
         ),
     )
@@ -208,10 +243,10 @@ def run_check(
         dims = build_parallel_dims(cfg, local_rank=0, device=device)
         planned = predictions(scale, target)  # before anything compiles: it resets Dynamo
         set_sp_group(dims.sp_group)
-        rows += sections.run("kernels", lambda: [exactness_row(c) for c in check_kernels(device)])
+        rows += sections.run("kernels", lambda _: [exactness_row(c) for c in check_kernels(device)])
         rows += sections.run(
             "rewrites",
-            lambda: [exactness_row(c) for c in check_rewrites(device, tiny, compiled=not eager)],
+            lambda _: [exactness_row(c) for c in check_rewrites(device, tiny, compiled=not eager)],
         )
         torch.compiler.reset()  # the checks' small models' graphs: no part of the policies' limits
         for policy in POLICIES:
@@ -238,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s",
         type=float,
         default=BUDGET_S,
-        help="seconds after which no further section starts (those left are recorded as not run)",
+        help="seconds for the whole check, each section given the time left divided equally "
+        "among those still to run; what a section does not reach within its share is an "
+        "'out of time' row",
     )
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -275,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     run_id = uuid.uuid4().hex
-    sections = Sections(args.budget_s, lambda rows: _write(out / OUTPUT, report(rows, False)))
+    sections = Sections(
+        args.budget_s, section_names(), lambda rows: _write(out / OUTPUT, report(rows, False))
+    )
     try:
         rows = run_check(device, args.tiny, args.eager, out, sections)
     except Exception as error:  # noqa: BLE001 - outside any section: the report still says why

@@ -2,7 +2,8 @@
 against the measured peak and the step time, tokens/s and MFU at two lengths, then the longest
 sequence that fits, searched by memory through the same compiled model (a new length after the
 first recompiles once, with a symbolic length; an out-of-memory try rebuilds the engine on the
-same compiled graphs, the cache emptied).
+same compiled graphs, the cache emptied). The policy's budget is asked before each length and
+each try: what it did not reach is an out-of-time row, what it measured before is kept.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig, load_config
 from slurm_autosp.memory_plan import TrainingChoices, training_choices
 from slurm_autosp.memory_plan.terms import GB
-from slurm_autosp.probe.gpu_rows import Row
+from slurm_autosp.probe.budget import Budget
+from slurm_autosp.probe.gpu_rows import OUT_OF_TIME, Row, out_of_time_row
 from slurm_autosp.probe.prediction import PlanPrediction, predict_memory
 from slurm_autosp.probe.search import Search, longest_fitting
 from slurm_autosp.probe.steps import ProbeSteps, StepMeasurement
@@ -175,13 +177,18 @@ def step_row(policy: str, length: int, m: StepMeasurement, world: int) -> Row:
 
 def longest_row(policy: str, search: Search, scale: Scale) -> Row:
     tried = ", ".join(f"{n:,} {'fits' if ok else 'OOM'}" for n, ok in search.tries)
+    if search.stopped_at_s is not None:
+        result, untried = OUT_OF_TIME, "no try: the budget was spent before the first"
+    else:
+        result = "found" if search.longest is not None else "nothing fits"
+        untried = "no try beyond the two lengths"
     return Row(
         "longest",
         policy,
         f"to {scale.resolution:.1%}, multiples of {scale.granule:,}, at most {scale.ceiling:,}",
         search.describe(),
-        "found" if search.longest is not None else "nothing fits",
-        detail=f"tries: {tried}" if tried else "no try beyond the two lengths",
+        result,
+        detail=f"tries: {tried}" if tried else untried,
     )
 
 
@@ -211,6 +218,7 @@ def policy_rows(
     policy: str,
     dims: ParallelDims,
     planned: dict[tuple[str, int], PlanPrediction | None],
+    budget: Budget,
 ) -> list[Row]:
     gpu_bytes = target.memory_gb * GB
     model = _Model(check_config(scale, target, policy, scale.lengths[0]), dims)
@@ -219,12 +227,18 @@ def policy_rows(
     oom: list[int] = []
     try:
         for length in scale.lengths:
+            if budget.spent():
+                case = f"{policy} @ {length:,}"
+                rows += [out_of_time_row(c, case, budget) for c in ("plan vs peak", "step")]
+                continue
             m = model.measure(check_config(scale, target, policy, length), scale.steps)
             rows += [
                 plan_row(policy, length, m, planned[policy, length], gpu_bytes),
                 step_row(policy, length, m, dims.world_size),
             ]
             (oom if m.oom else fit).append(length)
+        if not fit and not oom:  # no length measured: nothing to search from
+            return [*rows, out_of_time_row("longest", policy, budget)]
 
         def fits(length: int) -> bool:
             log.info("gpu_check: %s: one step at %s tokens", policy, f"{length:,}")
@@ -237,6 +251,7 @@ def policy_rows(
             granule=scale.granule,
             ceiling=scale.ceiling,
             resolution=scale.resolution,
+            budget=budget,
         )
     finally:
         model.close()

@@ -6,11 +6,14 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from slurm_autosp.probe.budget import Budget
 from slurm_autosp.probe.kernels import PASS, REFUSED, KernelCheck
 
 COLUMNS = ("check", "case", "expected", "measured", "result")
 ERROR = "ERROR"  # a section that raised: its row fails the check, the sections after it run
-OUT_OF_TIME = "not run"  # a section left when the check's budget was spent: it fails the check
+# A length, a search or a whole section its budget did not reach; only a whole section not run
+# fails the check (its rows are missing), the others are measurement rows cut short.
+OUT_OF_TIME = "out of time"
 
 
 @dataclass(frozen=True)
@@ -54,3 +57,14 @@ def error_row(name: str, error: Exception) -> Row:
     frame = traceback.extract_tb(error.__traceback__)[-1]
     where = f"raised in {frame.name} ({Path(frame.filename).name}:{frame.lineno})"
     return Row("section", name, "no error", last, ERROR, True, where)
+
+
+def out_of_time_row(check: str, case: str, budget: Budget) -> Row:
+    """A measurement its section's budget did not reach: reported, not failed."""
+    return Row(
+        check,
+        case,
+        "-",
+        f"not reached: the section's budget of {budget.seconds:.1f} s was spent",
+        OUT_OF_TIME,
+    )
