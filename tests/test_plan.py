@@ -27,6 +27,7 @@ from slurm_autosp.memory_plan.terms import (
     attention_backward_per_token,
     communicators,
     model_size,
+    offload_lag_layers,
     outside_allocator,
     policy_memory,
     ring_blocks_per_token,
@@ -672,3 +673,28 @@ def test_zero1_buckets_count_after_backward_where_they_set_the_peak_only_at_shor
     assert memory.total_at(1) == pytest.approx(memory.total)
     assert "sets the peak in place of the above" in render(short)
     assert memory.longest_local_seq(memory.total - 1) == 0  # not even the state fits
+
+
+def test_offloaded_activations_whose_copies_fall_behind_the_forward_stay_on_the_gpu():
+    """Nothing holds the forward back for its copies to host memory: where a layer's copy
+    takes longer than its forward, what is not copied yet is still on the GPU, and the plan
+    counts it (at 25 GB/s the copies hide; at 10 GB/s they fall behind)."""
+    keys = [
+        "cfg=configs/llama8b_32k.yaml",
+        "compile.offload_activations=true",
+        "compile.tile_tokens=0",
+    ]
+    hidden = build_plan(load_config(keys)).configured
+    slow_cfg = load_config([*keys, "cluster.host_link_gb_per_s=10"])
+    slow = build_plan(slow_cfg).configured
+    trace = slow.trace
+    assert offload_lag_layers(load_config(keys), hidden.trace, 32) == 0
+    lag = offload_lag_layers(slow_cfg, trace, 32)
+    copy = trace.activation_bytes / 10e9
+    forward = trace.forward_flops / (989e12 * 0.4)
+    assert lag == pytest.approx(32 * (1 - forward / copy)) and 0 < lag < 30
+    assert hidden.terms["activations"] == 2 * trace.activation_bytes + trace.shared_bytes
+    assert slow.terms["activations"] == pytest.approx(
+        (2 + lag) * trace.activation_bytes + trace.shared_bytes
+    )
+    assert offload_lag_layers(load_config(["cfg=configs/tiny_cpu.yaml"]), trace, 2) == 0

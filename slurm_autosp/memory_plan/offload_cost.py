@@ -18,18 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slurm_autosp.config import JobConfig
+from slurm_autosp.memory_plan.compute_time import compute_seconds
 from slurm_autosp.memory_plan.terms import GB, MemoryPlan, bytes_per_element
 from slurm_autosp.model import hf_config
 
 HOST_MEMORY_GB_PER_S = 200.0
 ADAM_BYTES_PER_PARAMETER = 28
-REFERENCE_TFLOPS = 989.0  # H100/H200 dense bf16, when trace.peak_tflops_per_gpu is not set
-REFERENCE_MFU = 0.4  # the compute the offload traffic has to hide behind
-
-
-def peak_tflops(cfg: JobConfig) -> float:
-    return cfg.trace.peak_tflops_per_gpu or REFERENCE_TFLOPS
 
 
 @dataclass(frozen=True)
@@ -52,9 +46,7 @@ def optimizer_offload_cost(plan: MemoryPlan) -> OptimizerOffloadCost:
     shard = plan.parameters / c.world_size  # parameters per rank
     link = c.host_link_gb_per_s * GB
     flops = (t.forward_flops + t.backward_flops + t.recompute_flops) * accum
-    compute = (
-        flops * hf_config(cfg.model).num_hidden_layers / (peak_tflops(cfg) * 1e12 * REFERENCE_MFU)
-    )
+    compute = compute_seconds(cfg, flops * hf_config(cfg.model).num_hidden_layers)
     if plan.zero_stage == 1:  # gradients out, then parameters in: one after the other
         seconds, hidden = 2 * bytes_per_element(cfg) * shard / link, False
     else:  # shards in twice per micro-batch while gradients go out: both ways at once

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from slurm_autosp.cluster.placement import layout_for, layout_summary
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
-from slurm_autosp.memory_plan.offload_cost import REFERENCE_MFU, optimizer_offload_cost, peak_tflops
+from slurm_autosp.memory_plan.compute_time import REFERENCE_MFU, compute_seconds, peak_tflops
+from slurm_autosp.memory_plan.offload_cost import optimizer_offload_cost
 from slurm_autosp.memory_plan.staging import checkpoint_staging
 from slurm_autosp.memory_plan.terms import (
     FRAGMENTATION,
@@ -121,7 +122,7 @@ def ring_line(plan: MemoryPlan) -> str:
     sent = forward * (1 + bool(t.recomputed_attention)) + backward
     seconds = sent / (FABRIC_GB_PER_S * GB)
     peak = peak_tflops(cfg)
-    compute = (t.forward_flops + t.backward_flops) / (peak * 1e12 * REFERENCE_MFU)
+    compute = compute_seconds(cfg, t.forward_flops + t.backward_flops)
     hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
     return (
         f"ring attention: {layout_summary(cfg, layout_for(cfg))}; per layer each rank sends "
@@ -141,7 +142,7 @@ def offload_line(plan: MemoryPlan) -> str:
     node = memory.host_per_token * t.tokens * c.ranks_per_node
     seconds = t.activation_bytes / (c.host_link_gb_per_s * GB)
     peak = peak_tflops(cfg)
-    compute = t.forward_flops / (peak * 1e12 * REFERENCE_MFU)
+    compute = compute_seconds(cfg, t.forward_flops)
     hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
     return (
         f"activation offload: {node / GB:,.0f} GB of host memory per node (cluster.host_memory_gb="

@@ -68,6 +68,7 @@ from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
 from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.memory_plan.compute_time import compute_seconds
 from slurm_autosp.memory_plan.layer_graph import LayerTrace, hf_layer_classes
 from slurm_autosp.memory_plan.policies import Rung, rung_label, tile_tokens_for
 from slurm_autosp.metrics.outside_allocator import OutsideAllocator
@@ -136,6 +137,18 @@ def outside_allocator(cfg: JobConfig) -> tuple[dict[str, float], str]:
         "cuda_context": CUDA_CONTEXT_BYTES,
         "nccl_buffers": NCCL_BYTES_PER_COMMUNICATOR * communicators(cfg),
     }, f"estimated until a job of this layout measures it{other}"
+
+
+def offload_lag_layers(cfg: JobConfig, trace: LayerTrace, layers: int) -> float:
+    """Layers' worth of saved tensors the forward leaves on the GPU behind their copies to host
+    memory, beyond the one in flight: none while a layer's copy over the host link takes no
+    longer than its forward; else each layer's copy falls (1 - forward / copy) of a layer
+    further behind, and nothing holds the forward back. None on CPU ranks (plain copies)."""
+    if not cfg.cluster.uses_gpus or not trace.activation_bytes:
+        return 0.0
+    copy = trace.activation_bytes / (cfg.cluster.host_link_gb_per_s * GB)
+    forward = compute_seconds(cfg, trace.forward_flops)
+    return layers * max(0.0, 1 - forward / copy)
 
 
 def attention_backward_per_token(cfg: JobConfig) -> float:
@@ -380,7 +393,8 @@ def policy_memory(
 
         Offload moves the layers' saved tensors and the loss's saved inputs to host memory: on the
         GPU stay two layers' worth (the one being written out or the one in use, and the one
-        fetched ahead) and the shared rotary tensors. Tiled MLPs add one tile's recompute working set
+        fetched ahead), more where the copies out fall behind the forward (offload_lag_layers),
+        and the shared rotary tensors. Tiled MLPs add one tile's recompute working set
     to the layer's peak; a whole layer's tiles under `full` run beside only what lives between
     them (then no all-to-all spans the sequence, see tiled_layer_trace), so the working set is
     the larger of that plus a tile and the full-width peak (`tile_excess`)."""
@@ -393,7 +407,11 @@ def policy_memory(
     loss_saved = (
         hidden * 4 + 4 + hidden * b + 8
     )  # final norm: its fp32 input and rsqrt; the lm_head input; the labels
-    resident_layers = min(2, size.layers) if rung.offload else size.layers
+    resident_layers = (
+        min(2 + offload_lag_layers(cfg, trace, size.layers), size.layers)
+        if rung.offload
+        else size.layers
+    )
     per_token = {
         "activations": (resident_layers * trace.activation_bytes + trace.shared_bytes) / tokens,
         "logits_and_loss_saved": 0.0 if rung.offload else loss_saved,

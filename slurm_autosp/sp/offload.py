@@ -13,7 +13,10 @@ so it walks them down from the last one packed, keeping one layer's worth of byt
 bytes over the number of layers) fetched ahead of the backward.
 
 On CUDA both copies run on a side stream, to and from pinned host memory; on CPU they are plain
-copies, which gain nothing but run the same bookkeeping and are exact alike. The host memory
+copies, which gain nothing but run the same bookkeeping and are exact alike. Every device copy
+is allocated on the compute stream, as every other activation is: the caching allocator keeps
+one pool per stream, and blocks a side stream allocated could serve only that stream (two more
+layers' worth reserved beside the compute stream's, freed to it only on an out-of-memory retry). The host memory
 comes from a `HostArena`: exactly the bytes offloaded (plus at most one slab's tail per
 micro-batch), reused by every micro-batch, as the memory plan counts it.
 """
@@ -140,9 +143,18 @@ class ActivationOffload:
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A device copy of `host`, and on CUDA the side-stream event it is ready at. Its bytes
-        count as resident until the copy is freed, by the backward or with its session."""
+        count as resident until the copy is freed, by the backward or with its session.
+
+        On CUDA the memory comes from the compute stream's pool, so the side stream first waits
+        for the work queued there (a block the compute stream freed may still be read by it):
+        the copy starts as the compute stream reaches the layer whose backward asked for it, one
+        layer ahead of the backward that reads it. The allocator keeps the memory from the
+        compute stream until the copy is done, should the tensor be freed before it is read."""
+        tensor = _strided_like(host, self.device)
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            tensor.record_stream(self._side)
         with _on(self._side):
-            tensor = _strided_like(host, self.device)
             tensor.copy_(host, non_blocking=True)
         ready = self._side.record_event() if self._side is not None else None
         stats = self.stats
@@ -152,14 +164,10 @@ class ActivationOffload:
         weakref.finalize(tensor, self._freed, tensor.nbytes)
         return tensor, ready
 
-    def hand_over(self, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
-        """On CUDA: the compute stream waits for the copy, and the allocator keeps the memory
-        (allocated on the side stream) until the compute stream is done with it."""
-        if ready is None:
-            return
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(ready)
-        tensor.record_stream(current)
+    def hand_over(self, ready: torch.cuda.Event | None) -> None:
+        """On CUDA: the compute stream waits for the copy before it reads the tensor."""
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
 
     def _freed(self, nbytes: int) -> None:
         self.stats.resident_bytes -= nbytes
@@ -200,7 +208,7 @@ class _Session:
         assert tensor is not None, "_fetch leaves the device copy in the record"
         packed.device_copy = packed.ready = None
         self._ahead_bytes -= packed.nbytes
-        self._offload.hand_over(tensor, ready)
+        self._offload.hand_over(ready)
         self._prefetch()
         return tensor
 
