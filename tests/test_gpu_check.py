@@ -188,11 +188,16 @@ def test_the_search_stops_at_its_ceiling():
     assert "the ceiling" in found.describe()
 
 
+def _quadratic_clock(tried: list[int]):
+    """A try takes (length / 262,144)^2 seconds, as attention's share of a step grows."""
+    return lambda: sum((n / 262144) ** 2 for n in tried)
+
+
 def test_the_search_stops_before_a_try_once_its_budget_is_spent_and_reports_what_it_found():
-    """Each try takes a second (the clock counts them): a budget spent after two stops the
-    search before its third, its row out of time with the lower bound found so far."""
+    """A budget spent by two tries (1 s, then 4 s) stops the search before its third, its row
+    out of time with the lower bound found so far."""
     fits, tried = _memory_of(300_000)
-    found = _search(fits, 131072, None, budget=Budget(12.0, 2.0, clock=lambda: len(tried)))
+    found = _search(fits, 131072, None, budget=Budget(12.0, 5.0, clock=_quadratic_clock(tried)))
     assert tried == [262144, 524288]
     row = longest_row("none", found, GPU_SCALE)
     assert (row.measured, row.result, row.correctness) == (
@@ -205,6 +210,17 @@ def test_the_search_stops_before_a_try_once_its_budget_is_spent_and_reports_what
     nothing = _search(fits, None, 32768, budget=Budget(3.0, 1.0, clock=lambda: len(tried)))
     assert tried == [16384] and nothing.describe() == (
         "none found to fit yet, 16,384 ran out of memory; search stopped at its budget of 3.0 s"
+    )
+
+
+def test_the_search_does_not_start_a_try_that_would_overrun_its_budget():
+    """After 1 s at 262,144 tokens, 524,288 would take about 4 s: with 2 s left it is not
+    started, and the row says why."""
+    fits, tried = _memory_of(300_000)
+    found = _search(fits, 131072, None, budget=Budget(12.0, 3.0, clock=_quadratic_clock(tried)))
+    assert tried == [262144] and found.describe() == (
+        "longest >= 262,144 tokens; search stopped at its budget of 12.0 s "
+        "(524,288 tokens would take about 4 s, 2 s were left)"
     )
 
 

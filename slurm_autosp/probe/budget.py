@@ -17,3 +17,6 @@ class Budget:
 
     def spent(self) -> bool:
         return self.clock() >= self.deadline
+
+    def left(self) -> float:
+        return self.deadline - self.clock()

@@ -1,8 +1,10 @@
 """The longest sequence that fits, found by memory alone: double from the longest known to fit
 until a length runs out of memory, then halve the gap between the two until it is within
-`resolution` of the longer fitting one. Its section's budget is asked before each try: past it
-the search stops and says so, what it found a lower bound (the clock's answer, not the
-memory's), so that the sections after it still get their time.
+`resolution` of the longer fitting one. Its section's budget is asked before each try: past it,
+or where the try would not end within it (the last try's time scaled by the square of the
+lengths: attention's share of a step grows so), the search stops and says so, what it found a
+lower bound (the clock's answer, not the memory's), so that the sections after it still get
+their time.
 
 `fits(length)` runs one step at that length and says whether it ran without running out of
 memory; lengths are multiples of `granule`, and never above `ceiling`.
@@ -26,10 +28,14 @@ class Search:
     first_oom: int | None
     tries: list[tuple[int, bool]] = field(default_factory=list)
     stopped_at_s: float | None = None
+    skipped: str = ""  # the try not started because it would overrun the budget, and why
 
     def describe(self) -> str:
         if self.stopped_at_s is not None:
-            return f"{self._so_far()}; search stopped at its budget of {self.stopped_at_s:.1f} s"
+            return (
+                f"{self._so_far()}; search stopped at its budget of {self.stopped_at_s:.1f} s"
+                + (f" ({self.skipped})" if self.skipped else "")
+            )
         if self.longest is None:
             return f"nothing fits: {self.first_oom:,} tokens ran out of memory"
         if self.first_oom is None:
@@ -62,11 +68,20 @@ def longest_fitting(
             f"known_fit={known_fit}, known_oom={known_oom}, ceiling={ceiling}"
         )
     found = Search(known_fit, known_oom)
+    last: tuple[int, float] | None = None  # the last try's length and seconds
     while (length := _next_length(found, granule, ceiling, resolution)) is not None:
-        if budget.spent():
+        expected = last[1] * (length / last[0]) ** 2 if last else 0.0
+        if budget.spent() or expected > budget.left():
             found.stopped_at_s = budget.seconds
+            if not budget.spent():
+                found.skipped = (
+                    f"{length:,} tokens would take about {expected:.0f} s, "
+                    f"{budget.left():.0f} s were left"
+                )
             break
+        start = budget.clock()
         ok = fits(length)
+        last = (length, budget.clock() - start)
         found.tries.append((length, ok))
         if ok:
             found.longest = length
