@@ -5,16 +5,18 @@
 #
 #   ./install.sh                                   # from the package index (TORCH_SPEC: torch)
 #   ./install.sh --download DIR [--no-torch] [--python-version 3.12] [--have FREEZE]
-#                                                  # a wheelhouse of what is installed here
-#   ./install.sh --offline DIR                     # from that wheelhouse, no package index
+#                [--extra view] [--max-mib N]      # a wheelhouse of what is installed here
+#   ./install.sh --offline DIR [--extra view]      # from that wheelhouse, no package index
 #
+# The plain install has the test extra, which holds the view extra (TensorBoard, matplotlib).
 # --download writes the versions installed and tested here as wheels (after a plain
-# ./install.sh; tools/wheelhouse.py --help); --no-torch leaves torch to the target, --have
-# leaves out what the target's `python -m pip freeze` already satisfies.
+# ./install.sh; tools/wheelhouse.py --help): what a training job needs, plus TensorBoard and
+# matplotlib with --extra view (which --offline DIR --extra view then installs); --no-torch
+# leaves torch to the target, --have what the target's `python -m pip freeze` satisfies.
 set -euo pipefail
 cd "$(dirname "$0")"
 check() {
-    python -c "import torch, deepspeed, submitit, omegaconf, transformers, tensorboard; print(f'slurm_autosp installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}')"
+    python -c "import torch, deepspeed, submitit, omegaconf, transformers, tensorboardX; print(f'slurm_autosp installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}')"
 }
 case "${1:-}" in
     --download)
@@ -23,13 +25,20 @@ case "${1:-}" in
         ;;
     --offline)
         [ -d "${2:-}" ] || { echo "install.sh --offline DIR: no wheelhouse directory '${2:-}'" >&2; exit 2; }
-        PIP_NO_INDEX=1 python -m pip install -q --no-index --find-links "$2" slurm_autosp
+        package=slurm_autosp
+        if [ "${3:-}" = --extra ] && [ -n "${4:-}" ] && [ -z "${5:-}" ]; then
+            package="slurm_autosp[$4]"
+        elif [ -n "${3:-}" ]; then
+            echo "install.sh --offline DIR [--extra NAME]: not understood: '${*:3}'" >&2
+            exit 2
+        fi
+        PIP_NO_INDEX=1 python -m pip install -q --no-index --find-links "$2" "$package"
         check
         exit
         ;;
     "") ;;
     *)
-        echo "install.sh: unknown argument '$1' (--download DIR [...] | --offline DIR)" >&2
+        echo "install.sh: unknown argument '$1' (--download DIR [...] | --offline DIR [--extra NAME])" >&2
         exit 2
         ;;
 esac

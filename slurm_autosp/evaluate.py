@@ -22,7 +22,7 @@ from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.sp.inputs import SPBatch
 
 if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter  # imported by the tracer, when it writes
+    from tensorboardX import SummaryWriter  # the tracer's, when it writes
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,13 @@
 prints the last loss and throughput, a per-step table (loss, tokens/s, step time, peak memory
 min / mean / max over ranks and the worst rank) and every memory trace: each traced rank's
 peak, where in the step it happened, every rank's peak at that step, and the trace's image.
+It reads the events with TensorBoard, of the `view` extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -86,9 +88,14 @@ def summarize(run_dir: Path, rows: int = 20) -> str:
         for data in sidecar["traces"]:
             roles = ", ".join(data.pop("roles", []))
             trace = MemoryTrace.from_dict(data)
+            name = f"step_{step:08d}_rank{trace.rank}.png"
+            image = (
+                f"image {name}"
+                if (RunDir(run_dir).memory_traces / name).exists()
+                else "no image (matplotlib was not installed where it ran)"
+            )
             out.append(
-                f"  step {step} rank {trace.rank} ({roles}): peak {trace.peak_bytes / MIB:.1f} MiB {trace.where_peak()}; "
-                f"image step_{step:08d}_rank{trace.rank}.png"
+                f"  step {step} rank {trace.rank} ({roles}): peak {trace.peak_bytes / MIB:.1f} MiB {trace.where_peak()}; {image}"
             )
         peaks = sorted(
             ((int(r), b) for r, b in sidecar["peak_bytes_by_rank"].items()), key=lambda rb: -rb[1]
@@ -120,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="the run directory, <output_root>/<run name>")
     parser.add_argument("--rows", type=int, default=20, help="most steps in the per-step table")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("tensorboard") is None:
+        print(
+            "error: python -m slurm_autosp.summary reads the events with TensorBoard, which is "
+            "not installed: pip install 'slurm_autosp[view]'",
+            file=sys.stderr,
+        )
+        return 1
     run_dir = args.run_dir.resolve()
     if RunDir(run_dir.parent).tensorboard == run_dir:  # its TensorBoard folder given instead
         run_dir = run_dir.parent

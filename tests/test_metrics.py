@@ -1,10 +1,15 @@
 """The trace components in one process: FLOP accounting, CPU memory timelines, the memory
-trace's figure, and a StepTracer driving a small model through traced and untraced steps (1-rank gloo group)."""
+trace's figure, and a StepTracer driving a small model through traced and untraced steps (1-rank gloo group);
+in a child process, the tracer and the summary without the view extra."""
 
 import io
 import json
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +25,10 @@ from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.plot import PEAK, PEAK_MARK, PHASE_COLORS, memory_trace_figure
 from slurm_autosp.metrics.rank_memory import MemoryReader, MemoryTimeline, MemoryTrace
 from slurm_autosp.model import build_skeleton
+from slurm_autosp.summary import summarize
 
 MIB = 2**20
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_llama(layers=2):
@@ -284,3 +291,93 @@ def test_traced_step_leaves_compiled_layers_alone(tmp_path, one_rank_group):
         "model.embed_tokens backward",
     } <= labels
     assert not any(label.startswith("model.layers") for label in labels)
+
+
+# As if the view extra were not installed: an import of the module fails as a missing one does.
+WITHOUT = 'import sys; sys.modules["{module}"] = None\n'
+
+TRACED_WITHOUT_MATPLOTLIB = textwrap.dedent(
+    """
+    import logging
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from slurm_autosp.config import load_config
+    from slurm_autosp.metrics import StepTracer
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    root = sys.argv[1]
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=0, world_size=1)
+    cfg = load_config(
+        [f"run.output_root={root}", "run.name=unit", "trace.memory_steps=[1,2]", "train.steps=2"]
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+            use_cache=False,
+        )
+    )
+    tracer = StepTracer(cfg, 0, 1, torch.device("cpu"), model, first_step=0, layout="1 rank")
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    for step in (1, 2):
+        with tracer.step(step) as phases:
+            with phases("forward"):
+                loss = model(input_ids=ids, labels=ids).loss
+            with phases("backward"):
+                loss.backward()
+        tracer.log_step(step, loss.item(), 1e-3, 1.0)
+    tracer.close()
+    dist.destroy_process_group()
+    assert sys.modules["matplotlib"] is None  # nothing imported it after all
+    """
+)
+
+
+def test_a_tracer_without_matplotlib_writes_the_traces_text_and_json_and_warns_once(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT.format(module="matplotlib") + TRACED_WITHOUT_MATPLOTLIB,
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "matplotlib is not installed" in line]
+    assert len(warnings) == 1 and "pip install 'slurm_autosp[view]'" in warnings[0], proc.stderr
+    run = RunDir(tmp_path / "unit")
+    assert sorted(p.name for p in run.memory_traces.iterdir()) == [
+        "step_00000001.json",
+        "step_00000002.json",
+    ]
+    events = EventAccumulator(str(run.tensorboard))
+    events.Reload()
+    assert not events.Tags()["images"]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    text = events.Tensors("memory_trace/rank_0/text_summary")
+    assert [e.step for e in text] == [1, 2]
+    assert "peak" in text[-1].tensor_proto.string_val[0].decode()
+    assert "step 2 rank 0 (rank_0, worst_rank): peak " in summarize(run.root)
+    assert "no image (matplotlib was not installed where it ran)" in summarize(run.root)
+
+
+def test_the_summary_without_tensorboard_says_which_extra_in_one_line(tmp_path):
+    summary = "from slurm_autosp.summary import main; sys.exit(main([sys.argv[1]]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT.format(module="tensorboard") + summary, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and not proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "error: python -m slurm_autosp.summary reads the events with TensorBoard, which is not "
+        "installed: pip install 'slurm_autosp[view]'"
+    ]

@@ -6,7 +6,9 @@ target's Python, each downloaded as a wheel for that Python, DeepSpeed and slurm
 here as pure-Python wheels (DeepSpeed's ops are left to build just in time on the target).
 `--no-torch` leaves out torch and what torch requires (the target keeps its own torch);
 `--have FILE` leaves out every package the target already has in a version that satisfies
-what requires it (FILE: `python -m pip freeze` run there).
+what requires it (FILE: `python -m pip freeze` run there); `--extra view` adds an extra's
+packages (TensorBoard and matplotlib, to look at results there); `--max-mib N` fails when the
+wheelhouse is larger (a transfer's limit).
 """
 
 from __future__ import annotations
@@ -104,9 +106,19 @@ def main() -> None:
         help="the target's Python, e.g. 3.12 (default: this one's)",
     )
     parser.add_argument("--have", type=Path, help="`python -m pip freeze` of the target")
+    parser.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        help="an extra of slurm_autosp to include, e.g. view (repeatable)",
+    )
+    parser.add_argument(
+        "--max-mib", type=float, help="fail (exit 1) when the wheelhouse is larger than this"
+    )
     args = parser.parse_args()
     skip = torch_closure(args.python_version) if args.no_torch else set()
-    needed = closure(ROOT, args.python_version, frozen(args.have), skip)
+    root = f"{ROOT}[{','.join(args.extra)}]" if args.extra else ROOT
+    needed = closure(root, args.python_version, frozen(args.have), skip)
     args.directory.mkdir(parents=True, exist_ok=True)
     pins = [f"{name}=={entry.version}" for name, entry in sorted(needed.items())]
     downloaded = [pin for pin in pins if pin.partition("==")[0] not in BUILT_HERE]
@@ -125,6 +137,23 @@ def main() -> None:
     print(
         f"wheelhouse {args.directory}: {len(needed)} packages for Python {args.python_version}"
         f"{' without torch' if args.no_torch else ''}, {size / 2**20:.1f} MiB"
+    )
+    if args.max_mib is not None and (refused := over_limit(args.directory, args.max_mib)):
+        raise SystemExit(refused)
+
+
+def over_limit(directory: Path, max_mib: float) -> str | None:
+    """Why the wheels in `directory` exceed `max_mib` MiB (naming the largest), or None."""
+    wheels = sorted(directory.glob("*.whl"), key=lambda p: -p.stat().st_size)
+    size = sum(p.stat().st_size for p in wheels) / 2**20
+    if size <= max_mib:
+        return None
+    largest = ", ".join(
+        f"{'-'.join(p.name.split('-')[:2])} {p.stat().st_size / 2**20:.1f}" for p in wheels[:5]
+    )
+    return (
+        f"error: wheelhouse {directory} is {size:.1f} MiB, over the limit of {max_mib:g} MiB; "
+        f"largest wheels (MiB): {largest}"
     )
 
 

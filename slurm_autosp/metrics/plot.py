@@ -1,14 +1,24 @@
 """A memory trace as people read it: a chart (the curve over the step, phases shaded, the peak
-marked) and a short markdown text (the peak, where it happened, each phase's numbers)."""
+marked) and a short markdown text (the peak, where it happened, each phase's numbers).
+
+The chart needs matplotlib, of the `view` extra (CAN_DRAW): a compute node without it still
+gets the text."""
 
 from __future__ import annotations
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.layout_engine import ConstrainedLayoutEngine
 
 from slurm_autosp.metrics.rank_memory import MemoryTrace
+
+try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+except ImportError:
+    CAN_DRAW = False
+else:
+    CAN_DRAW = True
+INSTALL_VIEW = "pip install 'slurm_autosp[view]'"
 
 PHASE_COLORS = {
     "data": "#e4e4e4",
@@ -25,7 +35,8 @@ MIB = 2**20
 
 def memory_trace_figure(trace: MemoryTrace, role: str = "") -> Figure:
     """The trace as a 960 x 380 pixel figure on its own Agg canvas: no pyplot, so nothing is
-    shared between calls or threads, and the caller may save or log it as it likes."""
+    shared between calls or threads, and the caller may save or log it as it likes. Only
+    where CAN_DRAW."""
     layout = ConstrainedLayoutEngine()
     figure = Figure(figsize=(9.6, 3.8), dpi=100, layout=layout)
     FigureCanvasAgg(figure)

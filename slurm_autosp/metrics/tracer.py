@@ -2,10 +2,11 @@
 
 Every rank times its step's phases and reads its memory peaks; once per step one small
 all-gather brings every rank's numbers to every rank (so all agree which rank is the worst);
-rank 0 alone writes TensorBoard events. On traced steps (`trace.memory_steps`) every rank
-also records a memory timeline; the chosen ranks' timelines go to rank 0, which writes them
-as images and text, plus the raw timeline as JSON under `tensorboard/memory/`. Untraced
-steps pay for a few clock readings and that one collective, nothing else.
+rank 0 alone writes TensorBoard events (with tensorboardX: a compute node needs no
+TensorBoard). On traced steps (`trace.memory_steps`) every rank also records a memory
+timeline; the chosen ranks' timelines go to rank 0, which writes them as images (where
+matplotlib is installed) and text, plus the raw timeline as JSON under `tensorboard/memory/`.
+Untraced steps pay for a few clock readings and that one collective, nothing else.
 """
 
 from __future__ import annotations
@@ -20,17 +21,23 @@ import sys
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboardX import SummaryWriter
+from tensorboardX.proto.summary_pb2 import Summary
 
 from slurm_autosp.config import JobConfig, Precision, to_yaml
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import StepTime
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
-from slurm_autosp.metrics.plot import memory_trace_figure, memory_trace_markdown
+from slurm_autosp.metrics.plot import (
+    CAN_DRAW,
+    INSTALL_VIEW,
+    memory_trace_figure,
+    memory_trace_markdown,
+)
 from slurm_autosp.metrics.rank_memory import (
     MemoryReader,
     MemoryTimeline,
@@ -38,9 +45,6 @@ from slurm_autosp.metrics.rank_memory import (
     dump_memory_snapshot,
     start_memory_history,
 )
-
-if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
 MIB = 2**20
@@ -155,9 +159,8 @@ class StepTracer:
         self._timed: list[float] = []  # this job's first steps after the one that compiles
         self._record_after = min(STEP_TIME_SAMPLES, cfg.train.steps - first_step - 1)
         self.writer: SummaryWriter | None = None
+        self._said_no_pictures = False
         if rank == 0 and cfg.trace.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             # A resumed run may have logged steps past its checkpoint before it stopped:
             # purge_step makes TensorBoard drop those, so curves have no duplicate steps.
             purge = first_step + 1 if first_step else None
@@ -311,12 +314,22 @@ class StepTracer:
     ) -> None:
         by_rank = {r: int(b) for r, b in enumerate(peaks.tolist())}
         self.memory_dir.mkdir(parents=True, exist_ok=True)
+        if not CAN_DRAW and not self._said_no_pictures:
+            log.warning(
+                "matplotlib is not installed: memory traces are written as text and JSON, "
+                "without pictures (%s)",
+                INSTALL_VIEW,
+            )
+            self._said_no_pictures = True
         for roles, trace in traces:
-            figure = memory_trace_figure(trace, role=", ".join(roles))
-            figure.savefig(self.memory_dir / f"step_{step:08d}_rank{trace.rank}.png", format="png")
+            figure = memory_trace_figure(trace, role=", ".join(roles)) if CAN_DRAW else None
+            if figure is not None:
+                png = self.memory_dir / f"step_{step:08d}_rank{trace.rank}.png"
+                figure.savefig(png, format="png")
             for role in roles:
                 tag = f"memory_trace/{role}"
-                writer.add_figure(tag, figure, step, close=False)  # not pyplot's: nothing to close
+                if figure is not None:  # close=False: not pyplot's, nothing to close
+                    writer.add_figure(tag, figure, step, close=False)
                 writer.add_text(tag, memory_trace_markdown(trace, ", ".join(roles), by_rank), step)
         sidecar = {
             "step": step,

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.utils.tensorboard import SummaryWriter
+from tensorboardX import SummaryWriter
 
 from slurm_autosp.config import JobConfig
 from slurm_autosp.lifecycle.run_dir import RunDir
