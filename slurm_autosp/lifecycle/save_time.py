@@ -17,13 +17,12 @@ one (`StepTime`, written by training and by the probe), else estimated by the ca
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_autosp.config import MAX_SIGNAL_DELAY_S, ConfigError, JobConfig, Precision
+from slurm_autosp.lifecycle.run_record import read_record, write_record
 
 _ADAM_BYTES = 12  # fp32 master weights, first and second moments, per parameter
 # needed delay = MARGIN x (stop + save) + SLACK_S: the step and the save are estimates (a slower
@@ -57,26 +56,16 @@ class StepTime:
     measured_by: str  # "training" or "the probe"
 
     def write(self, path: Path) -> None:
-        """Atomically: a reader sees the previous record or this one, never half of one."""
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        os.replace(partial, path)
+        write_record(self, path)
 
     @classmethod
     def read(cls, path: Path) -> StepTime | None:
-        """The record at `path`; None when there is none. One that does not read as a record
-        is refused by name rather than ignored: the check it feeds would silently change."""
-        try:
-            fields = json.loads(path.read_text())
-            record = cls(**fields)
-            valid = record.seconds > 0 and record.flops_per_step > 0 and record.world_size > 0
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError) as err:
-            raise ConfigError(f"{path}: not a step-time record ({err}); delete it") from err
-        if not valid:
-            raise ConfigError(f"{path}: not a step-time record ({fields}); delete it")
-        return record
+        return read_record(
+            cls,
+            path,
+            "a measured step",
+            lambda r: r.seconds > 0 and r.flops_per_step > 0 and r.world_size > 0,
+        )
 
     def scaled_to(self, flops_per_step: float, world_size: int) -> float:
         """The step of a job doing `flops_per_step` over `world_size` ranks at the throughput

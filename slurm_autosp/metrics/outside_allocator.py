@@ -9,16 +9,14 @@ plan of the run counts that instead of its estimate (memory_plan.terms.outside_a
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
-from slurm_autosp.config import ConfigError
+from slurm_autosp.lifecycle.run_record import read_record, write_record
 
 
 @dataclass(frozen=True)
@@ -37,31 +35,16 @@ class OutsideAllocator:
         return (self.world_size, self.sp_size, self.ring_size) == (world_size, sp_size, ring_size)
 
     def write(self, path: Path) -> None:
-        """Atomically: a reader sees the previous record or this one, never half of one."""
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        os.replace(partial, path)
+        write_record(self, path)
 
     @classmethod
     def read(cls, path: Path) -> OutsideAllocator | None:
-        """The record at `path`; None when there is none. One that does not read as a record
-        is refused by name: the plan it feeds would silently change."""
-        try:
-            record = cls(**json.loads(path.read_text()))
-            valid = (
-                record.bytes >= 0 and min(record.world_size, record.sp_size, record.ring_size) > 0
-            )
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError) as err:
-            raise ConfigError(
-                f"{path}: not a record of memory outside torch's allocator ({err}); delete it"
-            ) from err
-        if not valid:
-            raise ConfigError(
-                f"{path}: not a record of memory outside torch's allocator ({record}); delete it"
-            )
-        return record
+        return read_record(
+            cls,
+            path,
+            "memory outside torch's allocator",
+            lambda r: r.bytes >= 0 and min(r.world_size, r.sp_size, r.ring_size) > 0,
+        )
 
 
 def used_outside_allocator(device: torch.device) -> float | None:
