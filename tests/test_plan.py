@@ -649,6 +649,14 @@ def test_memory_outside_the_allocator_a_job_measured_replaces_the_estimate(tmp_p
     assert two_nodes == {"cuda_context": 0.6e9, "nccl_buffers": 3 * 2**28}
     assert "holds another layout's (world 8, SP 8, ring 1)" in source, source
 
+    probe = RunDir(cfg.run.dir).probe_run.outside_allocator  # the run's own comes first
+    probe.parent.mkdir(parents=True)
+    OutsideAllocator(2.5e9, 8, 8, 1, "NVIDIA H100 80GB HBM3", 1).write(probe)
+    assert outside_allocator(cfg)[0] == {"outside_allocator": 3.1e9}
+    path.unlink()
+    assert outside_allocator(cfg)[0] == {"outside_allocator": 2.5e9}
+    probe.unlink()
+
     path.write_text('{"bytes": -1}')
     with pytest.raises(ConfigError, match="not a record of memory outside torch's allocator"):
         outside_allocator(cfg)

@@ -20,6 +20,7 @@ from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import StepTime
 from slurm_autosp.memory_plan import training_choices
+from slurm_autosp.metrics.outside_allocator import OutsideAllocator
 from slurm_autosp.probe.__main__ import main as probe_main
 from slurm_autosp.probe.__main__ import probe_config
 from slurm_autosp.probe.findings import RankResult, build_report, write_report
@@ -310,3 +311,27 @@ def test_the_slowest_ranks_step_is_recorded_for_the_runs_signal_delay(tmp_path):
     ranks = [_out_of_memory_at_step_one(0, kernel), _out_of_memory_at_step_one(1, kernel)]
     write_report(build_report(cfg, training_choices(cfg), ranks, None, False), silent, False)
     assert StepTime.read(RunDir(silent).step_time) is None
+    assert OutsideAllocator.read(RunDir(silent).outside_allocator) is None  # CPU ranks
+
+
+def test_the_busiest_ranks_memory_outside_the_allocator_is_recorded_for_the_runs_plan(tmp_path):
+    """GPU ranks read the device's memory outside torch's allocator after their first step
+    (StepMeasurement.outside_allocator_bytes); the probe records the largest in its run
+    directory, where the real run's plan reads it (memory_plan.terms.outside_allocator)."""
+    cfg = load_config(["cfg=configs/tiny_cpu.yaml", f"run.output_root={tmp_path}"])
+    kernel = KernelCheck("documents", PASS, 1e-3, 2e-3, "bf16 vs fp32")
+
+    def read(rank: int, outside: float) -> RankResult:
+        steps = StepMeasurement([2.0, 1.0], [], None, 0, 0, 0, 3e12, None, "CPU", None, "", outside)
+        return RankResult(rank, "node", [kernel], [], steps)
+
+    ranks = [read(0, 1.5e9), read(1, 2.5e9)]
+    write_report(build_report(cfg, training_choices(cfg), ranks, None, False), tmp_path, False)
+    recorded = OutsideAllocator.read(RunDir(tmp_path).outside_allocator)
+    assert recorded is not None
+    assert (recorded.bytes, recorded.world_size, recorded.sp_size, recorded.ring_size) == (
+        2.5e9,
+        2,
+        cfg.parallel.sp_size,
+        1,
+    )

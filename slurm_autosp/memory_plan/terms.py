@@ -116,23 +116,26 @@ def communicators(cfg: JobConfig) -> int:
 
 def outside_allocator(cfg: JobConfig) -> tuple[dict[str, float], str]:
     """GPU memory torch's allocator never sees (none on CPU ranks), and where the figure comes
-    from: measured by the run's own job after its first step where it ran this layout
-    (metrics.outside_allocator), else estimated."""
+    from: measured after the first step by the run's own job, else by its probe, where it ran
+    this layout (metrics.outside_allocator); else estimated."""
     if not cfg.cluster.uses_gpus:
         return {}, ""
-    path = RunDir(cfg.run.dir).outside_allocator
-    recorded = OutsideAllocator.read(path)
+    run = RunDir(cfg.run.dir)
     ulysses, ring = ulysses_ring(cfg)
-    if recorded is not None and recorded.matches(cfg.cluster.world_size, ulysses * ring, ring):
-        return {"outside_allocator": recorded.bytes}, (
-            f"measured on {recorded.device} after step {recorded.step}, the busiest rank: {path}"
+    other = ""
+    for path in (run.outside_allocator, run.probe_run.outside_allocator):
+        recorded = OutsideAllocator.read(path)
+        if recorded is None:
+            continue
+        if recorded.matches(cfg.cluster.world_size, ulysses * ring, ring):
+            return {"outside_allocator": recorded.bytes}, (
+                f"measured on {recorded.device} after step {recorded.step}, the busiest rank: "
+                f"{path}"
+            )
+        other += (
+            f"; {path} holds another layout's (world {recorded.world_size}, SP "
+            f"{recorded.sp_size}, ring {recorded.ring_size})"
         )
-    other = (
-        f"; {path} holds another layout's (world {recorded.world_size}, SP {recorded.sp_size}, "
-        f"ring {recorded.ring_size})"
-        if recorded is not None
-        else ""
-    )
     return {
         "cuda_context": CUDA_CONTEXT_BYTES,
         "nccl_buffers": NCCL_BYTES_PER_COMMUNICATOR * communicators(cfg),

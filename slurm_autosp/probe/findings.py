@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tensorboardX import SummaryWriter
 
 from slurm_autosp.config import JobConfig
@@ -21,6 +22,8 @@ from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import StepTime
 from slurm_autosp.memory_plan import TrainingChoices
 from slurm_autosp.memory_plan.policies import spec_label
+from slurm_autosp.memory_plan.terms import ulysses_ring
+from slurm_autosp.metrics.outside_allocator import OutsideAllocator
 from slurm_autosp.probe.collectives import CollectiveTiming
 from slurm_autosp.probe.kernels import KernelCheck, KernelSummary, kernels_verdict, summarise
 from slurm_autosp.probe.prediction import PlanPrediction
@@ -99,6 +102,17 @@ class ProbeReport:
             len(self.ranks),
             "the probe",
         )
+
+    def outside_allocator(self) -> OutsideAllocator | None:
+        """The busiest rank's GPU memory outside torch's allocator after its first step, as
+        the run's record (RunDir.outside_allocator), which the real run's plan reads from the
+        probe's run directory; None on CPU ranks or when no rank completed a step."""
+        read = [b for r in self.ranks if (b := r.steps.outside_allocator_bytes) is not None]
+        if not read:
+            return None
+        ulysses, ring = ulysses_ring(self.cfg)
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "?"
+        return OutsideAllocator(max(read), len(self.ranks), ulysses * ring, ring, device, 1)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -380,6 +394,8 @@ def write_report(report: ProbeReport, run_dir: Path, tensorboard: bool) -> str:
     RunDir(run_dir).probe_report.write_text(json.dumps(to_json(report), indent=1))
     if (step := report.step_time()) is not None:
         step.write(RunDir(run_dir).step_time)
+    if (outside := report.outside_allocator()) is not None:
+        outside.write(RunDir(run_dir).outside_allocator)
     if tensorboard:
         writer = SummaryWriter(str(RunDir(run_dir).tensorboard))
         writer.add_text("probe/report", "```\n" + table + "\n```")

@@ -29,6 +29,7 @@ from slurm_autosp.data import build_source
 from slurm_autosp.engine import build_engine
 from slurm_autosp.memory_plan import TrainingChoices
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
+from slurm_autosp.metrics.outside_allocator import used_outside_allocator
 from slurm_autosp.metrics.rank_memory import MemoryReader
 from slurm_autosp.model import model_vocab_size
 from slurm_autosp.probe.stop import AgreedStop
@@ -73,6 +74,9 @@ class StepMeasurement:
     peak_source: str
     oom: OutOfMemory | None  # the out-of-memory error that ended the steps
     stopped: str  # why the steps ended early on a stop request; empty otherwise
+    # GPU: the device's memory outside torch's allocator after the first step (the CUDA
+    # context, NCCL's buffers as NCCL sized them); None on CPU or before a step completed
+    outside_allocator_bytes: float | None = None
 
     @classmethod
     def not_run(cls, stopped: str) -> StepMeasurement:
@@ -171,6 +175,7 @@ class ProbeSteps:
         losses: list[float] = []
         held: int | None = None
         oom: OutOfMemory | None = None
+        outside: float | None = None
         if dims.device.type == "cuda":  # cached blocks of another length: free, as a new job is
             torch.cuda.empty_cache()
         memory.reset_peak()
@@ -196,6 +201,8 @@ class ProbeSteps:
                 break
             seconds.append(time.perf_counter() - begin)
             losses.append(loss)
+            if step == 0:  # every collective of a training step has run once
+                outside = used_outside_allocator(dims.device)
             held = self.held.total // cfg.train.grad_accum
             log.info("probe: step %d of %d: %.3f s", step + 1, steps, seconds[-1])
             if self.backend is not None and not self.sdpa_checked:
@@ -214,6 +221,7 @@ class ProbeSteps:
             peak_source=self.peak_source,
             oom=oom,
             stopped=stop.reason if stop is not None else "",
+            outside_allocator_bytes=outside,
         )
 
     def _out_of_memory(self, step: int, err: torch.OutOfMemoryError) -> OutOfMemory:
