@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from slurm_autosp.heads import (
+    auto_ring_size,
     choices_text,
     divisors,
     pairs_text,
@@ -150,6 +151,28 @@ class ClusterConfig:
     def uses_gpus(self) -> bool:
         return self.gpus_per_node > 0
 
+    def nvlink_domain_gcd(self) -> int:
+        """The ranks every NVLink domain of the profile holds a whole number of: the domain
+        size (a node's ranks on CPU); with racks (domains spanning nodes), that of a rack and of
+        the job's last, smaller one. A ConfigError for a profile of no whole domains."""
+        if not self.uses_gpus:
+            return self.ranks_per_node
+        domain, gpus = self.nvlink_domain_size or self.gpus_per_node, self.gpus_per_node
+        keys = f"cluster.nvlink_domain_size={domain}"
+        if domain <= gpus and gpus % domain:
+            raise ConfigError(
+                f"{keys} does not divide cluster.gpus_per_node={gpus} (choose "
+                f"{choices_text(divisors(gpus))}, or a multiple of {gpus} for racks)"
+            )
+        if domain > gpus and domain % gpus:
+            raise ConfigError(
+                f"{keys} spans nodes but is not a multiple of cluster.gpus_per_node={gpus}"
+            )
+        if domain <= gpus:
+            return domain
+        total = self.nodes * gpus  # whole racks, then the job's last, smaller one
+        return math.gcd(*([domain] if total >= domain else []), total % domain)
+
 
 @dataclass
 class ModelConfig:
@@ -215,7 +238,7 @@ class ParallelConfig:
     # sp_size = Ulysses x ring: Ulysses (all-to-all over heads) inside an NVLink domain, ring
     # attention (key/value blocks passed round) across domains, which lifts SP past the head
     # count; null: Ulysses as large as the heads and the NVLink domain allow, the ring the rest
-    # (resolved once at admission and written into the run's config)
+    # (resolved once, as the config is loaded: `ulysses_ring`)
     ring_size: int | None = None
     # 1: DeepSpeed ZeRO-1 (optimizer state sharded); 3: FSDP2 (parameters, gradients and
     # optimizer state sharded); null: the memory plan chooses (1 when the job fits under it)
@@ -225,6 +248,15 @@ class ParallelConfig:
     # null: the memory plan decides (off where nothing needs it)
     offload_optimizer: bool | None = None
     allow_cross_domain: bool = False  # let SP groups span NVLink domains (slow; logged)
+
+    @property
+    def ulysses_ring(self) -> tuple[int, int]:
+        """(Ulysses size, ring size) of the SP group, as `load_config` resolved them."""
+        if self.ring_size is None:
+            raise ConfigError(
+                "parallel.ring_size is null: load_config resolves it (resolve_ring_size)"
+            )
+        return self.sp_size // self.ring_size, self.ring_size
 
 
 class ActivationCheckpointing(str, enum.Enum):
@@ -384,7 +416,23 @@ def load_config(argv: list[str]) -> JobConfig:
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, JobConfig)
     validate(cfg)
+    if cfg.parallel.ring_size is None:
+        cfg.parallel.ring_size = resolve_ring_size(cfg)
     return cfg
+
+
+def resolve_ring_size(cfg: JobConfig) -> int:
+    """The ring size a null `parallel.ring_size` stands for: the Ulysses size as large as the
+    heads the config names and the profile's NVLink domains allow, the ring the rest
+    (heads.auto_ring_size). A checkpoint's own heads meet it at admission."""
+    p, m = cfg.parallel, cfg.model
+    return auto_ring_size(
+        p.sp_size,
+        cfg.cluster.nvlink_domain_gcd(),
+        m.num_attention_heads,
+        m.num_key_value_heads or m.num_attention_heads,
+        p.allow_cross_domain,
+    )
 
 
 def to_yaml(cfg: JobConfig) -> str:

@@ -12,7 +12,6 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
-from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.compile.traced_attention import TracedAttention, trace_attention
 from slurm_autosp.config import (
     ConfigError,
@@ -301,7 +300,7 @@ def _refuse_unsplit_heads(cfg: JobConfig, config: Any, traced: TracedAttention) 
     config's: config validation sees only the heads a config names, not a checkpoint's
     (model.pretrained_path), not those an MLA model expands, nor the split a null ring size
     resolves to."""
-    ring = ring_size_for(cfg)
+    _, ring = cfg.parallel.ulysses_ring
     sp, heads = cfg.parallel.sp_size, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if traced.layer:
@@ -327,14 +326,13 @@ def _document_kernel_patterns(cfg: JobConfig, config: Any, seq_len: int) -> list
 def _refuse_inexact_ring(cfg: JobConfig, config: Any, seq_len: int) -> None:
     """Ring attention passes whole causal key/value blocks: it does not yet apply windows or
     document boundaries, so an SP size split over a ring is refused for them, by name."""
-    ring = ring_size_for(cfg)
+    _, ring = cfg.parallel.ulysses_ring
     needed = _document_kernel_patterns(cfg, config, seq_len)
     if ring > 1 and needed:
         sp = cfg.parallel.sp_size
         raise ConfigError(
             f"parallel.sp_size={sp} = Ulysses {sp // ring} x ring {ring} (parallel.ring_size="
-            f"{cfg.parallel.ring_size if cfg.parallel.ring_size is not None else 'null, chosen'}"
-            f"): ring attention does not compute {' or '.join(needed)} exactly yet; set "
+            f"{ring}): ring attention does not compute {' or '.join(needed)} exactly yet; set "
             "parallel.ring_size=1 with a parallel.sp_size the heads split over"
             + (
                 " or data.documents=concat"
@@ -371,8 +369,7 @@ def _math_kernel_attention(cfg: JobConfig, config: Any, seq_len: int) -> list[st
     (Windows, packed documents and the ring run kernels of their own, refused in fp32 there.)"""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    ring = ring_size_for(cfg)
-    ulysses = cfg.parallel.sp_size // ring
+    ulysses, ring = cfg.parallel.ulysses_ring
     if (
         cfg.precision is not Precision.fp32
         or ring > 1

@@ -84,7 +84,8 @@ def test_a_ulysses_size_the_heads_cannot_split_lists_the_splits_that_would():
 
 def test_sp_size_past_the_head_count_is_accepted_as_ulysses_times_ring():
     args = ["cluster.tasks_per_node=8", "compile.enabled=true"]  # tiny: 4 heads, 2 KV heads
-    assert load_config([*args, "parallel.sp_size=8"]).parallel.ring_size is None  # resolved later
+    # null is resolved as the config is loaded: Ulysses 4 (the heads) x ring 2
+    assert load_config([*args, "parallel.sp_size=8"]).parallel.ulysses_ring == (4, 2)
     assert (
         load_config([*args, "parallel.sp_size=8", "parallel.ring_size=2"]).parallel.ring_size == 2
     )

@@ -8,8 +8,6 @@ profile against what each node detects: ranks then agree on the groups by constr
 
 from __future__ import annotations
 
-import math
-
 import torch.distributed as dist
 
 from slurm_autosp.cluster.layout import (
@@ -26,7 +24,6 @@ from slurm_autosp.cluster.topology import (
     topology_from_profile,
 )
 from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig, Vendor
-from slurm_autosp.heads import auto_ring_size
 
 
 class TopologyMismatch(RuntimeError):
@@ -52,35 +49,17 @@ def _profile_topology(c: ClusterConfig) -> ClusterTopology:
         raise ConfigError(f"cluster.nvlink_domain_size / cluster.gpus_per_node: {err}") from err
 
 
-def ring_size_for(cfg: JobConfig) -> int:
-    """`parallel.ring_size`, or for null the split the heads and the profile's NVLink domains
-    allow (heads.auto_ring_size): the one value the layout, the plan and the compiler read.
-    Admission writes it into the run's config, so every rank and requeue keeps it."""
-    p, m = cfg.parallel, cfg.model
-    if p.ring_size is not None:
-        return p.ring_size
-    domain = math.gcd(*_profile_topology(cfg.cluster).domain_sizes)
-    return auto_ring_size(
-        p.sp_size,
-        domain,
-        m.num_attention_heads,
-        m.num_key_value_heads or m.num_attention_heads,
-        p.allow_cross_domain,
-    )
-
-
 def layout_for(cfg: JobConfig) -> ParallelLayout:
     """The layout this config gets, or a ConfigError naming the keys to change."""
     topology = _profile_topology(cfg.cluster)
     p = cfg.parallel
-    ring = ring_size_for(cfg)
+    _, ring = p.ulysses_ring
     try:
         return derive_parallel_layout(topology, p.sp_size, p.allow_cross_domain, ring)
     except LayoutError as err:
-        keys = f"parallel.sp_size={p.sp_size}" + (
-            f" / parallel.ring_size={p.ring_size}" if p.ring_size is not None else ""
-        )
-        raise ConfigError(f"{keys}: {err}") from err
+        raise ConfigError(
+            f"parallel.sp_size={p.sp_size} / parallel.ring_size={ring}: {err}"
+        ) from err
 
 
 def layout_summary(cfg: JobConfig, layout: ParallelLayout) -> str:

@@ -31,7 +31,6 @@ from slurm_autosp.memory_plan.terms import (
     PolicyMemory,
     model_size,
     policy_memory,
-    ulysses_ring,
 )
 from slurm_autosp.model import compute_dtype
 
@@ -77,7 +76,7 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
     lay out the per-GPU memory under ZeRO-1 and ZeRO-3, and choose the stage and rung the
     config leaves open."""
     sp = cfg.parallel.sp_size
-    ulysses, ring = ulysses_ring(cfg)
+    ulysses, ring = cfg.parallel.ulysses_ring
     local_seq = -(-cfg.data.seq_len // sp)
     dtype = compute_dtype(cfg.precision)
     rungs = [*(Rung(spec) for spec in traced_specs(cfg)), *ladder(cfg)]

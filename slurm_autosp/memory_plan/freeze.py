@@ -5,11 +5,10 @@ different policy, tiling or offload would change the memory the job was admitted
 
 from __future__ import annotations
 
-from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.config import ActivationCheckpointing, JobConfig, StopAt
 from slurm_autosp.memory_plan.choose import TrainingChoices
 
-# The keys the plan (and, for the ring size, the layout) may decide; `adopt_frozen_choices`
+# The keys the plan (and, for the ring size, the config's loading) decided; `adopt_frozen_choices`
 # copies exactly these.
 FROZEN_KEYS = (
     ("parallel", "ring_size"),
@@ -27,10 +26,9 @@ FROZEN_KEYS = (
 
 
 def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> None:
-    """Set every key the plan may decide to what it decided, and a null ring size to the
-    split the layout resolves it to, so no later start plans or resolves again."""
+    """Set every key the plan may decide to what it decided, so no later start plans again
+    (the ring size was resolved as the config was loaded, and is recorded with them)."""
     spec = choices.checkpointing
-    cfg.parallel.ring_size = ring_size_for(cfg)
     cfg.parallel.zero_stage = choices.zero_stage
     cfg.compile.activation_checkpointing = spec.policy
     cfg.compile.activation_memory_budget = (

@@ -14,7 +14,6 @@ from slurm_autosp.memory_plan.terms import (
     MemoryPlan,
     bytes_per_element,
     kv_block_per_token,
-    ulysses_ring,
 )
 from slurm_autosp.memory_plan.verdict import verdict
 from slurm_autosp.model import hf_config
@@ -40,7 +39,7 @@ def render(plan: MemoryPlan) -> str:
     c = cfg.cluster
     hf = hf_config(cfg.model)
     policy_note = f", {plan.policy_note}" if plan.policy_note else ""
-    ulysses, ring = ulysses_ring(cfg)
+    ulysses, ring = cfg.parallel.ulysses_ring
     split = f" = Ulysses {ulysses} x ring {ring}" if ring > 1 else ""
     lines = [
         f"memory plan: {hf.model_type} {plan.parameters / 1e9:.2f}B parameters, {hf.num_hidden_layers} layers, "
@@ -115,7 +114,9 @@ def ring_line(plan: MemoryPlan) -> str:
     domains; the Ulysses all-to-alls stay inside the Ulysses group's domain."""
     cfg, memory = plan.cfg, plan.configured
     t = memory.trace
-    ulysses, ring = ulysses_ring(cfg)  # the Ulysses all-to-alls: over the Ulysses group only
+    ulysses, ring = (
+        cfg.parallel.ulysses_ring
+    )  # the Ulysses all-to-alls: over the Ulysses group only
     kv = 2 * kv_block_per_token(cfg, ulysses) * t.tokens  # K and V blocks
     forward = (ring - 1) * kv
     backward = (ring - 1) * kv * (1 + RING_GRADIENT_BYTES / bytes_per_element(cfg))

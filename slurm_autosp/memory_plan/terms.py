@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
 from slurm_autosp.lifecycle.run_dir import RunDir
@@ -100,17 +99,11 @@ def with_margin(subtotal: float) -> float:
     return subtotal * (1 + FRAGMENTATION)
 
 
-def ulysses_ring(cfg: JobConfig) -> tuple[int, int]:
-    """(Ulysses size, ring size) of the SP group: cluster.placement's one resolution."""
-    ring = ring_size_for(cfg)
-    return cfg.parallel.sp_size // ring, ring
-
-
 def communicators(cfg: JobConfig) -> int:
     """NCCL communicators a rank holds buffers for: the world's, and the SP and DP groups'
     where they are proper subgroups, and under a ring its Ulysses and ring groups."""
     sp, world = cfg.parallel.sp_size, cfg.cluster.world_size
-    _, ring = ulysses_ring(cfg)
+    _, ring = cfg.parallel.ulysses_ring
     return 1 + (1 < sp < world) + (1 < world // sp < world) + 2 * (ring > 1)
 
 
@@ -121,7 +114,7 @@ def outside_allocator(cfg: JobConfig) -> tuple[dict[str, float], str]:
     if not cfg.cluster.uses_gpus:
         return {}, ""
     run = RunDir(cfg.run.dir)
-    ulysses, ring = ulysses_ring(cfg)
+    ulysses, ring = cfg.parallel.ulysses_ring
     other = ""
     for path in (run.outside_allocator, run.probe_run.outside_allocator):
         recorded = OutsideAllocator.read(path)
@@ -162,7 +155,7 @@ def attention_backward_per_token(cfg: JobConfig) -> float:
     hf = hf_config(cfg.model)
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    ulysses, _ = ulysses_ring(cfg)
+    ulysses, _ = cfg.parallel.ulysses_ring
     q_width = heads * head_dim
     rank_kv_heads = max(1, kv_heads // ulysses)  # fewer than the Ulysses size: repeated
     expanded = 2 * bytes_per_element(cfg) * q_width if rank_kv_heads < heads // ulysses else 0
@@ -422,7 +415,7 @@ def policy_memory(
         "recompute_working": trace.working_bytes / tokens,
         # a tiled layer's schedule counts them (layer_graph.tiled_layer_trace)
         "attention_backward": 0.0 if rung.tiled else attention_backward_per_token(cfg),
-        "ring_kv_blocks": ring_blocks_per_token(cfg, *ulysses_ring(cfg)),
+        "ring_kv_blocks": ring_blocks_per_token(cfg, *cfg.parallel.ulysses_ring),
     }
     tile = tile_tokens_for(cfg, hf.intermediate_size, b, tokens) if rung.tiled else 0
     beside_tile = trace.tile_alongside_bytes  # a tiled layer's: see LayerTrace.working_bytes_with

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from slurm_autosp.config import ActivationCheckpointing, JobConfig
+from slurm_autosp.config import ActivationCheckpointing, JobConfig, resolve_ring_size
 from slurm_autosp.heads import divisors
 from slurm_autosp.memory_plan.choose import whole_model_graph
 from slurm_autosp.memory_plan.terms import (
@@ -15,7 +15,6 @@ from slurm_autosp.memory_plan.terms import (
     MemoryPlan,
     PolicyMemory,
     ring_blocks_per_token,
-    ulysses_ring,
 )
 
 
@@ -49,13 +48,14 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
         )
         per_layer = ", compile.per_layer=true" if other == 3 and whole_model_graph(cfg) else ""
         options.append(f"{what}{per_layer}) with: " + ", ".join(fitting))
-    ring_now = ring_blocks_per_token(cfg, *ulysses_ring(cfg))
+    ring_now = ring_blocks_per_token(cfg, *cfg.parallel.ulysses_ring)
     for sp in divisors(cfg.cluster.world_size):
         if sp <= cfg.parallel.sp_size:
             continue
         larger = copy.deepcopy(cfg)  # past the head count or a domain: Ulysses x ring
-        larger.parallel.sp_size, larger.parallel.ring_size = sp, None
-        ulysses, ring = ulysses_ring(larger)
+        larger.parallel.sp_size = sp
+        larger.parallel.ring_size = resolve_ring_size(larger)
+        ulysses, ring = larger.parallel.ulysses_ring
         extra_per_token = (ring_blocks_per_token(cfg, ulysses, ring) - ring_now) * (
             1 + FRAGMENTATION
         )

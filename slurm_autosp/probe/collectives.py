@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
-from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.config import JobConfig, Precision
 from slurm_autosp.memory_plan import model_size
 from slurm_autosp.memory_plan.terms import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
@@ -57,8 +56,7 @@ def step_messages(cfg: JobConfig, zero_stage: int) -> list[Message]:
     hf = hf_config(cfg.model)
     dtype, b = _element_bytes(cfg)
     sp, micro = cfg.parallel.sp_size, cfg.train.micro_batch
-    ring = ring_size_for(cfg)
-    ulysses = sp // ring
+    ulysses, ring = cfg.parallel.ulysses_ring
     local = -(-cfg.data.seq_len // sp)
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads

@@ -22,7 +22,6 @@ from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import StepTime
 from slurm_autosp.memory_plan import TrainingChoices
 from slurm_autosp.memory_plan.policies import spec_label
-from slurm_autosp.memory_plan.terms import ulysses_ring
 from slurm_autosp.metrics.outside_allocator import OutsideAllocator
 from slurm_autosp.probe.collectives import CollectiveTiming
 from slurm_autosp.probe.kernels import KernelCheck, KernelSummary, kernels_verdict, summarise
@@ -110,7 +109,7 @@ class ProbeReport:
         read = [b for r in self.ranks if (b := r.steps.outside_allocator_bytes) is not None]
         if not read:
             return None
-        ulysses, ring = ulysses_ring(self.cfg)
+        ulysses, ring = self.cfg.parallel.ulysses_ring
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "?"
         return OutsideAllocator(max(read), len(self.ranks), ulysses * ring, ring, device, 1)
 

@@ -60,7 +60,6 @@ import torch.multiprocessing as mp
 from slurm_autosp.admission import admit_model
 from slurm_autosp.cli import arguments, config_error
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache
-from slurm_autosp.cluster.placement import ring_size_for
 from slurm_autosp.config import ConfigError, JobConfig, load_config
 from slurm_autosp.model import build_model
 from slurm_autosp.verify.options import (
@@ -91,12 +90,10 @@ def run_verify(cfg: JobConfig, options: VerifyOptions) -> Report:
 
 
 def admit_verify(cfg: JobConfig, options: VerifyOptions) -> None:
-    """Refuse (ConfigError) what submit would, and what verify itself cannot run; fixes the
-    ring size a null `parallel.ring_size` resolves to, as a job would get it."""
+    """Refuse (ConfigError) what submit would, and what verify itself cannot run."""
     admit_model(cfg)  # as submit would
     admit_model(cfg, verify_seq_len(cfg.parallel.sp_size, options))  # and what verify runs
-    cfg.parallel.ring_size = ring_size_for(cfg)  # null: the split a job would get
-    verify_layout(cfg.parallel.sp_size, options, cfg.parallel.ring_size)  # one that can be had
+    verify_layout(cfg.parallel.sp_size, options, cfg.parallel.ulysses_ring[1])  # one that can be had
     _refuse_a_failing_copy(cfg, options)
 
 

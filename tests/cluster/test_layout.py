@@ -1,6 +1,7 @@
 """cluster.layout: SP groups (Ulysses groups inside NVLink domains, rings across them), DP
 across them, and the groups torch builds."""
 
+import math
 import os
 import sys
 
@@ -14,7 +15,7 @@ from slurm_autosp.cluster.layout import (
     derive_parallel_layout,
 )
 from slurm_autosp.cluster.parallel_dims import ParallelDims
-from slurm_autosp.cluster.placement import layout_for, layout_summary, ring_size_for
+from slurm_autosp.cluster.placement import expected_topology, layout_for, layout_summary
 from slurm_autosp.cluster.topology import ClusterTopology, NodeTopology, topology_from_profile
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.heads import auto_ring_size
@@ -276,7 +277,30 @@ LLAMA8B_8_NODES = ["cfg=configs/llama8b_4m.yaml", "cluster.nodes=8"]  # 32 heads
     ],
 )
 def test_a_null_ring_size_is_ulysses_as_large_as_heads_and_domain_allow(overrides, ring):
-    assert ring_size_for(load_config([*LLAMA8B_8_NODES, *overrides])) == ring
+    """Resolved once, as the config is loaded: every reader gets the number."""
+    assert load_config([*LLAMA8B_8_NODES, *overrides]).parallel.ring_size == ring
+
+
+@pytest.mark.parametrize(
+    ("nodes", "gpus", "domain"),
+    [
+        (1, 0, None),
+        (2, 8, None),
+        (2, 8, 4),
+        (3, 8, 2),
+        (4, 4, 72),
+        (36, 4, 72),
+        (20, 4, 72),
+        (1, 4, 16),
+    ],
+)
+def test_the_configs_domain_size_is_the_one_its_topology_has(nodes, gpus, domain):
+    """The ring size is resolved from the profile's NVLink domains before any topology is
+    built: the config's arithmetic gives what the topology's domains have in common."""
+    keys = [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}", "cluster.backend=slurm"]
+    cfg = load_config([*keys, *([f"cluster.nvlink_domain_size={domain}"] if domain else [])])
+    sizes = expected_topology(cfg.cluster).domain_sizes
+    assert cfg.cluster.nvlink_domain_gcd() == math.gcd(*sizes), sizes
 
 
 def test_auto_ring_size_on_nvl72_racks_meets_heads_and_domain():
