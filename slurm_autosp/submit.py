@@ -38,10 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     argv, force = take_flag(argv, "--force")
     try:
-        cfg = load_config(argv)
+        return submit(load_config(argv), force)
     except ConfigError as err:
         return config_error(err)
-    return submit(cfg, force)
 
 
 if __name__ == "__main__":

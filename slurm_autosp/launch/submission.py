@@ -8,10 +8,9 @@ import os
 import socket
 
 from slurm_autosp.admission import admit
-from slurm_autosp.cli import config_error
 from slurm_autosp.cluster.layout import ParallelLayout
 from slurm_autosp.cluster.placement import layout_summary
-from slurm_autosp.config import Backend, ConfigError, JobConfig, to_yaml
+from slurm_autosp.config import Backend, JobConfig, to_yaml
 from slurm_autosp.launch.executor import build_executor, resolve_backend, sbatch_script
 from slurm_autosp.launch.job import LockClaim, TrainingJob, collective_env_for
 from slurm_autosp.launch.watch import follow, next_steps
@@ -49,21 +48,19 @@ def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -
 def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJob) -> int:
     """Admit (every check before queueing, see `slurm_autosp.admission`) and submit a loaded
     config: what `main` does after loading it, and what the probe does with its own config
-    (an object, so no value is re-read as text)."""
+    (an object, so no value is re-read as text). Refusals raise ConfigError, before anything
+    is queued or written; the command prints them."""
     submission = RunLock(str(os.getpid()), SUBMITTING, socket.gethostname())
-    try:
-        admission = admit(cfg, saves_checkpoints=job_type.saves_checkpoints)
-        layout = admission.layout
-        backend = resolve_backend(cfg.cluster.backend)
-        if cfg.dry_run:  # the plan is printed even when the job does not fit
-            print(describe_dry_run(cfg, backend, layout))
-            print(admission.plan.text)
-            return 0
-        executor = build_executor(cfg, backend)
-        admission.refuse_unless_fits()
-        prepare_run_dir(cfg, submission, force=force)
-    except ConfigError as err:
-        return config_error(err)
+    admission = admit(cfg, saves_checkpoints=job_type.saves_checkpoints)
+    layout = admission.layout
+    backend = resolve_backend(cfg.cluster.backend)
+    if cfg.dry_run:  # the plan is printed even when the job does not fit
+        print(describe_dry_run(cfg, backend, layout))
+        print(admission.plan.text)
+        return 0
+    executor = build_executor(cfg, backend)
+    admission.refuse_unless_fits()
+    prepare_run_dir(cfg, submission, force=force)
     try:
         job = executor.submit(job_type(cfg, LockClaim(handed_over_by=submission)))
     except BaseException:

@@ -54,10 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     settings, force = take_flag(argv, "--force")
     try:
-        cfg = probe_config(load_config(settings))
+        return submit(probe_config(load_config(settings)), force, job_type=ProbeJob)
     except ConfigError as err:
         return config_error(err)
-    return submit(cfg, force, job_type=ProbeJob)
 
 
 if __name__ == "__main__":
