@@ -89,7 +89,7 @@ def admit(
     plan that changed since (code, torch or the plan's figures, or the step its first start
     measured)."""
     if recorded is not None:
-        adopt_frozen_choices(cfg, recorded)
+        cfg = adopt_frozen_choices(cfg, recorded)
     admit_model(cfg)
     admit_data(cfg)
     layout = layout_for(cfg)
@@ -98,7 +98,7 @@ def admit(
         plan = PlanVerdict(ADOPTED, True, "", training_choices(cfg))
     else:
         plan = plan_verdict(cfg)
-        freeze_choices(cfg, plan.choices)
+        cfg = freeze_choices(cfg, plan.choices)
     refuse_tiled_router_loss(cfg, plan.choices.tile_tokens)
     if plan.late and plan.fits and saves_checkpoints:  # not fitting is refused first, by name
         raise SignalDelayTooShort(f"{plan.late}\n{plan.text}")

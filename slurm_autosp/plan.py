@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from dataclasses import replace
 
 from slurm_autosp.admission import admit_model
 from slurm_autosp.cli import arguments, config_error
@@ -37,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         return config_error(err)
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
-    if not cfg.cluster.uses_gpus:
-        cfg.cluster.gpus_per_node = cfg.cluster.ranks_per_node  # plan as if each rank had a GPU
+    if not cfg.cluster.uses_gpus:  # plan as if each rank had a GPU
+        cfg = replace(cfg, cluster=replace(cfg.cluster, gpus_per_node=cfg.cluster.ranks_per_node))
         print(
             f"(CPU config: planned as {cfg.cluster.gpus_per_node} GPUs per node of {cfg.cluster.gpu_memory_gb:g} GB)"
         )

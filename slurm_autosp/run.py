@@ -39,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
     restarted = os.environ.get("SLURM_RESTART_COUNT", "0") != "0"
     try:
-        cfg = load_config(argv)
-        admit_start(cfg, restarted)
+        cfg = admit_start(load_config(argv), restarted).cfg
         TrainingJob(cfg, LockClaim(force=force, record_config=not restarted))()
     except ConfigError as err:
         return config_error(err)

@@ -28,8 +28,7 @@ def no_replanning(monkeypatch):
 def frozen_llama70b(tmp_path):
     cfg = load_config(["cfg=configs/llama70b_128k.yaml", f"run.output_root={tmp_path}"])
     plan = plan_verdict(cfg)
-    freeze_choices(cfg, plan.choices)
-    return cfg, plan.choices
+    return freeze_choices(cfg, plan.choices), plan.choices
 
 
 def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_replanning):
@@ -73,8 +72,8 @@ def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
     )
     first.run.dir.mkdir(parents=True)
     (first.run.dir / "config.yaml").write_text(to_yaml(first))
-    requeued = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
-    admit_start(requeued, restarted=True)
+    loaded = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
+    requeued = admit_start(loaded, restarted=True).cfg
     assert training_choices(requeued) == TrainingChoices(
         3,
         ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5),

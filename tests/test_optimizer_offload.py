@@ -131,7 +131,6 @@ def test_the_step_cost_is_the_host_adam_over_the_node_share_of_the_parameters(lo
 
 
 def test_the_choice_is_frozen_into_the_config(long_plan):
-    cfg = load_config(LONG_8B)
-    freeze_choices(cfg, choices_from_plan(long_plan))
+    cfg = freeze_choices(load_config(LONG_8B), choices_from_plan(long_plan))
     assert ("parallel", "offload_optimizer") in FROZEN_KEYS
     assert cfg.parallel.offload_optimizer is True

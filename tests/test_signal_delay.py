@@ -127,9 +127,10 @@ def test_a_long_step_stops_within_two_layers_and_the_delay_covers_only_those(tmp
 def test_llama8b_4m_stops_at_layers_saves_every_step_and_is_admitted_at_900_s(tmp_path):
     cfg = load_config(["cfg=configs/llama8b_4m.yaml", f"run.output_root={tmp_path}"])
     assert cfg.cluster.signal_delay_s == 900
-    admit(cfg)
-    assert cfg.cluster.stop_at is StopAt.layer  # frozen by admission
-    assert cfg.checkpoint.every_steps == 1
+    admitted = admit(cfg).cfg
+    assert admitted.cluster.stop_at is StopAt.layer  # frozen by admission
+    assert admitted.checkpoint.every_steps == 1
+    assert cfg.cluster.stop_at is None  # into a new config: the loaded one is never edited
 
 
 def test_cpu_and_builder_jobs_are_not_held_to_a_step_and_a_save(tmp_path):

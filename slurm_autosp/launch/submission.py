@@ -52,7 +52,7 @@ def submit(cfg: JobConfig, force: bool, job_type: type[TrainingJob] = TrainingJo
     is queued or written; the command prints them."""
     submission = RunLock(str(os.getpid()), SUBMITTING, socket.gethostname())
     admission = admit(cfg, saves_checkpoints=job_type.saves_checkpoints)
-    layout = admission.layout
+    cfg, layout = admission.cfg, admission.layout
     backend = resolve_backend(cfg.cluster.backend)
     if cfg.dry_run:  # the plan is printed even when the job does not fit
         print(describe_dry_run(cfg, backend, layout))

@@ -5,6 +5,8 @@ different policy, tiling or offload would change the memory the job was admitted
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from slurm_autosp.config import ActivationCheckpointing, JobConfig, StopAt
 from slurm_autosp.memory_plan.choose import TrainingChoices
 
@@ -25,25 +27,54 @@ FROZEN_KEYS = (
 )
 
 
-def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> None:
-    """Set every key the plan may decide to what it decided, so no later start plans again
-    (the ring size was resolved as the config was loaded, and is recorded with them)."""
+def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> JobConfig:
+    """`cfg` with every key the plan may decide set to what it decided, so no later start
+    plans again (the ring size was resolved as the config was loaded, and is recorded with
+    them). A new config: the loaded one is never edited."""
     spec = choices.checkpointing
-    cfg.parallel.zero_stage = choices.zero_stage
-    cfg.compile.activation_checkpointing = spec.policy
-    cfg.compile.activation_memory_budget = (
-        spec.budget if spec.policy is ActivationCheckpointing.sac else None
+    return replace(
+        cfg,
+        parallel=replace(
+            cfg.parallel,
+            zero_stage=choices.zero_stage,
+            offload_optimizer=choices.offload_optimizer,
+        ),
+        compile=replace(
+            cfg.compile,
+            activation_checkpointing=spec.policy,
+            activation_memory_budget=(
+                spec.budget if spec.policy is ActivationCheckpointing.sac else None
+            ),
+            recompute_all_to_all=spec.recompute_all_to_all,
+            tile_tokens=choices.tile_tokens,
+            offload_activations=choices.offload_activations,
+        ),
+        checkpoint=replace(
+            cfg.checkpoint,
+            async_save=choices.async_save,
+            every_steps=choices.save_every_steps,
+        ),
+        cluster=replace(
+            cfg.cluster, stop_at=StopAt.layer if choices.stop_at_layers else StopAt.step
+        ),
     )
-    cfg.compile.recompute_all_to_all = spec.recompute_all_to_all
-    cfg.compile.tile_tokens = choices.tile_tokens
-    cfg.compile.offload_activations = choices.offload_activations
-    cfg.parallel.offload_optimizer = choices.offload_optimizer
-    cfg.checkpoint.async_save = choices.async_save
-    cfg.cluster.stop_at = StopAt.layer if choices.stop_at_layers else StopAt.step
-    cfg.checkpoint.every_steps = choices.save_every_steps
 
 
-def adopt_frozen_choices(cfg: JobConfig, recorded: JobConfig) -> None:
-    """Take the choices frozen into `recorded` (the config the run's first start wrote)."""
-    for section, key in FROZEN_KEYS:
-        setattr(getattr(cfg, section), key, getattr(getattr(recorded, section), key))
+def adopt_frozen_choices(cfg: JobConfig, recorded: JobConfig) -> JobConfig:
+    """`cfg` with the choices frozen into `recorded` (the config the run's first start wrote);
+    a new config."""
+    sections = {section for section, _ in FROZEN_KEYS}
+    return replace(
+        cfg,
+        **{
+            section: replace(
+                getattr(cfg, section),
+                **{
+                    k: getattr(getattr(recorded, section), k)
+                    for s, k in FROZEN_KEYS
+                    if s == section
+                },
+            )
+            for section in sections
+        },
+    )
