@@ -149,14 +149,15 @@ def train(
                 backend.require_sdpa_found()
             losses.append(loss)
             done = step + 1
-            if step == first_step:  # every collective of training has run once
-                record_outside_allocator(RunDir(cfg.run.dir).outside_allocator, dims, done)
             tracer.log_step(done, loss, lr, engine.grad_norm())
             if evaluator is not None and evaluator.due(done):
                 evaluator.report(done, evaluator.evaluate(engine), tracer.writer)
             save_due, stop_now, writing = _agree(
                 dims, schedule.due(done), stop.requested, saves.writing()
             )
+            if step == first_step:  # every collective of a step has run once, NCCL sized them
+                path = RunDir(cfg.run.dir).outside_allocator
+                record_outside_allocator(path, dims, choices.zero_stage, done)
             saves.commit_written(writing)
             last = stop_now or done == cfg.train.steps
             if save_due or last:

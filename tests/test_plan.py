@@ -134,7 +134,7 @@ def test_equal_query_and_key_value_heads_need_no_expanded_gradients_and_cpu_rank
     two_nodes = load_config(["cfg=configs/llama8b_32k.yaml", "cluster.nodes=2"])
     assert communicators(two_nodes) == 3  # the world's, an SP group's and a DP group's
     cpu = load_config(["cfg=configs/tiny_cpu.yaml"])
-    assert outside_allocator(cpu) == ({}, "")
+    assert outside_allocator(cpu, 1) == ({}, "")
 
 
 @pytest.mark.parametrize("plan_fixture", ["llama70b_plan", "llama8b_plan"])
@@ -374,8 +374,10 @@ def test_zero3_terms_are_fsdp2_fp32_shards_plus_gathered_bf16_layers(llama70b_pl
     root = 2 * head + m.hidden_size
     params = layer * m.num_hidden_layers + root
     assert llama70b_plan.parameters == params
-    zero1_memory = llama70b_plan.memories[1][llama70b_plan.configured.rung]
-    zero3, zero1 = llama70b_plan.configured.terms, zero1_memory.terms
+    zero3, zero1 = (
+        llama70b_plan.configured.terms,
+        llama70b_plan.memories[1][llama70b_plan.configured.rung].terms,
+    )
     assert zero3["parameters"] == zero3["gradients"] == 4 * params / world
     assert zero3["optimizer_shard"] == 8 * params / world
     assert zero3["parameters"] + zero3["gradients"] + zero3["optimizer_shard"] == pytest.approx(
@@ -383,16 +385,9 @@ def test_zero3_terms_are_fsdp2_fp32_shards_plus_gathered_bf16_layers(llama70b_pl
     )
     assert zero3["gathered_weights"] == 2 * (root + 2 * layer + head) + (2 + 4) * layer
     assert zero1["communication"] == zero3["communication"]  # the all-to-all's alone
-    # DeepSpeed's buckets (an fp32 reduce, a bf16 all-gather) live after backward, beside the
-    # model state alone: none under ZeRO-3
-    assert zero1_memory.after_backward == {
-        "parameters": zero1["parameters"],
-        "gradients": zero1["gradients"],
-        "optimizer_shard": zero1["optimizer_shard"],
-        "reduce_buckets": 5e8 * (4 + 2),
-        "cublas_workspace": 64 * 2**20,
-    }
-    assert "reduce_buckets" not in llama70b_plan.configured.after_backward
+    # ZeRO-1 in bf16: each bf16 gradient and its fp32 copy, at most the 128k x 8192 embedding's
+    assert zero1["gradient_conversion"] == (2 + 4) * head
+    assert "gradient_conversion" not in zero3 and "reduce_bucket" not in zero3
     assert "gathered_weights" not in zero1
 
 
@@ -630,11 +625,11 @@ def test_memory_outside_the_allocator_a_job_measured_replaces_the_estimate(tmp_p
     cfg = load_config(keys)
     path = RunDir(cfg.run.dir).outside_allocator
     path.parent.mkdir(parents=True)
-    estimated, source = outside_allocator(cfg)
+    estimated, source = outside_allocator(cfg, 1)
     assert estimated == {"cuda_context": 0.6e9, "nccl_buffers": 2**28}
     assert source == "estimated until a job of this layout measures it"
 
-    record = OutsideAllocator(3.1e9, 8, 8, 1, "NVIDIA H100 80GB HBM3", 1)
+    record = OutsideAllocator(3.1e9, 8, 8, 1, 1, "NVIDIA H100 80GB HBM3", 1)
     record.write(path)
     assert OutsideAllocator.read(path) == record
     plan = build_plan(cfg)
@@ -645,42 +640,38 @@ def test_memory_outside_the_allocator_a_job_measured_replaces_the_estimate(tmp_p
         plan
     )
 
-    two_nodes, source = outside_allocator(load_config([*keys, "cluster.nodes=2"]))
+    two_nodes, source = outside_allocator(load_config([*keys, "cluster.nodes=2"]), 1)
     assert two_nodes == {"cuda_context": 0.6e9, "nccl_buffers": 3 * 2**28}
-    assert "holds another layout's (world 8, SP 8, ring 1)" in source, source
+    assert "holds another layout's (world 8, SP 8, ring 1, ZeRO-1)" in source, source
+    fsdp2, _ = outside_allocator(cfg, 3)  # DeepSpeed builds communicators FSDP2 does not
+    assert fsdp2 == estimated
 
     probe = RunDir(cfg.run.dir).probe_run.outside_allocator  # the run's own comes first
     probe.parent.mkdir(parents=True)
-    OutsideAllocator(2.5e9, 8, 8, 1, "NVIDIA H100 80GB HBM3", 1).write(probe)
-    assert outside_allocator(cfg)[0] == {"outside_allocator": 3.1e9}
+    OutsideAllocator(2.5e9, 8, 8, 1, 1, "NVIDIA H100 80GB HBM3", 1).write(probe)
+    assert outside_allocator(cfg, 1)[0] == {"outside_allocator": 3.1e9}
     path.unlink()
-    assert outside_allocator(cfg)[0] == {"outside_allocator": 2.5e9}
+    assert outside_allocator(cfg, 1)[0] == {"outside_allocator": 2.5e9}
     probe.unlink()
 
     path.write_text('{"bytes": -1}')
     with pytest.raises(ConfigError, match="not a record of memory outside torch's allocator"):
-        outside_allocator(cfg)
+        outside_allocator(cfg, 1)
 
 
-def test_zero1_buckets_count_after_backward_where_they_set_the_peak_only_at_short_sequences():
-    """DeepSpeed reduces after backward: its 3 GB of buckets do not add to the activations'
-    peak. At 32k tokens the activations' phase is the peak; at 512 tokens the phase after
-    backward is, and the plan's total is the model state plus the buckets."""
-    long = build_plan(load_config(["cfg=configs/llama8b_32k.yaml", "parallel.zero_stage=1"]))
-    memory = long.configured
-    assert not memory.peak_after_backward
-    assert memory.subtotal == pytest.approx(sum(memory.terms.values()))
-    assert "below the above" in render(long)
-    short = build_plan(
-        load_config(["cfg=configs/llama8b_32k.yaml", "parallel.zero_stage=1", "data.seq_len=512"])
-    )
-    memory = short.configured
-    assert memory.peak_after_backward
-    state = memory.after_backward
-    assert memory.allocator_total == pytest.approx(1.05 * sum(state.values()))
-    assert memory.total_at(1) == pytest.approx(memory.total)
-    assert "sets the peak in place of the above" in render(short)
-    assert memory.longest_local_seq(memory.total - 1) == 0  # not even the state fits
+def test_zero1_counts_the_gradients_way_into_deepspeed_as_each_of_its_optimizers_takes_it():
+    """bf16 without optimizer offload runs BF16_Optimizer: no bucket, the reduction in place on
+    its flat fp32 gradient, but each bf16 gradient's fp32 copy as it is added in (6 bytes a
+    parameter of the largest tensor); fp32, or optimizer offload, runs DeepSpeed's ZeRO
+    optimizer and its 5e8-element fp32 reduce bucket, allocated during backward."""
+    keys = ["cfg=configs/llama8b_32k.yaml", "parallel.zero_stage=1"]
+    bf16 = build_plan(load_config(keys)).configured.terms
+    assert bf16["gradient_conversion"] == 6 * 128_256 * 4096 and "reduce_bucket" not in bf16
+    offloaded = build_plan(load_config([*keys, "parallel.offload_optimizer=true"])).configured
+    assert offloaded.terms["reduce_bucket"] == 5e8 * 4
+    assert "gradient_conversion" not in offloaded.terms
+    tiny = build_plan(load_config(["cfg=configs/tiny_cpu.yaml", "parallel.zero_stage=1"]))
+    assert tiny.configured.terms["reduce_bucket"] == 5e8 * 4  # fp32
 
 
 def test_offloaded_activations_whose_copies_fall_behind_the_forward_stay_on_the_gpu():

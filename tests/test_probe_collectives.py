@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from slurm_autosp.config import load_config
+from slurm_autosp.memory_plan.terms import model_size
 from slurm_autosp.probe.collectives import CollectiveTiming, step_messages
 from slurm_autosp.probe.timing import CALLS, SAMPLES, WARMUP
 from tests._dist_pool import dist_pools as dist_pools  # the session's pools
@@ -75,12 +76,12 @@ def _reduction(*overrides, stage):
 
 def test_the_gradient_reduction_is_timed_over_every_rank_in_fp32_as_each_engine_sends_it():
     """SP ranks reduce gradients too (DP=1 at SP=2 still reduces over both), always in fp32:
-    DeepSpeed's BF16_Optimizer all-reduces buckets closed once past reduce_bucket_size (up to
-    5e8 plus the 128k x 4096 embedding at Llama-8B: 4.1 GB), its fp32 optimizer reduce-scatters
+    DeepSpeed's BF16_Optimizer all-reduces its flat fp32 gradient whole (one parameter group:
+    one tensor past reduce_bucket_size; 32 GB at Llama-8B), its fp32 optimizer reduce-scatters
     buckets of 5e8, FSDP2 reduce-scatters one layer and never all-reduces."""
     [bf16] = _reduction("llama8b_32k.yaml", stage=1)
     assert (bf16.collective, bf16.dtype) == ("all_reduce", torch.float32)
-    assert bf16.nbytes == (500_000_000 + 128_256 * 4096) * 4  # 4.1 GB
+    assert bf16.nbytes == model_size(load_config(["cfg=configs/llama8b_32k.yaml"])).total * 4
     [fp32] = _reduction("llama8b_32k.yaml", "train.precision=fp32", stage=1)
     assert (fp32.collective, fp32.nbytes) == ("reduce_scatter", 500_000_000 * 4)
     [layer] = _reduction("llama8b_32k.yaml", stage=3)

@@ -50,18 +50,8 @@ def render(plan: MemoryPlan) -> str:
     ]
     for name, value in memory.terms.items():
         lines.append(f"  {name:<26}{_gb(value)}")
-    if "reduce_buckets" in memory.after_backward:
-        sets = (
-            "sets the peak in place of the above"
-            if memory.peak_after_backward
-            else "below the above"
-        )
-        lines.append(
-            f"  {'reduce_buckets':<26}{_gb(memory.after_backward['reduce_buckets'])}   "
-            f"(after backward, with the model state alone: {_gb(memory.after_backward_subtotal).strip()}, {sets})"
-        )
     lines.append(
-        f"  {'fragmentation_margin':<26}{_gb(memory.margin)}   ({FRAGMENTATION:.0%} of the peak: expandable segments)"
+        f"  {'fragmentation_margin':<26}{_gb(memory.margin)}   ({FRAGMENTATION:.0%} of the above: expandable segments)"
     )
     for name, value in memory.outside.items():
         lines.append(f"  {name:<26}{_gb(value)}   (outside torch's allocator)")

@@ -43,10 +43,12 @@ bf16, 4 in fp32) and `world` ranks:
   outside torch's allocator, the CUDA context and NCCL's buffers per communicator, or, once a
   job of the run's layout has run a step, what it measured (metrics.outside_allocator);
 - fragmentation: 5% of the allocator's terms (the job runs with expandable segments).
-The terms above are the step's peak while activations live (forward and backward). Under ZeRO-1
-DeepSpeed reduces the gradient after backward, when the activations are gone: its reduce bucket
-(5e8 fp32 elements) and all-gather bucket (5e8 elements of the training dtype) live beside the
-model state only (`after_backward`), and the allocator's peak is the larger of the two phases.
+Under ZeRO-1 the gradient's way into DeepSpeed, at the top of backward while the activations
+live: with bf16 (BF16_Optimizer) each bf16 gradient and its fp32 copy as it is added into the
+fp32 gradient, at most the largest tensor's (`gradient_conversion`); the reduction then runs in
+place on that flat fp32 gradient, after backward, with no bucket. Otherwise (fp32, optimizer
+offload: DeepSpeed's ZeRO optimizer) its fp32 reduce bucket of 5e8 elements, allocated at the
+first gradient hook (`reduce_bucket`); the all-gather of the updated weights runs in place.
 Optimizer offload moves state from the GPU to host memory: under ZeRO-1 (DeepSpeed's
 ZeRO-Offload) the optimizer shard, plus a pinned b-byte staging copy of the rank's parameter
 partition on the host; under ZeRO-3 (FSDP2's CPUOffloadPolicy) the fp32 parameter and gradient
@@ -107,7 +109,7 @@ def communicators(cfg: JobConfig) -> int:
     return 1 + (1 < sp < world) + (1 < world // sp < world) + 2 * (ring > 1)
 
 
-def outside_allocator(cfg: JobConfig) -> tuple[dict[str, float], str]:
+def outside_allocator(cfg: JobConfig, zero_stage: int) -> tuple[dict[str, float], str]:
     """GPU memory torch's allocator never sees (none on CPU ranks), and where the figure comes
     from: measured after the first step by the run's own job, else by its probe, where it ran
     this layout (metrics.outside_allocator); else estimated."""
@@ -120,14 +122,14 @@ def outside_allocator(cfg: JobConfig) -> tuple[dict[str, float], str]:
         recorded = OutsideAllocator.read(path)
         if recorded is None:
             continue
-        if recorded.matches(cfg.cluster.world_size, ulysses * ring, ring):
+        if recorded.matches(cfg.cluster.world_size, ulysses * ring, ring, zero_stage):
             return {"outside_allocator": recorded.bytes}, (
                 f"measured on {recorded.device} after step {recorded.step}, the busiest rank: "
                 f"{path}"
             )
         other += (
             f"; {path} holds another layout's (world {recorded.world_size}, SP "
-            f"{recorded.sp_size}, ring {recorded.ring_size})"
+            f"{recorded.sp_size}, ring {recorded.ring_size}, ZeRO-{recorded.zero_stage})"
         )
     return {
         "cuda_context": CUDA_CONTEXT_BYTES,
@@ -195,6 +197,7 @@ class ModelSize:
     root: int
     head: int  # the lm_head weight (the embedding's when tied)
     in_layers: int  # every decoder layer's parameters together
+    largest: int  # the largest single tensor: the embedding, or a layer's (an MoE's experts)
 
     @property
     def total(self) -> int:
@@ -207,18 +210,18 @@ def model_size(cfg: JobConfig) -> ModelSize:
     layer_class, _ = hf_layer_classes(cfg.model)
     config = hf_config(cfg.model)
     with torch.device("meta"):
-        layers = [
-            sum(p.numel() for p in layer_class(config, i).parameters())
-            for i in range(config.num_hidden_layers)
-        ]
+        built = [layer_class(config, i) for i in range(config.num_hidden_layers)]
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in built]
     embedding = config.vocab_size * config.hidden_size
     head = 0 if getattr(config, "tie_word_embeddings", False) else embedding
+    largest = max(p.numel() for layer in built for p in layer.parameters())
     return ModelSize(
         int(max(layers)),
         config.num_hidden_layers,
         embedding + head + config.hidden_size,
         embedding,
         int(sum(layers)),
+        int(max(embedding, largest)),
     )
 
 
@@ -244,9 +247,6 @@ class PolicyMemory:
     # bytes outside torch's allocator: the CUDA context, NCCL's buffers
     outside: dict[str, float] = field(default_factory=dict)
     outside_source: str = ""  # measured or estimated, and by what
-    # the phase after backward, when the activations are gone: the model state, the cuBLAS
-    # workspace and ZeRO-1's reduce and all-gather buckets (name -> bytes, in print order)
-    after_backward: dict[str, float] = field(default_factory=dict)
 
     @property
     def spec(self) -> ActivationCheckpointSpec:
@@ -265,17 +265,7 @@ class PolicyMemory:
 
     @property
     def subtotal(self) -> float:
-        """The allocator's bytes at the step's peak, the larger phase's."""
-        return max(sum(self.terms.values()), self.after_backward_subtotal)
-
-    @property
-    def after_backward_subtotal(self) -> float:
-        return sum(self.after_backward.values())
-
-    @property
-    def peak_after_backward(self) -> bool:
-        """Whether the phase after backward, not the activations', sets the peak."""
-        return self.after_backward_subtotal > sum(self.terms.values())
+        return sum(self.terms.values())
 
     @property
     def margin(self) -> float:
@@ -294,8 +284,7 @@ class PolicyMemory:
     def total_at(self, tokens: float) -> float:
         """The total, margin and memory outside the allocator included, at `tokens` local
         tokens instead of the traced ones."""
-        step = self.fixed + self.per_token * tokens + self.excess_at(tokens)
-        allocator = with_margin(max(step, self.after_backward_subtotal))
+        allocator = with_margin(self.fixed + self.per_token * tokens + self.excess_at(tokens))
         return allocator + sum(self.outside.values())
 
     @property
@@ -304,8 +293,6 @@ class PolicyMemory:
 
     def longest_local_seq(self, gpu_bytes: float) -> int:
         room = (gpu_bytes - sum(self.outside.values())) / (1 + FRAGMENTATION) - self.fixed
-        if room + self.fixed < self.after_backward_subtotal:
-            return 0
         longest = max(0, int(room // self.per_token)) if self.per_token else 0
         excess_per_token, excess_fixed = self.tile_excess
         if excess_fixed and self.per_token + excess_per_token > 0:  # both branches must fit
@@ -435,6 +422,7 @@ def policy_memory(
     terms = {
         **state,
         **({"gathered_weights": _gathered_weights(cfg, size)} if zero_stage == 3 else {}),
+        **(_zero1_gradient_path(cfg, size, rung) if zero_stage == 1 else {}),
         "activations": per_token["activations"] * tokens,
         "logits_and_loss": per_token["logits_and_loss_saved"] * tokens + logits_chunk,
         "communication": per_token["communication_all_to_all"] * tokens,
@@ -470,19 +458,15 @@ def policy_memory(
         tile,
         host_state + (SLAB_BYTES if rung.offload else 0.0),
         tile_excess,
-        *outside_allocator(cfg),
-        _after_backward(cfg, state, zero_stage),
+        *outside_allocator(cfg, zero_stage),
     )
 
 
-def _after_backward(cfg: JobConfig, state: dict[str, float], zero_stage: int) -> dict[str, float]:
-    """The allocator's terms once backward has freed the activations: the model state, and
-    under ZeRO-1 DeepSpeed's reduce and all-gather buckets (it reduces after backward:
-    overlap_comm is off at stage 1, and BF16_Optimizer reduces its fp32 gradient after)."""
-    buckets = (
-        {"reduce_buckets": ZERO_BUCKET_ELEMENTS * (REDUCE_BYTES + bytes_per_element(cfg))}
-        if zero_stage == 1
-        else {}
-    )
-    workspace = {"cublas_workspace": CUBLAS_WORKSPACE_BYTES} if cfg.cluster.uses_gpus else {}
-    return {**state, **buckets, **workspace}
+def _zero1_gradient_path(cfg: JobConfig, size: ModelSize, rung: Rung) -> dict[str, float]:
+    """What ZeRO-1's gradients take on their way into DeepSpeed during backward (see the
+    module docstring): DeepSpeed runs BF16_Optimizer for bf16 without optimizer offload, its
+    ZeRO optimizer otherwise (runtime/engine.py, _configure_zero_optimizer's choice)."""
+    b = bytes_per_element(cfg)
+    if b == 2 and not rung.offload_optimizer:
+        return {"gradient_conversion": (b + REDUCE_BYTES) * size.largest}
+    return {"reduce_bucket": ZERO_BUCKET_ELEMENTS * REDUCE_BYTES}

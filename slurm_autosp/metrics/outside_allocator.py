@@ -28,11 +28,17 @@ class OutsideAllocator:
     world_size: int
     sp_size: int
     ring_size: int
+    zero_stage: int  # the engine: DeepSpeed (1) builds communicators of its own, FSDP2 (3) not
     device: str  # the GPU's name, as torch reports it
     step: int  # read after this step, the job's first
 
-    def matches(self, world_size: int, sp_size: int, ring_size: int) -> bool:
-        return (self.world_size, self.sp_size, self.ring_size) == (world_size, sp_size, ring_size)
+    def matches(self, world_size: int, sp_size: int, ring_size: int, zero_stage: int) -> bool:
+        return (self.world_size, self.sp_size, self.ring_size, self.zero_stage) == (
+            world_size,
+            sp_size,
+            ring_size,
+            zero_stage,
+        )
 
     def write(self, path: Path) -> None:
         write_record(self, path)
@@ -43,7 +49,11 @@ class OutsideAllocator:
             cls,
             path,
             "memory outside torch's allocator",
-            lambda r: r.bytes >= 0 and min(r.world_size, r.sp_size, r.ring_size) > 0,
+            lambda r: (
+                r.bytes >= 0
+                and min(r.world_size, r.sp_size, r.ring_size) > 0
+                and r.zero_stage in (1, 3)
+            ),
         )
 
 
@@ -57,7 +67,7 @@ def used_outside_allocator(device: torch.device) -> float | None:
     return float(total - free - torch.cuda.memory_reserved(device))
 
 
-def record_outside_allocator(path: Path, dims: ParallelDims, step: int) -> None:
+def record_outside_allocator(path: Path, dims: ParallelDims, zero_stage: int, step: int) -> None:
     """Every rank, after the job's first step: the largest reading over the ranks, recorded by
     rank 0. Nothing on CPU ranks."""
     local = used_outside_allocator(dims.device)
@@ -72,6 +82,7 @@ def record_outside_allocator(path: Path, dims: ParallelDims, step: int) -> None:
             layout.world_size,
             layout.sp_size,
             layout.ring_size,
+            zero_stage,
             torch.cuda.get_device_name(dims.device),
             step,
         ).write(path)

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 MIB = 2**20
 _STATS = ("peak", "peak_reserved", "data", "forward_backward", "optimizer")
 STEP_TIME_SAMPLES = 3  # timed steps whose median a job records as the run's step time
+FLUSH_S = 10  # at most this late, a step's events are in the file a reader sees
 
 
 class Phases(Protocol):
@@ -164,7 +165,11 @@ class StepTracer:
             # A resumed run may have logged steps past its checkpoint before it stopped:
             # purge_step makes TensorBoard drop those, so curves have no duplicate steps.
             purge = first_step + 1 if first_step else None
-            self.writer = SummaryWriter(str(RunDir(cfg.run.dir).tensorboard), purge_step=purge)
+            # tensorboardX's writer thread reaches the file every flush_secs (its flush() does
+            # not wait for the events queued before it); close() writes them all
+            self.writer = SummaryWriter(
+                str(RunDir(cfg.run.dir).tensorboard), purge_step=purge, flush_secs=FLUSH_S
+            )
             self._write_run_text(self.writer, first_step, layout)
 
     def note(self, tag: str, markdown: str, step: int) -> None:
@@ -338,7 +343,6 @@ class StepTracer:
             "traces": [dict(trace.to_dict(), roles=roles) for roles, trace in traces],
         }
         (self.memory_dir / f"step_{step:08d}.json").write_text(json.dumps(sidecar))
-        writer.flush()
 
     def _write_run_text(self, w: SummaryWriter, first_step: int, layout: Any) -> None:
         w.add_text("run/config", "```\n" + to_yaml(self.cfg) + "\n```", first_step)

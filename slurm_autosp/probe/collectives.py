@@ -87,15 +87,14 @@ def gradient_reduction(cfg: JobConfig, zero_stage: int) -> Message:
     """The gradients' reduction as the engine sends it: over the whole world (SP ranks hold
     partial gradients of the same weights, and neither engine is told of SP: `loss_scale` undoes
     the average), in fp32 either way (REDUCE_BYTES). FSDP2 reduce-scatters each layer over its
-    1-D mesh; DeepSpeed's BF16_Optimizer all-reduces buckets, each sent once it holds more than
-    reduce_bucket_size elements (so up to that plus the largest tensor, the embedding or
-    lm_head); ZeRO-1's fp32 optimizer reduce-scatters buckets of reduce_bucket_size."""
+    1-D mesh; DeepSpeed's BF16_Optimizer all-reduces its flat fp32 gradient (one parameter
+    group: one tensor, past reduce_bucket_size, so sent whole, in place); ZeRO-1's fp32
+    optimizer reduce-scatters buckets of reduce_bucket_size."""
     size = model_size(cfg)
     if zero_stage == 3:
         what, collective, elements = "layer gradient (fp32)", "reduce_scatter", size.layer
     elif cfg.precision is Precision.bf16:
-        what, collective = "gradient bucket (fp32)", "all_reduce"
-        elements = int(min(size.total, ZERO_BUCKET_ELEMENTS + size.head))
+        what, collective, elements = "flat gradient (fp32)", "all_reduce", size.total
     else:
         what, collective = "gradient bucket (fp32)", "reduce_scatter"
         elements = int(min(size.total, ZERO_BUCKET_ELEMENTS))

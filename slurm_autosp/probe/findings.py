@@ -111,7 +111,9 @@ class ProbeReport:
             return None
         ulysses, ring = self.cfg.parallel.ulysses_ring
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "?"
-        return OutsideAllocator(max(read), len(self.ranks), ulysses * ring, ring, device, 1)
+        return OutsideAllocator(
+            max(read), len(self.ranks), ulysses * ring, ring, self.choices.zero_stage, device, 1
+        )
 
     @property
     def tokens_per_s(self) -> float | None:
