@@ -28,7 +28,7 @@ COMMANDS = {
     "plan": Command("slurm_autosp.plan", "the per-GPU memory plan and whether the job fits"),
     "verify": Command("slurm_autosp.verify.command", "one SP step on CPU ranks against one device"),
     "probe": Command("slurm_autosp.probe.__main__", "a short job measuring the nodes a run uses"),
-    "gpu-check": Command("slurm_autosp.probe.gpu_check", "the first evidence on one GPU"),
+    "gpu-check": Command("slurm_autosp.gpu_check.check", "the first evidence on one GPU"),
     "data": Command("slurm_autosp.data.__main__", "data prepare: text or chat to a dataset"),
     "run": Command("slurm_autosp.run", "one rank of a job, for hand-written sbatch scripts"),
 }

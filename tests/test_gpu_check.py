@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh (python -m slurm_autosp.probe.gpu_check): fails fast where no GPU is
+"""bench/gpu_check.sh (python -m slurm_autosp.gpu_check): fails fast where no GPU is
 visible, never leaves an earlier run's output to be read, and in its CPU self-test (tiny shapes,
 eager) runs every row's code; its parts: the kernel checks' adapter, the rewrites' exactness
 check (which must catch a broken rewrite), the search for the longest sequence, and the budget
@@ -20,11 +20,10 @@ import yaml
 from in_process import run_command
 
 from slurm_autosp.compile import tiling
-from slurm_autosp.probe import kernels
-from slurm_autosp.probe.budget import Budget
-from slurm_autosp.probe.exactness import TINY_SHAPE, check_rewrites
-from slurm_autosp.probe.gpu_check import OUTPUT, Sections, one_rank
-from slurm_autosp.probe.gpu_measure import (
+from slurm_autosp.gpu_check.budget import Budget
+from slurm_autosp.gpu_check.check import OUTPUT, Sections, one_rank
+from slurm_autosp.gpu_check.exactness import TINY_SHAPE, check_rewrites
+from slurm_autosp.gpu_check.measure import (
     GPU_SCALE,
     TINY_SCALE,
     Scale,
@@ -35,9 +34,10 @@ from slurm_autosp.probe.gpu_measure import (
     policy_rows,
     step_row,
 )
-from slurm_autosp.probe.gpu_rows import OUT_OF_TIME, Row
+from slurm_autosp.gpu_check.rows import OUT_OF_TIME, Row
+from slurm_autosp.gpu_check.search import longest_fitting
+from slurm_autosp.probe import kernels
 from slurm_autosp.probe.prediction import PlanPrediction
-from slurm_autosp.probe.search import longest_fitting
 from slurm_autosp.probe.steps import OutOfMemory, StepMeasurement
 from slurm_autosp.sp.kernel_check import CASES
 
@@ -66,7 +66,7 @@ def test_the_script_fails_fast_without_a_gpu_and_leaves_no_earlier_output(tmp_pa
 
 def test_the_cpu_self_test_runs_every_row_and_its_exit_status_is_the_correctness_rows(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.probe.gpu_check", "--device", "cpu", "--tiny"]
+        [sys.executable, "-m", "slurm_autosp.gpu_check.check", "--device", "cpu", "--tiny"]
         + ["--eager", "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
@@ -376,7 +376,8 @@ def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_r
     """The bandwidth and the rewrites' exactness raise (injected): each is one failed row
     naming its error, the kernels' rows and a policy's rows are still measured, the report is
     written and the exit status is 1. Its first line names torch (and CUDA, NCCL where built)."""
-    from slurm_autosp.probe import bandwidth, exactness, gpu_measure
+    from slurm_autosp.gpu_check import bandwidth, exactness
+    from slurm_autosp.gpu_check import measure as gpu_measure
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected: the device fell off the bus")
@@ -409,7 +410,7 @@ def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_r
 def _run_in_process(*arguments: str):
     """gpu_check's CPU self-test in this process (so a section can be broken), its environment
     put back after."""
-    from slurm_autosp.probe import gpu_check
+    from slurm_autosp.gpu_check import check as gpu_check
 
     _forget_deepspeeds_world()
     saved = dict(os.environ)
@@ -425,7 +426,7 @@ def test_a_section_that_spends_the_budget_is_kept_and_every_later_one_is_recorde
 ):
     """The bandwidth (first) takes a second of a half-second budget: its row is kept, each later
     section is a failed 'not run' row, and the report is complete."""
-    from slurm_autosp.probe import bandwidth
+    from slurm_autosp.gpu_check import bandwidth
 
     def slow(*args, **kwargs):
         time.sleep(1.0)
@@ -451,7 +452,7 @@ def test_a_section_that_spends_the_budget_is_kept_and_every_later_one_is_recorde
 def test_a_run_killed_midway_leaves_the_sections_it_finished(tmp_path, monkeypatch):
     """Stopped inside its third section (an interrupt stands in for the time limit's kill):
     the report on disk holds the two sections before it, marked incomplete."""
-    from slurm_autosp.probe import bandwidth, exactness
+    from slurm_autosp.gpu_check import bandwidth, exactness
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected")

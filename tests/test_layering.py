@@ -1,6 +1,7 @@
 """The dependency order holds, one floor a package where packages depend on each other:
 config -> cluster -> run lifecycle -> SP runtime -> compiler -> data and model -> training
-state -> engines -> memory plan -> admission -> evaluation and verify -> train -> launch -> the commands (each
+state -> engines -> memory plan -> admission -> evaluation and verify -> train -> launch -> the probe
+-> the GPU check -> the commands (each
 package's __main__ is a command) -> the console script. No module imports one of a later layer, or another package of its own layer, at
 the top or inside a function: no two packages import each other."""
 
@@ -26,6 +27,7 @@ LAYERS = [
     {"train"},
     {"launch"},
     {"probe"},
+    {"gpu_check"},
     {"submit", "run", "plan", "status", "summary"},
     {"console"},
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from slurm_autosp.probe.budget import Budget
+from slurm_autosp.gpu_check.budget import Budget
 
 
 @dataclass

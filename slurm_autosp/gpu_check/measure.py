@@ -16,12 +16,12 @@ import torch
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig, load_config
+from slurm_autosp.gpu_check.budget import Budget
+from slurm_autosp.gpu_check.rows import OUT_OF_TIME, Row, out_of_time_row
+from slurm_autosp.gpu_check.search import Search, longest_fitting
 from slurm_autosp.memory_plan import TrainingChoices, training_choices
 from slurm_autosp.memory_plan.terms import GB
-from slurm_autosp.probe.budget import Budget
-from slurm_autosp.probe.gpu_rows import OUT_OF_TIME, Row, out_of_time_row
 from slurm_autosp.probe.prediction import PlanPrediction, predict_memory
-from slurm_autosp.probe.search import Search, longest_fitting
 from slurm_autosp.probe.steps import ProbeSteps, StepMeasurement
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm_autosp.probe.budget import Budget
+from slurm_autosp.gpu_check.budget import Budget
 from slurm_autosp.probe.kernels import PASS, REFUSED, KernelCheck
 
 COLUMNS = ("check", "case", "expected", "measured", "result")

@@ -1,17 +1,17 @@
-"""python -m slurm_autosp.probe.gpu_check [--out DIR] [--device cuda|cpu] [--tiny] [--eager]
+"""python -m slurm_autosp.gpu_check [--out DIR] [--device cuda|cpu] [--tiny] [--eager]
 
 The first GPU evidence in one command (bench/gpu_check.sh runs it): one process on one GPU,
 at SP=1, prints one table and writes it to DIR/gpu_check.json (default runs/gpu_check):
 
 - exactness (correctness rows): the attention kernels of slurm_autosp.compile (packed
   documents, sliding windows: probe/kernels.py) and the memory-saving rewrites (tiled vs
-  untiled MLPs and layers, offloaded vs resident activations: probe/exactness.py), in bf16
+  untiled MLPs and layers, offloaded vs resident activations: gpu_check/exactness.py), in bf16
   against an fp32 reference;
 - plan vs peak: the memory plan against the measured peak, per checkpointing policy (none, sac
   at budget 0, full) at 32k and 128k tokens, 4 decoder layers of Llama-3.1-8B width (goal: ±10%);
 - step: step time, tokens/s and MFU at the same lengths;
 - longest: per policy, the longest sequence that fits, searched by memory through the same
-  compiled model (probe/search.py), within the policy's share of the budget;
+  compiled model (gpu_check/search.py), within the policy's share of the budget;
 - bandwidth: all-reduce and all-to-all across the GPUs, where more than one is visible.
 
 A section that raises is one failed row naming the error; the sections after it still run and
@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 
 from slurm_autosp.cluster.comm_env import allocator_env
-from slurm_autosp.probe.budget import Budget
-from slurm_autosp.probe.gpu_rows import OUT_OF_TIME, Row, error_row, exactness_row, render
+from slurm_autosp.gpu_check.budget import Budget
+from slurm_autosp.gpu_check.rows import OUT_OF_TIME, Row, error_row, exactness_row, render
 
 OUTPUT = "gpu_check.json"
 BUDGET_S = 480.0  # 8 minutes: one borrowed machine's 10-minute run, with its start and copies
@@ -162,7 +162,7 @@ class Sections:
 
 def section_names() -> tuple[str, ...]:
     """run_check's sections, in its order: declared up front, so that each gets its share."""
-    from slurm_autosp.probe.gpu_measure import POLICIES  # after the GPU check, as run_check
+    from slurm_autosp.gpu_check.measure import POLICIES  # after the GPU check, as run_check
 
     return ("bandwidth", "kernels", "rewrites", *POLICIES)
 
@@ -206,10 +206,9 @@ def run_check(
     # After the GPU check: a machine without a GPU is refused in a second, not after these.
     from slurm_autosp.cluster.compile_cache import use_private_compile_cache
     from slurm_autosp.cluster.parallel_dims import build_parallel_dims
-    from slurm_autosp.memory_plan.terms import GB
-    from slurm_autosp.probe.bandwidth import bandwidth_rows
-    from slurm_autosp.probe.exactness import check_rewrites
-    from slurm_autosp.probe.gpu_measure import (
+    from slurm_autosp.gpu_check.bandwidth import bandwidth_rows
+    from slurm_autosp.gpu_check.exactness import check_rewrites
+    from slurm_autosp.gpu_check.measure import (
         GPU_SCALE,
         POLICIES,
         TINY_SCALE,
@@ -218,6 +217,7 @@ def run_check(
         policy_rows,
         predictions,
     )
+    from slurm_autosp.memory_plan.terms import GB
     from slurm_autosp.probe.kernels import check_kernels
     from slurm_autosp.sp import set_sp_group
 

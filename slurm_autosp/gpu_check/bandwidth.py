@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.probe.gpu_rows import Row
+from slurm_autosp.gpu_check.rows import Row
 from slurm_autosp.probe.timing import BUS_FACTOR, Message, nvlink_bandwidth, time_message
 
 COLLECTIVES = ("all_reduce", "all_to_all")
