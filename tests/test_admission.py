@@ -6,15 +6,14 @@ start adopts what its first start froze and is not refused by a plan that change
 from pathlib import Path
 
 import pytest
+from first_start import FROZEN, record_first_start
 from in_process import run_command
 from reference_run import prepared_dataset
 from transformers import LlamaConfig
 
 import slurm_autosp.memory_plan.choose as choose
 from slurm_autosp.admission import admit, admit_model
-from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
-from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
-from slurm_autosp.memory_plan import TrainingChoices
+from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.plan import main as plan_main
 from slurm_autosp.probe.__main__ import main as probe_main
 from slurm_autosp.run import admit_start
@@ -89,40 +88,14 @@ def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refus
         first_start.refuse_unless_fits()
     assert str(refused.value) == str(submitted.value)
 
-    first = load_config(
-        [
-            LLAMA8B,
-            f"run.output_root={tmp_path}",
-            "parallel.zero_stage=3",
-            "compile.activation_checkpointing=sac",
-            "compile.activation_memory_budget=0.5",
-            "compile.tile_tokens=1024",
-            "compile.offload_activations=true",
-            "parallel.offload_optimizer=true",
-            "checkpoint.async_save=false",
-            "cluster.stop_at=step",
-            "checkpoint.every_steps=0",
-        ]
-    )
-    first.run.dir.mkdir(parents=True)
-    (first.run.dir / "config.yaml").write_text(to_yaml(first))
+    record_first_start(LLAMA8B, tmp_path)
 
     def planned_again(cfg):
         raise AssertionError("planned again")
 
     monkeypatch.setattr(choose, "build_plan", planned_again)
     requeued = admit_start(load_config(shrunk), restarted=True)
-    frozen = TrainingChoices(
-        3,
-        ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5),
-        1024,
-        True,
-        True,
-        False,
-        False,
-        0,
-    )
-    assert requeued.plan.fits and requeued.plan.choices == frozen
+    assert requeued.plan.fits and requeued.plan.choices == FROZEN
     assert (requeued.cfg.parallel.zero_stage, requeued.cfg.compile.tile_tokens) == (3, 1024)
 
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from first_start import FROZEN, record_first_start
 
 import slurm_autosp.memory_plan.choose as choose
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
@@ -55,35 +56,10 @@ def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_rep
 def test_a_requeued_hand_submitted_job_trains_with_what_its_first_start_froze(
     tmp_path, no_replanning
 ):
-    first = load_config(
-        [
-            "cfg=configs/llama8b_32k.yaml",
-            f"run.output_root={tmp_path}",
-            "parallel.zero_stage=3",
-            "compile.activation_checkpointing=sac",
-            "compile.activation_memory_budget=0.5",
-            "compile.tile_tokens=1024",
-            "compile.offload_activations=true",
-            "parallel.offload_optimizer=true",
-            "checkpoint.async_save=false",
-            "cluster.stop_at=step",
-            "checkpoint.every_steps=0",
-        ]
-    )
-    first.run.dir.mkdir(parents=True)
-    (first.run.dir / "config.yaml").write_text(to_yaml(first))
+    record_first_start("cfg=configs/llama8b_32k.yaml", tmp_path)
     loaded = load_config(["cfg=configs/llama8b_32k.yaml", f"run.output_root={tmp_path}"])
     requeued = admit_start(loaded, restarted=True).cfg
-    assert training_choices(requeued) == TrainingChoices(
-        3,
-        ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.5),
-        1024,
-        True,
-        True,
-        False,
-        False,
-        0,
-    )
+    assert training_choices(requeued) == FROZEN
 
 
 def test_a_first_start_plans_and_refuses_a_job_that_does_not_fit(tmp_path):
