@@ -68,8 +68,10 @@ class SPStep:
     module); `backward` takes the scaled loss (`engine.backward`, or `torch.Tensor.backward`);
     `loss_scale` undoes the engine's gradient reduction (`engine.loss_scale`, `loss_scale`);
     `micro_batches` is the step's over all DP replicas (dp_size x grad_accum), which an MoE's
-    router share is divided by (`RouterTokens`); `chunk_tokens` the loss's chunks (0: unchunked,
-    logits returned); `saving` wraps each forward (activation offload's `saving`)."""
+    router share is divided by (`RouterTokens`); `chunk_tokens` the loss's chunks (0:
+    unchunked); `keep_logits` returns an unchunked loss's logits (otherwise they are not held
+    through backward: the step's largest tensor); `saving` wraps each forward (activation
+    offload's `saving`)."""
 
     model: Any
     backward: Callable[[torch.Tensor], object]
@@ -77,6 +79,7 @@ class SPStep:
     sp_size: int
     micro_batches: int
     chunk_tokens: int = 0
+    keep_logits: bool = False
     saving: Callable[[], AbstractContextManager[object]] = nullcontext
 
     def run(
@@ -94,6 +97,8 @@ class SPStep:
                 chunk_tokens=self.chunk_tokens,
                 router=RouterTokens(batch.real_tokens, self.sp_size, self.micro_batches),
             )
+        if not self.keep_logits:
+            logits = None
         with phases("backward"):
             self.backward(loss * self.loss_scale)
         return MicroBatchLoss(loss, logits)

@@ -206,8 +206,9 @@ def compare_sp_step(
         loss_scale(world_size, grad_accum=1),
         sp_size,
         micro_batches=dims.dp_size,
+        keep_logits=True,  # unchunked: its logits give the per-token losses
     )
-    step = sp_step.run(shard, count)  # unchunked: its logits give the per-token losses
+    step = sp_step.run(shard, count)
     sp_loss, logits = step.loss, step.logits
     assert logits is not None
     backend.require_sdpa_found()
