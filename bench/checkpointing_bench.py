@@ -179,6 +179,8 @@ def _rss() -> int:
 
 
 def run_policy(policy: str, seq: int, steps: int, rank: int):
+    import contextlib
+
     import torch
     import torch.distributed as dist
     from saved_bytes import DecoderSavedBytes
@@ -187,8 +189,8 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
     from slurm_autosp.compile import AutoSPBackend, compile_model
     from slurm_autosp.compile.activation_checkpointing import is_quadratic
     from slurm_autosp.sp import loss_scale, prepare_sp_inputs
-    from slurm_autosp.sp.chunked_loss import causal_lm_loss
     from slurm_autosp.sp.offload import ActivationOffload
+    from slurm_autosp.sp.step import SPStep, step_label_count
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -211,18 +213,39 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
     )
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
     shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP)
-    count = torch.tensor(shard.valid_labels)
-    dist.all_reduce(count)
-    kwargs = shard.model_kwargs(count)
+    count = step_label_count([shard], torch.device("cpu"))
     local = shard.input_ids.shape[1]
 
     saved_bytes = DecoderSavedBytes(model)
+    sp_step = SPStep(
+        model,
+        torch.Tensor.backward,
+        loss_scale(dist.get_world_size(), 1),
+        SP,
+        micro_batches=1,
+        chunk_tokens=CHUNK,
+        saving=offload.saving if offload else saved_bytes.counting,
+    )
     a2a = {"count": 0, "backward": False}
     original_a2a = dist.all_to_all_single
 
     def counting_a2a(*args, **kw):
         a2a["count"] += a2a["backward"]
         return original_a2a(*args, **kw)
+
+    marks = {}
+
+    @contextlib.contextmanager
+    def phases(name):
+        """The resident set around the forward; all-to-alls counted during backward."""
+        if name == "forward":
+            marks["before"] = _rss()
+            yield
+            marks["after"] = _rss()
+        else:
+            a2a["backward"] = True
+            yield
+            a2a["backward"] = False
 
     dist.all_to_all_single = counting_a2a
     times, rss = [], {}
@@ -234,16 +257,10 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
                 a2a["count"] = 0
                 dist.barrier()
                 start = time.perf_counter()
-                before = _rss()
-                with offload.saving() if offload else saved_bytes.counting():
-                    loss = causal_lm_loss(model, kwargs, chunk_tokens=CHUNK)
-                after = _rss()
-                a2a["backward"] = True
-                (loss * loss_scale(dist.get_world_size(), 1)).backward()
-                a2a["backward"] = False
+                loss = sp_step.run(shard, count, phases).loss
                 if step:
                     times.append(time.perf_counter() - start)
-                    rss = {"forward_delta": after - before}
+                    rss = {"forward_delta": marks["after"] - marks["before"]}
     finally:
         dist.all_to_all_single = original_a2a
     total = loss.detach().clone()

@@ -91,27 +91,24 @@ def setup_ours(layers: int, input_ids, device):
     """Returns (engine, compile, step, how rank losses combine): `step()` runs forward and
     backward and returns this rank's loss, its summed token loss over the global label count
     (so the ranks' sum is the step's loss)."""
-    import torch
     import torch.distributed as dist
 
     from slurm_autosp.compile import AutoSPBackend, compile_model
     from slurm_autosp.sp import loss_scale, prepare_sp_inputs, set_sp_group
+    from slurm_autosp.sp.step import SPStep, step_label_count
 
     world, rank = dist.get_world_size(), dist.get_rank()
     engine = deepspeed_engine(tiny_llama(layers, device), {})
     shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP)
-    count = torch.tensor(shard.valid_labels, device=device)
-    dist.all_reduce(count)
-    kwargs = shard.model_kwargs(count)
+    count = step_label_count([shard], device)
     set_sp_group(dist.group.WORLD)
+    sp_step = SPStep(engine, engine.backward, loss_scale(world, grad_accum=1), SP, micro_batches=1)
 
     def compile_():
         compile_model(engine.module, AutoSPBackend(SP), per_layer=True)
 
     def step():
-        out = engine(**kwargs)
-        engine.backward(out.loss * loss_scale(world, grad_accum=1))
-        return out.loss.detach()
+        return sp_step.run(shard, count).loss.detach()
 
     return engine, compile_, step, "sum"
 

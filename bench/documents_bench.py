@@ -53,7 +53,7 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
     from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing
     from slurm_autosp.sp import loss_scale, prepare_sp_inputs
-    from slurm_autosp.sp.chunked_loss import causal_lm_loss
+    from slurm_autosp.sp.step import SPStep, step_label_count
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(
@@ -82,14 +82,19 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
     packed = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP, document_ids=document_ids)
     assert packed.cu_seqlens is not None and len(packed.cu_seqlens) == documents + 1
     modes = {"sdpa": plain, "op, 1 document": one_document, f"op, {documents} documents": packed}
-    kwargs = {}
-    for name, shard in modes.items():
-        count = torch.tensor(shard.valid_labels)
-        dist.all_reduce(count)
-        kwargs[name] = shard.model_kwargs(count)
+    counts = {name: step_label_count([shard], torch.device("cpu")) for name, shard in modes.items()}
     local = plain.input_ids.shape[1]
 
     saved = DecoderSavedBytes(model)
+    sp_step = SPStep(
+        model,
+        torch.Tensor.backward,
+        loss_scale(SP, 1),
+        SP,
+        micro_batches=1,
+        chunk_tokens=CHUNK,
+        saving=saved.counting,
+    )
     results = {name: {"times": [], "saved": 0, "loss": None, "grads": None} for name in modes}
     for step in range(steps + 1):  # step 0 compiles and warms up
         for name in modes:
@@ -97,9 +102,7 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
             saved.clear()
             dist.barrier()
             start = time.perf_counter()
-            with saved.counting():
-                loss = causal_lm_loss(model, kwargs[name], chunk_tokens=CHUNK)
-            (loss * loss_scale(SP, 1)).backward()
+            loss = sp_step.run(modes[name], counts[name]).loss
             elapsed = time.perf_counter() - start
             result = results[name]
             if step:

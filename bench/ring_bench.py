@@ -50,6 +50,7 @@ def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
         prepare_sp_inputs,
         set_sp_groups,
     )
+    from slurm_autosp.sp.step import SPStep, step_label_count
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -73,10 +74,16 @@ def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
     set_sp_groups(groups.ulysses, groups.ring)
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
     shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=WORLD, ring_size=ring)
-    count = torch.tensor(shard.valid_labels)
-    dist.all_reduce(count)
-    kwargs = shard.model_kwargs(count)
+    count = step_label_count([shard], torch.device("cpu"))
     saved_bytes = DecoderSavedBytes(model)
+    sp_step = SPStep(
+        model,
+        torch.Tensor.backward,
+        loss_scale(WORLD, 1),
+        WORLD,
+        micro_batches=1,
+        saving=saved_bytes.counting,
+    )
     times, sent = [], 0
     for step in range(steps + 1):  # the first compiles
         model.zero_grad(set_to_none=True)
@@ -84,9 +91,7 @@ def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
         communication_counts.reset()
         dist.barrier()
         start = time.perf_counter()
-        with saved_bytes.counting():
-            loss = model(**kwargs).loss
-        (loss * loss_scale(WORLD, 1)).backward()
+        loss = sp_step.run(shard, count).loss
         if step:
             times.append(time.perf_counter() - start)
             sent = communication_counts.all_to_all_bytes + communication_counts.ring_bytes

@@ -30,7 +30,8 @@ from slurm_autosp.compile import AutoSPBackend, compile_model  # noqa: E402
 from slurm_autosp.config import DocumentBoundaries, load_config  # noqa: E402
 from slurm_autosp.lifecycle.run_dir import RunDir  # noqa: E402
 from slurm_autosp.model import build_model  # noqa: E402
-from slurm_autosp.sp import prepare_sp_inputs, set_sp_groups  # noqa: E402
+from slurm_autosp.sp import loss_scale, set_sp_groups  # noqa: E402
+from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count  # noqa: E402
 from slurm_autosp.verify import make_batch, shrink_model_config, verify_seq_len  # noqa: E402
 from slurm_autosp.verify.start_check import _options, run_start_check  # noqa: E402
 
@@ -50,11 +51,13 @@ def _baseline(cfg, dims: ParallelDims) -> None:
     model_cfg = shrink_model_config(cfg.model, options)
     seq_len = verify_seq_len(dims.sp_size, options)
     batch = make_batch(options.rows, seq_len, model_cfg.vocab_size, options.seed)
-    shard = prepare_sp_inputs(**batch, sp_rank=dims.sp_rank, sp_size=dims.sp_size)
+    shard = shard_for_rank(dims, **batch)
+    count = step_label_count([shard], dims.device)
     model = build_model(model_cfg)
     compile_model(model, AutoSPBackend(dims.sp_size), per_layer=cfg.compile.per_layer)
     set_sp_groups(dims.ulysses_group, dims.ring_group)
-    model(**shard.model_kwargs(max(shard.valid_labels, 1))).loss.backward()
+    scale = loss_scale(dims.world_size, grad_accum=1)
+    SPStep(model, torch.Tensor.backward, scale, dims.sp_size, dims.dp_size).run(shard, count)
 
 
 def _rank_main(rank: int, init_file: str, world_size: int, out: str) -> None:

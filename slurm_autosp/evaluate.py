@@ -17,9 +17,10 @@ import torch.distributed as dist
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig
 from slurm_autosp.data import SampleSource, open_eval_source
-from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs
+from slurm_autosp.sp import IGNORE_INDEX
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.sp.inputs import SPBatch
+from slurm_autosp.sp.step import shard_for_rank
 
 if TYPE_CHECKING:
     from tensorboardX import SummaryWriter  # the tracer's, when it writes
@@ -95,13 +96,11 @@ class Evaluator:
             labels.append(target if index < self.samples else torch.full_like(target, IGNORE_INDEX))
             if sample.document_ids is not None:  # data.documents=masked
                 documents.append(sample.document_ids)
-        return prepare_sp_inputs(
-            torch.stack(ids).to(dims.device),
-            torch.stack(labels).to(dims.device),
-            sp_rank=dims.sp_rank,
-            sp_size=dims.sp_size,
-            document_ids=torch.stack(documents).to(dims.device) if documents else None,
-            ring_size=dims.ring_size,
+        return shard_for_rank(
+            dims,
+            torch.stack(ids),
+            torch.stack(labels),
+            torch.stack(documents) if documents else None,
         )
 
     def report(self, step: int, result: EvalResult, writer: SummaryWriter | None) -> None:

@@ -36,10 +36,9 @@ from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
 from slurm_autosp.metrics.outside_allocator import record_outside_allocator
-from slurm_autosp.sp import prepare_sp_inputs, set_sp_groups
-from slurm_autosp.sp.chunked_loss import causal_lm_loss
+from slurm_autosp.sp import set_sp_groups
 from slurm_autosp.sp.offload import ActivationOffload
-from slurm_autosp.sp.router_loss import RouterTokens
+from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count
 from slurm_autosp.verify.start_check import run_start_check
 
 log = logging.getLogger(__name__)
@@ -245,32 +244,20 @@ def optimizer_step(
         samples = [
             micro_batch(source, cfg, step, m, dims.dp_rank) for m in range(cfg.train.grad_accum)
         ]
-        batches = [
-            prepare_sp_inputs(
-                s.input_ids.to(dims.device),
-                None if s.labels is None else s.labels.to(dims.device),
-                sp_rank=dims.sp_rank,
-                sp_size=dims.sp_size,
-                document_ids=None if s.document_ids is None else s.document_ids.to(dims.device),
-                ring_size=dims.ring_size,
-            )
-            for s in samples
-        ]
-        valid = torch.tensor(sum(b.valid_labels for b in batches), device=dims.device)
-        dist.all_reduce(valid)
-    num_items = valid.clamp(min=1)
-    micro_batches = dims.dp_size * cfg.train.grad_accum
+        batches = [shard_for_rank(dims, s.input_ids, s.labels, s.document_ids) for s in samples]
+        num_items = step_label_count(batches, dims.device)
+    sp_step = SPStep(
+        engine,
+        engine.backward,
+        engine.loss_scale,
+        dims.sp_size,
+        micro_batches=dims.dp_size * cfg.train.grad_accum,
+        chunk_tokens=cfg.compile.loss_chunk_tokens,
+        saving=offload.saving if offload else nullcontext,
+    )
     step_loss = torch.zeros((), device=dims.device)
     for batch in batches:
-        with phases("forward"), offload.saving() if offload else nullcontext():
-            loss = causal_lm_loss(
-                engine,
-                batch.model_kwargs(num_items),
-                chunk_tokens=cfg.compile.loss_chunk_tokens,
-                router=RouterTokens(batch.real_tokens, dims.sp_size, micro_batches),
-            )
-        with phases("backward"):
-            engine.backward(loss * engine.loss_scale)
+        loss = sp_step.run(batch, num_items, phases).loss
         with phases("optimizer"):
             engine.step()
         step_loss += loss.detach()

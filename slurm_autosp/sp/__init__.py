@@ -1,6 +1,7 @@
 """The sequence-parallel runtime: what a compiled SP graph calls and what feeds it. The
 Ulysses all-to-all and ring attention, the attention ops (packed documents, windows, their CUDA kernel's check),
-a batch sharded over the SP ranks, the chunked loss and its engine factor, activation offload."""
+a batch sharded over the SP ranks, the chunked loss and its engine factor, activation offload,
+and one SP step over them (`step`: every caller's shard, label count, loss and backward)."""
 
 from slurm_autosp.sp.all_to_all import (
     communication_counts,

@@ -17,15 +17,8 @@ from slurm_autosp.cluster.parallel_dims import ParallelDims, contiguous_parallel
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import JobConfig, ModelConfig
 from slurm_autosp.model import build_model
-from slurm_autosp.sp import (
-    IGNORE_INDEX,
-    loss_scale,
-    prepare_sp_inputs,
-    set_sp_groups,
-    sp_token_positions,
-)
-from slurm_autosp.sp.chunked_loss import causal_lm_forward
-from slurm_autosp.sp.router_loss import RouterTokens
+from slurm_autosp.sp import IGNORE_INDEX, loss_scale, set_sp_groups, sp_token_positions
+from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -196,24 +189,28 @@ def compare_sp_step(
 
     rows = slice(dims.dp_rank * options.rows, (dims.dp_rank + 1) * options.rows)
     local = {key: value[rows] for key, value in batch.items()}
-    shard = prepare_sp_inputs(**local, sp_rank=dims.sp_rank, sp_size=sp_size, ring_size=ring_size)
+    shard = shard_for_rank(dims, **local)
     if options.inject is Inject.per_shard_shift:
         buggy = shift_labels_per_shard(local["labels"], dims.sp_rank, sp_size)
         shard = dataclasses.replace(
             shard, shift_labels=buggy, valid_labels=int((buggy != -100).sum())
         )
-    count = torch.tensor(shard.valid_labels, device=dims.device)
-    dist.all_reduce(count)
+    count = step_label_count([shard], dims.device)
 
     backend = AutoSPBackend(sp_size, ring_size=ring_size, codegen=options.codegen)
     compile_model(model, backend, per_layer=cfg.compile.per_layer)
     set_sp_groups(dims.ulysses_group, dims.ring_group)
-    router = RouterTokens(shard.real_tokens, sp_size, micro_batches=dims.dp_size)
-    sp_loss, logits = causal_lm_forward(
-        model, shard.model_kwargs(count.clamp(min=1)), chunk_tokens=0, router=router
+    sp_step = SPStep(
+        model,
+        torch.Tensor.backward,
+        loss_scale(world_size, grad_accum=1),
+        sp_size,
+        micro_batches=dims.dp_size,
+        keep_logits=True,  # unchunked: its logits give the per-token losses
     )
-    assert logits is not None  # unchunked
-    (sp_loss * loss_scale(world_size, grad_accum=1)).backward()
+    step = sp_step.run(shard, count)
+    sp_loss, logits = step.loss, step.logits
+    assert logits is not None
     backend.require_sdpa_found()
 
     loss = sp_loss.detach().float()
