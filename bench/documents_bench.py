@@ -47,27 +47,16 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
     import torch
     import torch.distributed as dist
     from saved_bytes import DecoderSavedBytes
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from slurm_autosp.compile import AutoSPBackend, compile_model
     from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
-    from slurm_autosp.config import ActivationCheckpointing
+    from slurm_autosp.config import ActivationCheckpointing, ModelConfig
+    from slurm_autosp.model import build_model
     from slurm_autosp.sp import loss_scale, prepare_sp_inputs
     from slurm_autosp.sp.step import SPStep, step_label_count
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attn_implementation="sdpa",
-            use_cache=False,
-        )
-    )
+    model = build_model(ModelConfig(num_hidden_layers=LAYERS, extra={"use_cache": False}))
     spec = ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
     compile_model(model, AutoSPBackend(SP, spec), per_layer=True, dynamic=False)
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))

@@ -37,26 +37,18 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, out: str) -> 
     os.environ.update(OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from slurm_autosp.compile import decoder_layers
+    from slurm_autosp.config import ModelConfig
     from slurm_autosp.lifecycle.layer_stops import LayerStops
     from slurm_autosp.lifecycle.signals import StopRequest
+    from slurm_autosp.model import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=args.layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=args.seq,
-            attn_implementation="sdpa",
-        )
+    model = build_model(
+        ModelConfig(num_hidden_layers=args.layers, max_position_embeddings=args.seq)
     )
     stops = LayerStops.install(decoder_layers(model), StopRequest())
     tokens = torch.randint(0, 256, (1, args.seq), generator=torch.Generator().manual_seed(rank))

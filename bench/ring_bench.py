@@ -38,12 +38,12 @@ def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
     import torch
     import torch.distributed as dist
     from saved_bytes import DecoderSavedBytes
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
     from slurm_autosp.compile import AutoSPBackend, compile_model
     from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
-    from slurm_autosp.config import ActivationCheckpointing
+    from slurm_autosp.config import ActivationCheckpointing, ModelConfig
+    from slurm_autosp.model import build_model
     from slurm_autosp.sp import (
         communication_counts,
         loss_scale,
@@ -54,18 +54,7 @@ def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attn_implementation="sdpa",
-            use_cache=False,
-        )
-    )
+    model = build_model(ModelConfig(num_hidden_layers=LAYERS, extra={"use_cache": False}))
     spec = ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
     compile_model(model, AutoSPBackend(WORLD, spec, ring), per_layer=True, dynamic=False)
     groups = build_process_groups(
