@@ -2,7 +2,7 @@
 # The first GPU evidence in one command, on one GPU (or the first of a node's, the collective
 # bandwidth across all of them): the exactness of the kernels in bf16 against fp32, the memory
 # plan against the measured peak, step time, tokens/s and MFU, and the longest sequence per
-# checkpointing policy, as one table; `python -m slurm_autosp.gpu_check --help` and
+# checkpointing policy, as one table; `python -m slurm_autosp gpu-check --help` and
 # docs/probe.md ("The GPU check") say what each row is and what passing means.
 #
 #   TORCH_SPEC=<CUDA or ROCm wheel> ./install.sh && bench/gpu_check.sh
@@ -12,4 +12,4 @@
 # "gpu_check: no GPU visible ..." (exit 2); the output of an earlier run is removed first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python -m slurm_autosp.gpu_check --out "${OUT:-runs/gpu_check}" "$@"
+exec python -m slurm_autosp gpu-check --out "${OUT:-runs/gpu_check}" "$@"

@@ -231,7 +231,7 @@ def refuse_tiled_router_loss(cfg: JobConfig, tile_tokens: int) -> None:
     if getattr(hf_config(cfg.model), "output_router_logits", False):
         raise ConfigError(
             f"compile.tile_tokens={tile_tokens} (configured, or the memory plan's choice: see "
-            "python -m slurm_autosp.plan) with an MoE's router load-balancing loss "
+            "python -m slurm_autosp plan) with an MoE's router load-balancing loss "
             "(output_router_logits=true): sequence tiles do not record the router's logits as "
             "the loss needs them; set model.extra.output_router_logits=false, or give the job "
             "more GPUs (parallel.sp_size) so the plan fits without tiling"

@@ -13,13 +13,13 @@ from transformers import LlamaConfig
 
 import slurm_autosp.memory_plan.choose as choose
 from slurm_autosp.admission import admit, admit_model
+from slurm_autosp.commands.plan import main as plan_main
+from slurm_autosp.commands.probe import main as probe_main
+from slurm_autosp.commands.run import admit_start
+from slurm_autosp.commands.run import main as run_main
+from slurm_autosp.commands.submit import main as submit_main
+from slurm_autosp.commands.verify import main as verify_main
 from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.plan import main as plan_main
-from slurm_autosp.probe.__main__ import main as probe_main
-from slurm_autosp.run import admit_start
-from slurm_autosp.run import main as run_main
-from slurm_autosp.submit import main as submit_main
-from slurm_autosp.verify import main as verify_main
 
 TINY = "cfg=configs/tiny_cpu.yaml"
 LLAMA8B = "cfg=configs/llama8b_32k.yaml"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from in_process import run_command
 
-from slurm_autosp import console, status
+from slurm_autosp.commands import console, status
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def test_pyprojects_console_script_is_this_main():
     pyproject = (REPO / "pyproject.toml").read_text()  # tomllib is Python 3.11's
     section = re.search(r"^\[project\.scripts\]\n((?:[^\[\n].*\n)+)", pyproject, re.M)
     assert section is not None, "pyproject has no [project.scripts]"
-    assert section.group(1).strip() == 'slurm-autosp = "slurm_autosp.console:main"'
+    assert section.group(1).strip() == 'slurm-autosp = "slurm_autosp.commands.console:main"'
 
 
 @pytest.mark.parametrize("name", list(console.COMMANDS))
@@ -49,7 +49,7 @@ def test_a_mistyped_command_exits_2_naming_it_and_the_closest_one():
 def test_no_command_prints_the_usage_and_exits_2_and_help_answers_without_torch():
     assert run_command(console.main).returncode == 2
     script = (
-        "import sys; from slurm_autosp.console import main; "
+        "import sys; from slurm_autosp.commands.console import main; "
         "status = main(['--help']); assert 'torch' not in sys.modules, 'torch imported'; "
         "sys.exit(status)"
     )

@@ -5,6 +5,7 @@ import pytest
 import torch
 from in_process import run_command
 
+from slurm_autosp.commands.submit import main as submit_main
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.data import (
     BlendedSource,
@@ -17,7 +18,6 @@ from slurm_autosp.data import (
     open_eval_source,
     write_token_file,
 )
-from slurm_autosp.submit import main as submit_main
 
 
 def successor_walk(src: SyntheticSource, index: int) -> torch.Tensor:

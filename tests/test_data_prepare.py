@@ -1,4 +1,4 @@
-"""`python -m slurm_autosp.data prepare`: text and chat rows to a prepared dataset that
+"""`python -m slurm_autosp data prepare`: text and chat rows to a prepared dataset that
 training reads, with a tokenizer trained here (a small byte-level BPE)."""
 
 import json
@@ -19,9 +19,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from slurm_autosp.commands.data import main
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.data import check_token_file, micro_batch, open_tokens, read_token_file
-from slurm_autosp.data.__main__ import main
 from slurm_autosp.data.prepared import SplitFiles
 from slurm_autosp.sp.inputs import IGNORE_INDEX, prepare_sp_inputs
 
@@ -274,7 +274,7 @@ def start_prepare(
     args = ["--tokenizer", str(tokenizer_dir), "--input", str(corpus), "--output", str(output)]
     with open(log, "w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "slurm_autosp.data", "prepare", *args, *flags],
+            [sys.executable, "-m", "slurm_autosp", "data", "prepare", *args, *flags],
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -414,7 +414,7 @@ def test_a_prepared_directory_missing_a_file_is_named_before_any_rank_starts(
     with pytest.raises(ConfigError) as refused:
         check_token_file(cfg, 300)
     assert str(refused.value).startswith(f"{key}: {data}: {missing} ({why}) is missing; ")
-    assert "prepare the dataset again with `python -m slurm_autosp.data prepare`" in str(refused.value)  # fmt: skip
+    assert "prepare the dataset again with `python -m slurm_autosp data prepare`" in str(refused.value)  # fmt: skip
 
 
 @pytest.mark.slow

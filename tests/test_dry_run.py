@@ -10,8 +10,8 @@ from slurm_autosp.cluster.topology import (
     nvlink_domains_from_links,
     parse_nvidia_smi_topo,
 )
+from slurm_autosp.commands.submit import main as submit_main
 from slurm_autosp.config import load_config
-from slurm_autosp.submit import main as submit_main
 
 FIXTURES = REPO / "tests" / "fixtures"
 

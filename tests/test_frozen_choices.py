@@ -9,11 +9,11 @@ import pytest
 from first_start import FROZEN, record_first_start
 
 import slurm_autosp.memory_plan.choose as choose
+from slurm_autosp.commands.run import admit_start
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
 from slurm_autosp.memory_plan import TrainingChoices, plan_verdict, training_choices
 from slurm_autosp.memory_plan.freeze import FROZEN_KEYS, freeze_choices
-from slurm_autosp.run import admit_start
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,8 @@ def test_run_refuses_a_job_that_does_not_fit_on_every_rank_before_anything_is_wr
         [
             sys.executable,
             "-m",
-            "slurm_autosp.run",
+            "slurm_autosp",
+            "run",
             "cfg=configs/llama70b_128k.yaml",
             "parallel.zero_stage=1",
             f"run.output_root={tmp_path}",

@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh (python -m slurm_autosp.gpu_check): fails fast where no GPU is
+"""bench/gpu_check.sh (python -m slurm_autosp gpu-check): fails fast where no GPU is
 visible, never leaves an earlier run's output to be read, and in its CPU self-test (tiny shapes,
 eager) runs every row's code; its parts: the kernel checks' adapter, the rewrites' exactness
 check (which must catch a broken rewrite), the search for the longest sequence, and the budget
@@ -66,7 +66,7 @@ def test_the_script_fails_fast_without_a_gpu_and_leaves_no_earlier_output(tmp_pa
 
 def test_the_cpu_self_test_runs_every_row_and_its_exit_status_is_the_correctness_rows(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.gpu_check.check", "--device", "cpu", "--tiny"]
+        [sys.executable, "-m", "slurm_autosp", "gpu-check", "--device", "cpu", "--tiny"]
         + ["--eager", "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
@@ -410,7 +410,7 @@ def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_r
 def _run_in_process(*arguments: str):
     """gpu_check's CPU self-test in this process (so a section can be broken), its environment
     put back after."""
-    from slurm_autosp.gpu_check import check as gpu_check
+    from slurm_autosp.commands import gpu_check
 
     _forget_deepspeeds_world()
     saved = dict(os.environ)

@@ -1,8 +1,8 @@
 """The dependency order holds, one floor a package where packages depend on each other:
 config -> cluster -> run lifecycle -> SP runtime -> compiler -> data and model -> training
 state -> engines -> memory plan -> admission -> evaluation and verify -> train -> launch -> the probe
--> the GPU check -> the commands (each
-package's __main__ is a command) -> the console script. No module imports one of a later layer, or another package of its own layer, at
+-> the GPU check -> the commands -> the names they are run by (`python -m slurm_autosp.submit`,
+each package's __main__). No module imports one of a later layer, or another package of its own layer, at
 the top or inside a function: no two packages import each other."""
 
 import ast
@@ -13,7 +13,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slurm_autosp"
 LAYERS = [
     {"heads", "compat"},
     {"config"},
-    {"cli"},
     {"cluster"},
     {"lifecycle"},
     {"sp"},
@@ -28,8 +27,8 @@ LAYERS = [
     {"launch"},
     {"probe"},
     {"gpu_check"},
-    {"submit", "run", "plan", "status", "summary"},
-    {"console"},
+    {"commands"},
+    {"submit", "__main__"},
 ]
 LAYER = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

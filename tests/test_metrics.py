@@ -18,6 +18,7 @@ from matplotlib.colors import to_hex
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from slurm_autosp.commands.summary import summarize
 from slurm_autosp.config import TraceConfig, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.metrics import StepTracer
@@ -25,7 +26,6 @@ from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.plot import PEAK, PEAK_MARK, PHASE_COLORS, memory_trace_figure
 from slurm_autosp.metrics.rank_memory import MemoryReader, MemoryTimeline, MemoryTrace
 from slurm_autosp.model import build_skeleton
-from slurm_autosp.summary import summarize
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[1]
@@ -368,7 +368,7 @@ def test_a_tracer_without_matplotlib_writes_the_traces_text_and_json_and_warns_o
 
 
 def test_the_summary_without_tensorboard_says_which_extra_in_one_line(tmp_path):
-    summary = "from slurm_autosp.summary import main; sys.exit(main([sys.argv[1]]))"
+    summary = "from slurm_autosp.commands.summary import main; sys.exit(main([sys.argv[1]]))"
     proc = subprocess.run(
         [sys.executable, "-c", WITHOUT.format(module="tensorboard") + summary, str(tmp_path)],
         cwd=REPO,
@@ -378,6 +378,6 @@ def test_the_summary_without_tensorboard_says_which_extra_in_one_line(tmp_path):
     )
     assert proc.returncode == 1 and not proc.stdout
     assert proc.stderr.strip().splitlines() == [
-        "error: python -m slurm_autosp.summary reads the events with TensorBoard, which is not "
+        "error: python -m slurm_autosp summary reads the events with TensorBoard, which is not "
         "installed: pip install 'slurm_autosp[view]'"
     ]

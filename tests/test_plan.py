@@ -9,6 +9,7 @@ import torch
 from in_process import run_command
 from slurm_helpers import REPO
 
+from slurm_autosp.commands.plan import main as plan_main
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
@@ -34,7 +35,6 @@ from slurm_autosp.memory_plan.terms import (
 )
 from slurm_autosp.metrics.outside_allocator import OutsideAllocator
 from slurm_autosp.model import build_skeleton
-from slurm_autosp.plan import main as plan_main
 from slurm_autosp.sp.host_arena import SLAB_BYTES
 
 TERMS = (

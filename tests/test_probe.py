@@ -16,15 +16,15 @@ import pytest
 from in_process import run_command
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from slurm_autosp.commands.probe import main as probe_main
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import StepTime
 from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.metrics.outside_allocator import OutsideAllocator
-from slurm_autosp.probe.__main__ import main as probe_main
-from slurm_autosp.probe.__main__ import probe_config
 from slurm_autosp.probe.findings import RankResult, build_report, write_report
 from slurm_autosp.probe.kernels import FAIL, PASS, KernelCheck
+from slurm_autosp.probe.probe_job import probe_config
 from slurm_autosp.probe.steps import OutOfMemory, StepMeasurement
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,8 @@ def probe_command(root: Path, *overrides: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "slurm_autosp.probe",
+        "slurm_autosp",
+        "probe",
         "cfg=configs/tiny_cpu.yaml",
         "cluster.backend=local",
         f"run.output_root={root}",

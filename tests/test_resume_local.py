@@ -103,7 +103,7 @@ def test_signalled_run_requeues_stops_at_max_requeues_and_resumes_with_identical
     assert reference.losses[-1] < reference.losses[0] / 2, "the masked reference run learns"
 
     status_text = subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.status", str(run_dir)],
+        [sys.executable, "-m", "slurm_autosp", "status", str(run_dir)],
         capture_output=True,
         text=True,
         check=True,

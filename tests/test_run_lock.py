@@ -12,6 +12,7 @@ import pytest
 from in_process import run_command
 
 from slurm_autosp.cluster.scheduler import Liveness
+from slurm_autosp.commands.submit import main as submit_main
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.lifecycle.lock import (
     SUBMITTING,
@@ -24,7 +25,6 @@ from slurm_autosp.lifecycle.lock import (
 )
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.run_setup import prepare_run_dir
-from slurm_autosp.submit import main as submit_main
 
 HOST = socket.gethostname()
 

@@ -12,14 +12,14 @@ import pytest
 from in_process import run_command
 
 from slurm_autosp.admission import admit
+from slurm_autosp.commands.probe import main as probe_main
+from slurm_autosp.commands.run import main as run_main
+from slurm_autosp.commands.submit import main as submit_main
 from slurm_autosp.config import StopAt, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import SignalDelayTooShort, StepTime
 from slurm_autosp.metrics.flops import count_flops
 from slurm_autosp.model import build_skeleton
-from slurm_autosp.probe.__main__ import main as probe_main
-from slurm_autosp.run import main as run_main
-from slurm_autosp.submit import main as submit_main
 
 LLAMA8B = "cfg=configs/llama8b_32k.yaml"
 SAVE_S = 28.1  # ZeRO-1: rank 0 writes the bf16 weights and its optimizer shard, 28.1 GB at 1 GB/s

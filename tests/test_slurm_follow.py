@@ -63,7 +63,7 @@ def test_submit_returns_once_queued_status_follow_reattaches_and_the_run_complet
     assert f"per-rank logs in {run_dir / 'submitit'}" in proc.stdout
     assert "step 1/10" not in proc.stdout
     for hint in (
-        f"follow:      python -m slurm_autosp.status {run_dir} --follow",
+        f"follow:      python -m slurm_autosp status {run_dir} --follow",
         f"rank 0 log:  {run_dir / 'submitit' / f'{job_id}_0_log.out'}",
         f"cancel:      scancel {job_id}",
         f"TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}",
@@ -72,7 +72,7 @@ def test_submit_returns_once_queued_status_follow_reattaches_and_the_run_complet
     before = squeue_calls()
     following = time.monotonic()
     followed = subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.status", str(run_dir), "--follow"],
+        [sys.executable, "-m", "slurm_autosp", "status", str(run_dir), "--follow"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from in_process import run_command
 
+from slurm_autosp.commands.submit import main as submit_main
 from slurm_autosp.config import Backend, load_config
 from slurm_autosp.launch.executor import build_executor, sbatch_script
-from slurm_autosp.submit import main as submit_main
 
 NO_SLURM_PATH = str(
     Path(sys.executable).parent

@@ -186,7 +186,7 @@ def test_memory_trace_files_sit_next_to_the_events(run_dir):
 
 def test_terminal_summary_shows_last_loss_throughput_and_peaks(run_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "slurm_autosp.summary", str(run_dir)],
+        [sys.executable, "-m", "slurm_autosp", "summary", str(run_dir)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -15,7 +15,8 @@ def test_the_commands_to_follow_a_job_keep_a_run_name_with_spaces_hashes_and_quo
     assert shlex.split(lines["follow"]) == [
         "python",
         "-m",
-        "slurm_autosp.status",
+        "slurm_autosp",
+        "status",
         str(run_dir),
         "--follow",
     ]

@@ -187,7 +187,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """Training samples: `synthetic` (deterministic and learnable) or `tokens`: a token file
-    or a directory written by `python -m slurm_autosp.data prepare`."""
+    or a directory written by `python -m slurm_autosp data prepare`."""
 
     source: DataSource = DataSource.synthetic
     path: str | None = None
@@ -325,7 +325,7 @@ class TraceConfig:
 
 @dataclass
 class ProbeConfig:
-    """`python -m slurm_autosp.probe`: how many compiled steps it measures, and the depth it
+    """`python -m slurm_autosp probe`: how many compiled steps it measures, and the depth it
     scales the model (and the plan) down to, so a probe of a deep model stays short."""
 
     steps: int = 5  # the first compiles; the rest are timed

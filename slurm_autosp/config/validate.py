@@ -148,7 +148,7 @@ def _data_problems(d: DataConfig) -> list[str]:
         if not d.path:
             problems.append(
                 "data.source=tokens needs data.path (a token file, or a directory written by "
-                "python -m slurm_autosp.data prepare)"
+                "python -m slurm_autosp data prepare)"
             )
         elif not os.path.exists(d.path):
             problems.append(f"data.path={d.path}: no such file or directory")

@@ -1,5 +1,5 @@
 """Training data: samples by global index (synthetic, token files, prepared datasets), the
-token file format, and `python -m slurm_autosp.data prepare`, which makes a prepared dataset
+token file format, and `python -m slurm_autosp data prepare`, which makes a prepared dataset
 from text with a Hugging Face tokenizer."""
 
 from slurm_autosp.data.sources import (

@@ -1,4 +1,4 @@
-"""A prepared dataset: what `python -m slurm_autosp.data prepare` writes, one directory.
+"""A prepared dataset: what `python -m slurm_autosp data prepare` writes, one directory.
 
     summary.json          documents, tokens, vocabulary, tokenizer (name, hash), skipped rows
                           (and the first of each kind), EOS and the end-of-turn token
@@ -65,7 +65,7 @@ def read_summary(root: Path) -> dict[str, Any]:
     except FileNotFoundError as err:
         raise ValueError(
             f"{root}: a directory without {SUMMARY} is not a prepared dataset (an interrupted "
-            "prepare?); write one with `python -m slurm_autosp.data prepare`"
+            "prepare?); write one with `python -m slurm_autosp data prepare`"
         ) from err
     return summary
 

@@ -252,7 +252,7 @@ def open_tokens(
         if masked:
             raise ValueError(
                 f"{path}: a bare token file records no document ends, which data.documents=masked "
-                "needs; train on a directory written by `python -m slurm_autosp.data prepare`"
+                "needs; train on a directory written by `python -m slurm_autosp data prepare`"
             )
         return TokenFileSource(path, seq_len, vocab_size)
     chat = read_summary(path).get("format") == "chat"
@@ -275,7 +275,7 @@ def _require(path: Path, holding: str) -> None:
     if not path.exists():
         raise ValueError(
             f"{path.parent}: {path.name} ({holding}) is missing; prepare the dataset again with "
-            "`python -m slurm_autosp.data prepare`"
+            "`python -m slurm_autosp data prepare`"
         )
 
 

@@ -68,7 +68,7 @@ def read_token_file(path: Path) -> tuple[int, np.ndarray]:
     if len(raw) < _HEADER.size or raw[:8] != TOKEN_FILE_MAGIC:
         raise ValueError(
             f"{path}: not a token file (write one with slurm_autosp.data.write_token_file "
-            "or `python -m slurm_autosp.data prepare`)"
+            "or `python -m slurm_autosp data prepare`)"
         )
     _, dtype, vocab_size, count = _HEADER.unpack(raw)
     dtype_name = dtype.rstrip(b"\0").decode()

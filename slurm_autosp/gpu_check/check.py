@@ -1,4 +1,4 @@
-"""python -m slurm_autosp.gpu_check [--out DIR] [--device cuda|cpu] [--tiny] [--eager]
+"""python -m slurm_autosp gpu-check [--out DIR] [--device cuda|cpu] [--tiny] [--eager]
 
 The first GPU evidence in one command (bench/gpu_check.sh runs it): one process on one GPU,
 at SP=1, prints one table and writes it to DIR/gpu_check.json (default runs/gpu_check):
@@ -31,26 +31,19 @@ first, so a failed run never leaves old results to read.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import shutil
-import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from slurm_autosp.cluster.comm_env import allocator_env
 from slurm_autosp.gpu_check.budget import Budget
-from slurm_autosp.gpu_check.rows import OUT_OF_TIME, Row, error_row, exactness_row, render
+from slurm_autosp.gpu_check.rows import OUT_OF_TIME, Row, error_row, exactness_row
 
 OUTPUT = "gpu_check.json"
 BUDGET_S = 480.0  # 8 minutes: one borrowed machine's 10-minute run, with its start and copies
@@ -252,82 +245,3 @@ def run_check(
         for policy in POLICIES:
             rows += sections.run(policy, partial(policy_rows, scale, target, policy, dims, planned))
     return rows + bandwidth
-
-
-def _write(path: Path, report: dict) -> None:
-    """Whole or not at all: a reader never sees half a report."""
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(report, indent=1))
-    os.replace(partial, path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default="runs/gpu_check", help="where gpu_check.json goes")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU self-test)")
-    parser.add_argument("--eager", action="store_true", help="uncompiled (the CPU self-test)")
-    parser.add_argument(
-        "--budget-s",
-        type=float,
-        default=BUDGET_S,
-        help="seconds for the whole check, each section given the time left divided equally "
-        "among those still to run; what a section does not reach within its share is an "
-        "'out of time' row",
-    )
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / OUTPUT).unlink(missing_ok=True)
-    refusal = no_gpu() if args.device == "cuda" else None
-    if refusal:
-        print(f"gpu_check: {refusal}", file=sys.stderr)
-        return 2
-    if args.device == "cuda" and not torch.version.hip:  # before CUDA starts: as a job runs
-        os.environ.update(allocator_env(os.environ))
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    name = torch.cuda.get_device_name(device) if args.device == "cuda" else "CPU"
-    started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
-    found = versions()
-    allocator = allocator_in_use(device)
-    print(f"gpu_check: {name}, {found}, {allocator}; output in {out / OUTPUT}", flush=True)
-
-    def report(rows: list[Row], complete: bool) -> dict:
-        return {
-            "run_id": run_id,
-            "started": started.isoformat(timespec="seconds"),
-            "seconds": time.perf_counter() - start,
-            "device": name,
-            "torch": torch.__version__,
-            "versions": found,
-            "allocator": allocator,
-            "rocm": torch.version.hip,
-            "tiny": args.tiny,
-            "eager": args.eager,
-            "complete": complete,
-            "passed": complete and not any(r.failed for r in rows),
-            "rows": [asdict(r) for r in rows],
-        }
-
-    run_id = uuid.uuid4().hex
-    sections = Sections(
-        args.budget_s, section_names(), lambda rows: _write(out / OUTPUT, report(rows, False))
-    )
-    try:
-        rows = run_check(device, args.tiny, args.eager, out, sections)
-    except Exception as error:  # noqa: BLE001 - outside any section: the report still says why
-        rows = [*sections.done, error_row("setup", error)]
-    failed = [r for r in rows if r.failed]
-    print(render(rows))
-    print(
-        f"gpu_check: {'FAILED: ' + ', '.join(r.case for r in failed) if failed else 'every correctness row passed'}"
-        f" ({time.perf_counter() - start:.0f} s)"
-    )
-    _write(out / OUTPUT, report(rows, True))
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -168,9 +168,9 @@ def next_steps(job: submitit.Job, run_dir: Path) -> str:
     run = shlex.quote(str(run_dir))
     return "\n".join(
         [
-            f"  follow:      python -m slurm_autosp.status {run} --follow",
+            f"  follow:      python -m slurm_autosp status {run} --follow",
             f"  rank 0 log:  {shlex.quote(str(job.task(0).paths.stdout))}",
-            f"  status:      python -m slurm_autosp.status {run}",
+            f"  status:      python -m slurm_autosp status {run}",
             f"  cancel:      {cancel}",
             f"  TensorBoard: {tensorboard_command(run_dir)}",
         ]

@@ -1,4 +1,4 @@
-"""The plan as printed, by `python -m slurm_autosp.plan` and by submit (plan.decision)."""
+"""The plan as printed, by `python -m slurm_autosp plan` and by submit (plan.decision)."""
 
 from __future__ import annotations
 

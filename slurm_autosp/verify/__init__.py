@@ -1,12 +1,12 @@
 """Check, before spending GPU hours, that AutoSP trains your model exactly as one device would:
-`python -m slurm_autosp.verify` (the command and its arguments: verify.command).
+`python -m slurm_autosp.verify` (the command and its arguments: commands/verify.py).
 
 options: the `verify.*` keys and the shrunk model; documents: the packed rows
 `verify.documents` checks; ranks: what every rank runs; report: the figures, which fail and
-why; command: spawning the ranks, the exit status.
+why; check: spawning the ranks and refusing what they cannot run.
 """
 
-from slurm_autosp.verify.command import admit_verify, main, run_verify
+from slurm_autosp.verify.check import admit_verify, run_verify
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -37,7 +37,6 @@ __all__ = [
     "format_report",
     "full_fp32",
     "load_options",
-    "main",
     "make_batch",
     "run_rank",
     "run_verify",

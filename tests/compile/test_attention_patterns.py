@@ -9,10 +9,12 @@ from in_process import run_command
 from reference_run import prepared_dataset
 from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig
 
+from slurm_autosp.commands.plan import main as plan_main
+from slurm_autosp.commands.run import main as run_main
+from slurm_autosp.commands.submit import main as submit_main
+from slurm_autosp.commands.verify import main as verify_main
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.model import refuse_unsupported_attention
-from slurm_autosp.plan import main as plan_main
-from slurm_autosp.run import main as run_main
 from slurm_autosp.sp import prepare_sp_inputs
 from slurm_autosp.sp.attention_pattern import (
     UnsupportedAttention,
@@ -20,8 +22,6 @@ from slurm_autosp.sp.attention_pattern import (
     check_mask_request,
 )
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
-from slurm_autosp.submit import main as submit_main
-from slurm_autosp.verify import main as verify_main
 
 TINY = "cfg=configs/tiny_cpu.yaml"
 

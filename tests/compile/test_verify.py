@@ -8,13 +8,13 @@ import sys
 import pytest
 from in_process import run_command
 
+from slurm_autosp.commands.verify import main
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.verify import (
     Report,
     VerifyOptions,
     choose_layout,
     failures,
-    main,
     shrink_model_config,
 )
 

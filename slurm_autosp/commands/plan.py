@@ -1,4 +1,4 @@
-"""python -m slurm_autosp.plan cfg=CONFIG.yaml [key=value ...]
+"""python -m slurm_autosp plan cfg=CONFIG.yaml [key=value ...]
 
 Print the per-GPU memory plan of a job (parameters, gradients, optimizer shard, gathered
 weights under ZeRO-3, activations, logits/loss buffers, communication and recompute working
@@ -7,8 +7,8 @@ trains with (chosen here when the config leaves them to the plan), the longest s
 policy fits on this cluster shape under ZeRO-1 and ZeRO-3, and the verdict. Exits 0 when the
 job fits, 1 when it does not, 2 on a config error.
 
-  python -m slurm_autosp.plan cfg=configs/llama8b_32k.yaml
-  python -m slurm_autosp.plan cfg=configs/llama70b_128k.yaml parallel.sp_size=8
+  python -m slurm_autosp plan cfg=configs/llama8b_32k.yaml
+  python -m slurm_autosp plan cfg=configs/llama70b_128k.yaml parallel.sp_size=8
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import warnings
 from dataclasses import replace
 
 from slurm_autosp.admission import admit_model
-from slurm_autosp.cli import arguments, config_error
+from slurm_autosp.commands.arguments import arguments, config_error
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.memory_plan import build_plan, render, verdict
 

@@ -1,8 +1,7 @@
 """slurm-autosp COMMAND [ARGUMENTS]: every command under one name (pyproject's console script).
 
-Each command runs as `python -m slurm_autosp.COMMAND` runs it, with the same arguments, help
-and exit status. The command's module is imported only once chosen: help and a mistyped
-command answer at once, without importing torch.
+Each command is a module of slurm_autosp.commands with `main(argv) -> exit status`, imported
+only once chosen: help and a mistyped command answer at once, without importing torch.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 
-from slurm_autosp.cli import HELP
+from slurm_autosp.commands.arguments import HELP
 
 
 @dataclass(frozen=True)
@@ -22,15 +21,25 @@ class Command:
 
 
 COMMANDS = {
-    "submit": Command("slurm_autosp.submit", "train: sbatch on SLURM, local processes elsewhere"),
-    "status": Command("slurm_autosp.status", "where a run stands; --follow re-attaches to its job"),
-    "summary": Command("slurm_autosp.summary", "a run's TensorBoard data in the terminal"),
-    "plan": Command("slurm_autosp.plan", "the per-GPU memory plan and whether the job fits"),
-    "verify": Command("slurm_autosp.verify.command", "one SP step on CPU ranks against one device"),
-    "probe": Command("slurm_autosp.probe.__main__", "a short job measuring the nodes a run uses"),
-    "gpu-check": Command("slurm_autosp.gpu_check.check", "the first evidence on one GPU"),
-    "data": Command("slurm_autosp.data.__main__", "data prepare: text or chat to a dataset"),
-    "run": Command("slurm_autosp.run", "one rank of a job, for hand-written sbatch scripts"),
+    "submit": Command(
+        "slurm_autosp.commands.submit", "train: sbatch on SLURM, local processes elsewhere"
+    ),
+    "status": Command(
+        "slurm_autosp.commands.status", "where a run stands; --follow re-attaches to its job"
+    ),
+    "summary": Command("slurm_autosp.commands.summary", "a run's TensorBoard data in the terminal"),
+    "plan": Command(
+        "slurm_autosp.commands.plan", "the per-GPU memory plan and whether the job fits"
+    ),
+    "verify": Command(
+        "slurm_autosp.commands.verify", "one SP step on CPU ranks against one device"
+    ),
+    "probe": Command("slurm_autosp.commands.probe", "a short job measuring the nodes a run uses"),
+    "gpu-check": Command("slurm_autosp.commands.gpu_check", "the first evidence on one GPU"),
+    "data": Command("slurm_autosp.commands.data", "data prepare: text or chat to a dataset"),
+    "run": Command(
+        "slurm_autosp.commands.run", "one rank of a job, for hand-written sbatch scripts"
+    ),
 }
 
 USAGE = "usage: slurm-autosp COMMAND [ARGUMENTS]   (slurm-autosp COMMAND --help for its own)"

@@ -1,4 +1,4 @@
-"""python -m slurm_autosp.probe cfg=CONFIG.yaml [probe.steps=5] [probe.layers=N] [key=value ...]
+"""python -m slurm_autosp probe cfg=CONFIG.yaml [probe.steps=5] [probe.layers=N] [key=value ...]
 
 Probe the nodes before the long job: submitted exactly like `slurm_autosp.submit` (SLURM or
 local processes, the same layout, collective environment and plan), into its own run directory
@@ -18,34 +18,18 @@ Every rank measures:
 Rank 0 prints a table and a verdict (plan within ±10%, bandwidth within 70% of nominal, the
 slowest rank), and writes probe.json and TensorBoard events in the probe's run directory:
 
-  python -m slurm_autosp.probe cfg=configs/tiny_cpu.yaml
-  python -m slurm_autosp.probe cfg=configs/llama70b_128k.yaml probe.layers=4 probe.steps=3
+  python -m slurm_autosp probe cfg=configs/tiny_cpu.yaml
+  python -m slurm_autosp probe cfg=configs/llama70b_128k.yaml probe.layers=4 probe.steps=3
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
-from slurm_autosp.cli import arguments, config_error, take_flag
-from slurm_autosp.config import ConfigError, JobConfig, load_config, validate
+from slurm_autosp.commands.arguments import arguments, config_error, take_flag
+from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.submission import submit
-from slurm_autosp.lifecycle.run_dir import probe_run_name
-from slurm_autosp.probe.probe_job import ProbeJob
-
-
-def probe_config(cfg: JobConfig) -> JobConfig:
-    """The probe's own run directory, and the depth it scales the model (and the plan) to.
-    Values, not `key=value` text read again as YAML, which would cut `exp #1` to `exp` (a
-    comment) and probe into another run's directory."""
-    layers = cfg.model.num_hidden_layers if cfg.probe.layers is None else cfg.probe.layers
-    probe = replace(
-        cfg,
-        run=replace(cfg.run, name=probe_run_name(cfg.run.name)),
-        model=replace(cfg.model, num_hidden_layers=layers),
-    )
-    validate(probe)
-    return probe
+from slurm_autosp.probe.probe_job import ProbeJob, probe_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""python -m slurm_autosp.status RUN_DIR [--follow]
+"""python -m slurm_autosp status RUN_DIR [--follow]
 
 Where a run stands, from its directory alone: steps done, the last good checkpoint, the
 checkpoints jobs set aside as damaged, the jobs that trained it, how often it was requeued,
@@ -21,8 +21,8 @@ from slurm_autosp.checkpoint.store import (
     checkpoints_newest_first,
     damaged_checkpoints,
 )
-from slurm_autosp.cli import config_error, take_flag
 from slurm_autosp.cluster.scheduler import Liveness
+from slurm_autosp.commands.arguments import config_error, take_flag
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.watch import follow
 from slurm_autosp.lifecycle.lock import holder_liveness, read_lock

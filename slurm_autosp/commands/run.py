@@ -1,4 +1,4 @@
-"""python -m slurm_autosp.run cfg=CONFIG.yaml [key=value ...] [--force]
+"""python -m slurm_autosp run cfg=CONFIG.yaml [key=value ...] [--force]
 
 One rank of a training job, for sites that submit their own sbatch scripts: `srun` starts it
 on every task (see sbatch/train.sbatch). It runs exactly what `slurm_autosp.submit` would
@@ -14,7 +14,7 @@ import os
 import sys
 
 from slurm_autosp.admission import Admission, admit
-from slurm_autosp.cli import arguments, config_error, take_flag
+from slurm_autosp.commands.arguments import arguments, config_error, take_flag
 from slurm_autosp.config import ConfigError, JobConfig, load_config
 from slurm_autosp.launch.job import LockClaim, TrainingJob
 from slurm_autosp.lifecycle.run_dir import RunDir

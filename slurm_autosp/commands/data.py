@@ -1,4 +1,4 @@
-"""python -m slurm_autosp.data prepare --tokenizer DIR --input 'corpus/*.jsonl' --output DIR
+"""python -m slurm_autosp data prepare --tokenizer DIR --input 'corpus/*.jsonl' --output DIR
 
 Tokenizes JSONL, Parquet or text files (or a directory saved with datasets) with a local
 Hugging Face tokenizer into a prepared dataset that training reads as `data.path`.
@@ -16,7 +16,7 @@ from slurm_autosp.data.prepare import DocumentFormat, PrepareError, PrepareOptio
 
 
 def parse(argv: list[str] | None) -> PrepareOptions:
-    parser = argparse.ArgumentParser(prog="python -m slurm_autosp.data", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m slurm_autosp data", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("prepare", help="tokenize text into a prepared dataset")
     p.add_argument("--tokenizer", type=Path, required=True, help="a local HF tokenizer directory")

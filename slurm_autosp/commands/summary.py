@@ -1,6 +1,6 @@
 """A run's TensorBoard data in the terminal, for people without a browser:
 
-    python -m slurm_autosp.summary runs/tiny_cpu [--rows 20]
+    python -m slurm_autosp summary runs/tiny_cpu [--rows 20]
 
 prints the last loss and throughput, a per-step table (loss, tokens/s, step time, peak memory
 min / mean / max over ranks and the worst rank) and every memory trace: each traced rank's
@@ -122,14 +122,14 @@ def _spread(steps: list[int], rows: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m slurm_autosp.summary", description=__doc__.split("\n\n")[0]
+        prog="python -m slurm_autosp summary", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("run_dir", type=Path, help="the run directory, <output_root>/<run name>")
     parser.add_argument("--rows", type=int, default=20, help="most steps in the per-step table")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("tensorboard") is None:
         print(
-            "error: python -m slurm_autosp.summary reads the events with TensorBoard, which is "
+            "error: python -m slurm_autosp summary reads the events with TensorBoard, which is "
             "not installed: pip install 'slurm_autosp[view]'",
             file=sys.stderr,
         )
