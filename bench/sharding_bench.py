@@ -186,7 +186,7 @@ def run_stage(rank: int, stage: int, args: argparse.Namespace, init_file: str, o
     engine = build_engine(cfg, device, stage)
     built = time.perf_counter()
     say(f"{type(engine).__name__} built in {built - start:.1f} s; compiling (first step)")
-    backend = compile_for_sp(engine.module, cfg, dims, activation_checkpoint_spec_for(cfg))
+    backend = compile_for_sp(engine.module, cfg.compile, dims, activation_checkpoint_spec_for(cfg))
     held: dict[str, int] = {}
     real_step = engine.step
 

@@ -99,7 +99,7 @@ def admit(
     else:
         plan = plan_verdict(cfg)
         cfg = freeze_choices(cfg, plan.choices)
-    refuse_tiled_router_loss(cfg, plan.choices.tile_tokens)
+    refuse_tiled_router_loss(cfg.model, plan.choices.tile_tokens)
     if plan.late and plan.fits and saves_checkpoints:  # not fitting is refused first, by name
         raise SignalDelayTooShort(f"{plan.late}\n{plan.text}")
     refuse_another_runs_checkpoint(

@@ -14,10 +14,13 @@ from torch import nn
 
 from slurm_autosp.compile.traced_attention import TracedAttention, trace_attention
 from slurm_autosp.config import (
+    CompileConfig,
     ConfigError,
+    DataConfig,
     DocumentBoundaries,
     JobConfig,
     ModelConfig,
+    ParallelConfig,
     Precision,
     Vendor,
 )
@@ -153,10 +156,10 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
         if traced.failure:
             raise ConfigError(f"{source}: {_own_failure(config, traced)}")
         if cfg.compile.enabled:
-            _refuse_unsplit_heads(cfg, config, traced)
+            _refuse_unsplit_heads(cfg.parallel, config, traced)
             _refuse_inexact_ring(cfg, config, padded)
             problems = traced.unsupported + _no_attention_call(config, traced)
-            problems += _no_decoder_layers(cfg, config)
+            problems += _no_decoder_layers(cfg.compile, config)
     if problems:
         raise ConfigError(
             f"{source} (sequence parallel over parallel.sp_size={sp}, data.seq_len={seq}) is not supported exactly:\n  - "
@@ -164,7 +167,7 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
             + "\n  Until these are supported, train this model without AutoSP (compile.enabled=false, "
             "parallel.sp_size=1). The fields named are HF config fields (model.extra.*, or the checkpoint's config.json)."
         )
-    refuse_inexact_router_loss(cfg, config)
+    refuse_inexact_router_loss(cfg.model, config)
 
 
 def _field_problems(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
@@ -193,7 +196,7 @@ def _field_problems(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
 Z_LOSS_FIELDS = ("router_z_loss_coef", "z_loss_coefficient")
 
 
-def refuse_inexact_router_loss(cfg: JobConfig, config: Any) -> None:
+def refuse_inexact_router_loss(model: ModelConfig, config: Any) -> None:
     """An MoE's router load-balancing loss (`output_router_logits`) is computed by
     `sp.router_loss` under every layout, one device included, so its family's own
     `load_balancing_loss_func` must be that function: checked on random router logits (with and
@@ -209,13 +212,13 @@ def refuse_inexact_router_loss(cfg: JobConfig, config: Any) -> None:
         problems += [
             f"the router's load-balancing loss (output_router_logits=True): {why}; set "
             "model.extra.output_router_logits=false to train without it"
-            for why in _router_loss_differences(cfg.model, config)
+            for why in _router_loss_differences(model, config)
         ]
     if problems:
         source = (
-            f"model.pretrained_path={cfg.model.pretrained_path}"
-            if cfg.model.pretrained_path
-            else f"model.model_type={cfg.model.model_type}"
+            f"model.pretrained_path={model.pretrained_path}"
+            if model.pretrained_path
+            else f"model.model_type={model.model_type}"
         )
         raise ConfigError(
             f"{source}: an auxiliary loss AutoSP does not compute exactly:\n  - "
@@ -223,12 +226,12 @@ def refuse_inexact_router_loss(cfg: JobConfig, config: Any) -> None:
         )
 
 
-def refuse_tiled_router_loss(cfg: JobConfig, tile_tokens: int) -> None:
+def refuse_tiled_router_loss(model: ModelConfig, tile_tokens: int) -> None:
     """Sequence tiling (configured, or chosen by the plan) with an MoE's load-balancing loss:
     the tiles would not record the router's logits as the loss needs them (compile.tiling)."""
-    if not tile_tokens or cfg.model.builder:
+    if not tile_tokens or model.builder:
         return
-    if getattr(hf_config(cfg.model), "output_router_logits", False):
+    if getattr(hf_config(model), "output_router_logits", False):
         raise ConfigError(
             f"compile.tile_tokens={tile_tokens} (configured, or the memory plan's choice: see "
             "python -m slurm_autosp plan) with an MoE's router load-balancing loss "
@@ -284,10 +287,10 @@ def _no_attention_call(config: Any, traced: TracedAttention) -> list[str]:
     ]
 
 
-def _no_decoder_layers(cfg: JobConfig, config: Any) -> list[str]:
+def _no_decoder_layers(compile: CompileConfig, config: Any) -> list[str]:
     """Per-layer compilation compiles the modules a model's `_no_split_modules` names."""
     model_class = _hf_model_class(config)
-    if not cfg.compile.per_layer or getattr(model_class, "_no_split_modules", None):
+    if not compile.per_layer or getattr(model_class, "_no_split_modules", None):
         return []
     return [
         f"compile.per_layer=true: {model_class.__name__} names no decoder layer class "
@@ -295,13 +298,13 @@ def _no_decoder_layers(cfg: JobConfig, config: Any) -> list[str]:
     ]
 
 
-def _refuse_unsplit_heads(cfg: JobConfig, config: Any, traced: TracedAttention) -> None:
+def _refuse_unsplit_heads(parallel: ParallelConfig, config: Any, traced: TracedAttention) -> None:
     """The Ulysses size against the heads the model's attention receives (traced), else its
     config's: config validation sees only the heads a config names, not a checkpoint's
     (model.pretrained_path), not those an MLA model expands, nor the split a null ring size
     resolves to."""
-    _, ring = cfg.parallel.ulysses_ring
-    sp, heads = cfg.parallel.sp_size, config.num_attention_heads
+    _, ring = parallel.ulysses_ring
+    sp, heads = parallel.sp_size, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if traced.layer:
         heads, kv_heads = traced.query_heads, traced.kv_heads
@@ -314,11 +317,11 @@ def _refuse_unsplit_heads(cfg: JobConfig, config: Any, traced: TracedAttention) 
         )
 
 
-def _document_kernel_patterns(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
+def _document_kernel_patterns(data: DataConfig, config: Any, seq_len: int) -> list[str]:
     """The attention patterns `document_attention` computes (windows, packed documents)."""
     return windowed_attention(config, seq_len) + (
         ["per-document attention (data.documents=masked)"]
-        if cfg.data.documents is DocumentBoundaries.masked
+        if data.documents is DocumentBoundaries.masked
         else []
     )
 
@@ -327,7 +330,7 @@ def _refuse_inexact_ring(cfg: JobConfig, config: Any, seq_len: int) -> None:
     """Ring attention passes whole causal key/value blocks: it does not yet apply windows or
     document boundaries, so an SP size split over a ring is refused for them, by name."""
     _, ring = cfg.parallel.ulysses_ring
-    needed = _document_kernel_patterns(cfg, config, seq_len)
+    needed = _document_kernel_patterns(cfg.data, config, seq_len)
     if ring > 1 and needed:
         sp = cfg.parallel.sp_size
         raise ConfigError(
@@ -346,7 +349,7 @@ def _untested_varlen_attention(cfg: JobConfig, config: Any, seq_len: int) -> lis
     """On GPU ranks `document_attention` (windows, packed documents) runs torch's flash varlen
     kernel: in bf16 on NVIDIA GPUs. fp32 (flash computes bf16/fp16 only) and ROCm (untested)
     are refused, naming the key to change."""
-    needed = _document_kernel_patterns(cfg, config, seq_len)
+    needed = _document_kernel_patterns(cfg.data, config, seq_len)
     if cfg.cluster.vendor is Vendor.amd:
         why = (
             "on AMD GPUs (cluster.vendor=amd): the flash varlen kernel it runs there has not "
@@ -373,7 +376,7 @@ def _math_kernel_attention(cfg: JobConfig, config: Any, seq_len: int) -> list[st
     if (
         cfg.precision is not Precision.fp32
         or ring > 1
-        or _document_kernel_patterns(cfg, config, seq_len)
+        or _document_kernel_patterns(cfg.data, config, seq_len)
         or not grouped_on_each_rank(heads, kv_heads, ulysses)
     ):
         return []

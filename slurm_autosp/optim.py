@@ -8,16 +8,16 @@ import math
 import torch
 from torch import nn
 
-from slurm_autosp.config import JobConfig, LrSchedule, TrainConfig
+from slurm_autosp.config import ClusterConfig, LrSchedule, TrainConfig
 
 
-def fused_kernel(cfg: JobConfig, offload_optimizer: bool) -> bool:
+def fused_kernel(cluster: ClusterConfig, offload_optimizer: bool) -> bool:
     """Whether AdamW runs torch's one-pass kernel: where it steps in host memory (offloaded
     state: on CPU ~10x the default per-op loop, engine.deepspeed_zero1) and on GPUs, where the
     default foreach loop allocates parameter-sized temporaries (its sqrt of the second
     moments) that the memory plan does not count (torchtitan's default kernel too). A CPU
     run without offload keeps the default loop."""
-    return offload_optimizer or cfg.cluster.uses_gpus
+    return offload_optimizer or cluster.uses_gpus
 
 
 def build_optimizer(

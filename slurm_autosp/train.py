@@ -24,7 +24,7 @@ from slurm_autosp.checkpoint.store import (
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.compile import AutoSPBackend, compile_model, decoder_layers, tile_mlps
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
-from slurm_autosp.config import JobConfig
+from slurm_autosp.config import CompileConfig, JobConfig
 from slurm_autosp.data import build_source, micro_batch, prepared_tokenizer
 from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.evaluate import build_evaluator
@@ -52,7 +52,7 @@ class TrainResult:
 
 def compile_for_sp(
     model: torch.nn.Module,
-    cfg: JobConfig,
+    compile: CompileConfig,
     dims: ParallelDims,
     spec: ActivationCheckpointSpec,
     tile_tokens: int = 0,
@@ -63,14 +63,14 @@ def compile_for_sp(
     checkpointing activations by `spec`, its MLPs in sequence tiles of `tile_tokens` (0: untiled).
     Passing the `backend` an earlier model of the same shapes was compiled with reuses its
     graphs: Dynamo serves a graph only to the backend object that compiled it."""
-    if not cfg.compile.enabled:
+    if not compile.enabled:
         if tile_tokens:
             tile_mlps(model, tile_tokens)
         return None
     backend = backend or AutoSPBackend(dims.sp_size, spec, dims.ring_size)
     log.info("AutoSP: %r%s", backend, f", MLP tiles of {tile_tokens} tokens" if tile_tokens else "")
     set_sp_groups(dims.ulysses_group, dims.ring_group)
-    compile_model(model, backend, per_layer=cfg.compile.per_layer, tile_tokens=tile_tokens)
+    compile_model(model, backend, per_layer=compile.per_layer, tile_tokens=tile_tokens)
     return backend
 
 
@@ -89,7 +89,9 @@ def train(
         engine.loss_scale,
         "; optimizer state in host memory" if choices.offload_optimizer else "",
     )
-    backend = compile_for_sp(engine.module, cfg, dims, choices.checkpointing, choices.tile_tokens)
+    backend = compile_for_sp(
+        engine.module, cfg.compile, dims, choices.checkpointing, choices.tile_tokens
+    )
     offload = None
     if choices.offload_activations:
         offload = ActivationOffload(dims.device, layers=len(decoder_layers(engine.module)))

@@ -153,14 +153,16 @@ def detected_node(fixture):
 
 def test_detected_topology_matching_the_profile_passes():
     cfg = load_config(["cfg=configs/llama8b_32k.yaml"])
-    check_detected_topology(cfg, [detected_node("nvidia_smi_topo_dgx_h100.txt")] + [None] * 7)
+    check_detected_topology(
+        cfg.cluster, [detected_node("nvidia_smi_topo_dgx_h100.txt")] + [None] * 7
+    )
 
 
 def test_detected_topology_that_disagrees_with_the_profile_stops_the_job_naming_both():
     cfg = load_config(["cfg=configs/llama8b_32k.yaml"])
     with pytest.raises(TopologyMismatch) as err:
         check_detected_topology(
-            cfg, [detected_node("nvidia_smi_topo_pcie_8x_rtx4090.txt")] + [None] * 7
+            cfg.cluster, [detected_node("nvidia_smi_topo_pcie_8x_rtx4090.txt")] + [None] * 7
         )
     message = str(err.value)
     assert "cluster.nvlink_domain_size=8" in message

@@ -165,12 +165,12 @@ def test_sequence_tiling_with_a_router_loss_is_refused_at_admission_and_where_it
         ]
     )
     with pytest.raises(ConfigError, match=r"compile.tile_tokens=64 .*output_router_logits=false"):
-        refuse_tiled_router_loss(cfg, 64)
+        refuse_tiled_router_loss(cfg.model, 64)
     model = build_model(cfg.model)
     with pytest.raises(AutoSPCompileError, match="output_router_logits=true"):
         tile_mlps(model, 64)
     with pytest.raises(AutoSPCompileError, match="output_router_logits=true"):
         tile_layers(model, 64)
     cfg.model.extra["output_router_logits"] = False
-    refuse_tiled_router_loss(cfg, 64)
+    refuse_tiled_router_loss(cfg.model, 64)
     tile_mlps(build_model(cfg.model), 64)

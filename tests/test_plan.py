@@ -151,10 +151,10 @@ def test_auto_picks_the_first_fitting_rung_least_recomputation_first(request, pl
 
 def test_plan_tile_is_the_largest_power_of_two_within_256_mib_of_mlp_intermediate():
     cfg = load_config(["cfg=configs/llama8b_32k.yaml"])
-    assert tile_tokens_for(cfg, 14336, 2, 524288) == 8192  # 8,192 x 14,336 x 2 B = 224 MiB
-    assert tile_tokens_for(cfg, 14336, 2, 1000) == 1000
+    assert tile_tokens_for(cfg.compile, 14336, 2, 524288) == 8192  # 8,192 x 14,336 x 2 B = 224 MiB
+    assert tile_tokens_for(cfg.compile, 14336, 2, 1000) == 1000
     cfg.compile.tile_tokens = 512
-    assert tile_tokens_for(cfg, 14336, 2, 524288) == 512
+    assert tile_tokens_for(cfg.compile, 14336, 2, 524288) == 512
 
 
 def test_ladder_ends_with_tiling_then_offloads_of_the_least_memory_policies():
@@ -406,7 +406,7 @@ def test_an_moe_counts_every_expert_of_every_layer_and_gathers_its_largest_layer
         ]
     )
     skeleton = build_skeleton(cfg.model)
-    size = model_size(cfg)
+    size = model_size(cfg.model)
     assert size.total == sum(p.numel() for p in skeleton.parameters())
     layers = [sum(p.numel() for p in layer.parameters()) for layer in skeleton.model.layers]
     assert size.layer == max(layers) == layers[1] > layers[0]
@@ -439,7 +439,7 @@ def test_masked_documents_count_every_micro_batchs_document_boundaries(llama8b_p
     )
     plain = llama8b_plan.configured
     memory = policy_memory(
-        masked, plain.trace, model_size(masked), llama8b_plan.zero_stage, plain.rung
+        masked, plain.trace, model_size(masked.model), llama8b_plan.zero_stage, plain.rung
     )
     tokens = plain.trace.tokens
     assert memory.terms["document_boundaries"] == 4 * (4 * 8 * tokens + 4)

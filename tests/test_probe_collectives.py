@@ -81,7 +81,7 @@ def test_the_gradient_reduction_is_timed_over_every_rank_in_fp32_as_each_engine_
     buckets of 5e8, FSDP2 reduce-scatters one layer and never all-reduces."""
     [bf16] = _reduction("llama8b_32k.yaml", stage=1)
     assert (bf16.collective, bf16.dtype) == ("all_reduce", torch.float32)
-    assert bf16.nbytes == model_size(load_config(["cfg=configs/llama8b_32k.yaml"])).total * 4
+    assert bf16.nbytes == model_size(load_config(["cfg=configs/llama8b_32k.yaml"]).model).total * 4
     [fp32] = _reduction("llama8b_32k.yaml", "train.precision=fp32", stage=1)
     assert (fp32.collective, fp32.nbytes) == ("reduce_scatter", 500_000_000 * 4)
     [layer] = _reduction("llama8b_32k.yaml", stage=3)

@@ -92,7 +92,7 @@ def build_parallel_dims(cfg: JobConfig, local_rank: int, device: torch.device) -
             "parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)"
         )
     if dist.get_rank() == 0:
-        log.info("%s", layout_summary(cfg, layout))
+        log.info("%s", layout_summary(cfg.cluster, layout))
     groups = build_process_groups(layout)
     return ParallelDims(
         dist.get_rank(),

@@ -62,12 +62,12 @@ def layout_for(cfg: JobConfig) -> ParallelLayout:
         ) from err
 
 
-def layout_summary(cfg: JobConfig, layout: ParallelLayout) -> str:
+def layout_summary(cluster: ClusterConfig, layout: ParallelLayout) -> str:
     """Where the groups sit, in nodes and NVLink domains, for the dry run and the job's log:
     e.g. "SP 64 = Ulysses 8 x ring 8: Ulysses groups inside NVLink domains (the first on node
     0), ring over nodes 0-7 (8 NVLink domains)"."""
-    per_node = cfg.cluster.ranks_per_node
-    domains = _profile_topology(cfg.cluster).nvlink_domains
+    per_node = cluster.ranks_per_node
+    domains = _profile_topology(cluster).nvlink_domains
     domain_of = {rank: d for d, ranks in enumerate(domains) for rank in ranks}
 
     def where(ranks: tuple[int, ...]) -> str:
@@ -86,10 +86,10 @@ def layout_summary(cfg: JobConfig, layout: ParallelLayout) -> str:
     )
 
 
-def check_detected_topology(cfg: JobConfig, reports: list[NodeTopology | None]) -> None:
+def check_detected_topology(cluster: ClusterConfig, reports: list[NodeTopology | None]) -> None:
     """Compare what each node found (one report per node, others None) with the profile."""
     nodes = tuple(r for r in reports if r is not None)
-    c = cfg.cluster
+    c = cluster
     if not c.uses_gpus:
         if len(nodes) != c.nodes:
             raise TopologyMismatch(
@@ -116,7 +116,7 @@ def verify_topology(cfg: JobConfig, local_rank: int) -> None:
     verdict = [""]
     if dist.get_rank() == 0:
         try:
-            check_detected_topology(cfg, reports)
+            check_detected_topology(cfg.cluster, reports)
         except TopologyMismatch as err:
             verdict = [str(err)]
     dist.broadcast_object_list(verdict, src=0)

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from slurm_autosp.config import ConfigError, DataSource, DocumentBoundaries, JobConfig
+from slurm_autosp.config import ConfigError, DataConfig, DataSource, DocumentBoundaries, JobConfig
 from slurm_autosp.data.prepared import (
     TOKENIZER_DIR,
     SplitFiles,
@@ -305,11 +305,11 @@ def open_eval_source(cfg: JobConfig, vocab_size: int | None) -> TokenFileSource 
     return open_tokens(path, cfg.data.seq_len, vocab_size, split, cfg.data.documents)
 
 
-def token_paths(cfg: JobConfig) -> list[str]:
+def token_paths(data: DataConfig) -> list[str]:
     """The token files or prepared directories a job reads (data.blend's, or data.path)."""
-    if cfg.data.source is not DataSource.tokens:
+    if data.source is not DataSource.tokens:
         return []
-    return list(cfg.data.blend) or ([] if cfg.data.path is None else [cfg.data.path])
+    return list(data.blend) or ([] if data.path is None else [data.path])
 
 
 def data_identity(cfg: JobConfig) -> dict[str, str | None]:
@@ -317,7 +317,7 @@ def data_identity(cfg: JobConfig) -> dict[str, str | None]:
     (`data.contents`) and the tokenizer they were prepared with (`data.tokenizer`); None for
     synthetic data. A checkpoint records them, so that data prepared again at the same path
     does not resume silently on other tokens."""
-    paths = [Path(p) for p in token_paths(cfg)]
+    paths = [Path(p) for p in token_paths(cfg.data)]
     if not paths:
         return {"data.contents": None, "data.tokenizer": None}
     tokenizers = {t for t in map(recorded_tokenizer, paths) if t is not None}
@@ -330,7 +330,7 @@ def data_identity(cfg: JobConfig) -> dict[str, str | None]:
 def prepared_tokenizer(cfg: JobConfig) -> Path | None:
     """The tokenizer prepared data was made with (None for bare token files); check_token_file
     has made sure blended datasets share it."""
-    directories = [Path(p) / TOKENIZER_DIR for p in token_paths(cfg)]
+    directories = [Path(p) / TOKENIZER_DIR for p in token_paths(cfg.data)]
     return next((d for d in directories if d.is_dir()), None)
 
 
@@ -339,7 +339,7 @@ def check_token_file(cfg: JobConfig, model_vocab_size: int | None) -> None:
     model actually trained (a pretrained checkpoint's, not the config's field), and was made
     with the pretrained model's tokenizer when that model ships one."""
     key = "data.blend: " if cfg.data.blend else "data.path="
-    for path in token_paths(cfg):
+    for path in token_paths(cfg.data):
         try:
             open_tokens(path, cfg.data.seq_len, model_vocab_size, documents=cfg.data.documents)
         except (OSError, ValueError) as err:
@@ -357,7 +357,7 @@ def check_token_file(cfg: JobConfig, model_vocab_size: int | None) -> None:
         ) from err
     tokenizers = {
         p: tokenizer_hash(Path(p) / TOKENIZER_DIR)
-        for p in token_paths(cfg)
+        for p in token_paths(cfg.data)
         if (Path(p) / TOKENIZER_DIR).is_dir()
     }
     if len(set(tokenizers.values())) > 1:
@@ -381,7 +381,7 @@ def build_source(cfg: JobConfig, model_vocab_size: int | None = None) -> SampleS
     if cfg.data.source is DataSource.tokens:
         vocab_size = model_vocab_size or cfg.model.vocab_size
         sources: list[SampleSource] = []
-        for path in token_paths(cfg):
+        for path in token_paths(cfg.data):
             tokens = open_tokens(path, cfg.data.seq_len, vocab_size, documents=cfg.data.documents)
             sources.append(ShuffledSource(tokens, cfg.train.seed) if cfg.data.shuffle else tokens)
         if not cfg.data.blend:

@@ -80,7 +80,7 @@ class ZeRO1Engine:
         from slurm_autosp.compat.deepspeed_api import ZeroPartition, skip_shared_memory_comm_build
 
         skip_shared_memory_comm_build()
-        self._fused = fused_kernel(cfg, offload_optimizer)
+        self._fused = fused_kernel(cfg.cluster, offload_optimizer)
         optimizer = build_optimizer(model, cfg.train, fused=self._fused)
         self._engine, *_ = deepspeed.initialize(
             model=model,

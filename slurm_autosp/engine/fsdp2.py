@@ -93,7 +93,7 @@ class FSDP2Engine:
             "ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning
         )
         self.module = model
-        self._fused = fused_kernel(cfg, offload_optimizer)
+        self._fused = fused_kernel(cfg.cluster, offload_optimizer)
         self.optimizer = build_optimizer(model, cfg.train, fused=self._fused)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
         self._train = cfg.train

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from slurm_autosp.cluster.comm_env import collective_env
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache, users_environment
 from slurm_autosp.cluster.parallel_dims import ParallelDims, init_parallel_dims
-from slurm_autosp.config import ConfigError, JobConfig, Vendor
+from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig, Vendor
 from slurm_autosp.lifecycle.lock import (
     RunLock,
     acquire_lock,
@@ -81,7 +81,7 @@ class TrainingJob:
                 "request matching --nodes/--ntasks-per-node or fix cluster.*"
             )
         rank = job_env.global_rank
-        _configure_process(cfg, rank)
+        _configure_process(cfg.cluster, rank)
         applied = _apply_collective_env(cfg)
         try:
             dims = init_parallel_dims(cfg, self._claim)
@@ -161,10 +161,10 @@ def _apply_collective_env(cfg: JobConfig) -> dict[str, str]:
     return env
 
 
-def _configure_process(cfg: JobConfig, rank: int) -> None:
+def _configure_process(cluster: ClusterConfig, rank: int) -> None:
     """Threads, accelerator choice and log format, before DeepSpeed or torch.compile start."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.cluster.uses_gpus else "cpu")
-    torch.set_num_threads(cfg.cluster.cpus_per_task)
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cluster.uses_gpus else "cpu")
+    torch.set_num_threads(cluster.cpus_per_task)
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
         logging.Formatter(

@@ -36,7 +36,7 @@ def describe_dry_run(cfg: JobConfig, backend: Backend, layout: ParallelLayout) -
             "# resolved config",
             to_yaml(cfg).rstrip(),
             "# parallel layout",
-            layout_summary(cfg, layout),
+            layout_summary(cfg.cluster, layout),
             repr(layout),
             "# environment set on every rank before torch.distributed starts",
             *(f"{k}={v}" for k, v in sorted(env.items())),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
-from slurm_autosp.config import ActivationCheckpointing, JobConfig
+from slurm_autosp.config import ActivationCheckpointing, CompileConfig, JobConfig
 from slurm_autosp.lifecycle.save_time import rank0_checkpoint_bytes
 from slurm_autosp.memory_plan.layer_graph import tiled_layer_trace, trace_decoder_layer
 from slurm_autosp.memory_plan.policies import (
@@ -45,7 +45,7 @@ def _choose_rung(
     fitting = [r for r in rungs if memories[r].fits(gpu_bytes)]
     if cfg.compile.activation_checkpointing is ActivationCheckpointing.auto:
         how, best = "chosen by auto", "the least recomputation"
-    elif policy_from_plan(cfg):
+    elif policy_from_plan(cfg.compile):
         how, best = "budget chosen by the plan", "the largest"
     else:
         how, best = "tiling and offloads chosen by the plan", "the least traffic"
@@ -54,9 +54,9 @@ def _choose_rung(
     return rungs[-1], f"{how}: nothing fits, the least memory"
 
 
-def whole_model_graph(cfg: JobConfig) -> bool:
+def whole_model_graph(compile: CompileConfig) -> bool:
     """A whole-model compile rules ZeRO-3 out: FSDP2 is wired for one graph per decoder layer."""
-    return cfg.compile.enabled and not cfg.compile.per_layer
+    return compile.enabled and not compile.per_layer
 
 
 def _choose_stage(cfg: JobConfig, fits_under_zero1: bool) -> tuple[int, str]:
@@ -65,7 +65,7 @@ def _choose_stage(cfg: JobConfig, fits_under_zero1: bool) -> tuple[int, str]:
         return cfg.parallel.zero_stage, ""
     if fits_under_zero1:
         return 1, "chosen: fits without parameter sharding"
-    if whole_model_graph(cfg):
+    if whole_model_graph(cfg.compile):
         return 1, "chosen: ZeRO-3 needs compile.per_layer=true"
     return 3, "chosen: does not fit under ZeRO-1"
 
@@ -110,7 +110,7 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
             traces[rung.spec, True] = tiled_layer_trace(
                 cfg.model, rung.spec, keep_all, traces[rung.spec, False], dtype
             )
-    size = model_size(cfg)
+    size = model_size(cfg.model)
     gpu_bytes = cfg.cluster.gpu_memory_gb * GB
     memories = {
         stage: {
@@ -174,7 +174,7 @@ def choices_from_plan(plan: MemoryPlan) -> TrainingChoices:
 
 def _plan_decides(cfg: JobConfig) -> bool:
     c = cfg.compile
-    open_choice = cfg.parallel.zero_stage is None or policy_from_plan(cfg)
+    open_choice = cfg.parallel.zero_stage is None or policy_from_plan(cfg.compile)
     return _has_plan(cfg) and (
         open_choice
         or c.tile_tokens is None
@@ -209,7 +209,7 @@ def activation_checkpoint_spec_for(cfg: JobConfig) -> ActivationCheckpointSpec:
     """The checkpointing policy training compiles with: the configured one, or, for `auto` and
     a null `sac` budget, the plan's choice. Without a plan: CPU ranks have no GPU to fit, so
     they keep everything (sac budget 1); builder models keep the least (sac budget 0)."""
-    if not policy_from_plan(cfg):
+    if not policy_from_plan(cfg.compile):
         return activation_checkpoint_candidates(cfg)[0]
     if _has_plan(cfg):
         return build_plan(cfg).configured.spec

@@ -48,7 +48,7 @@ def optimizer_offload_cost(plan: MemoryPlan) -> OptimizerOffloadCost:
     flops = (t.forward_flops + t.backward_flops + t.recompute_flops) * accum
     compute = compute_seconds(cfg, flops * hf_config(cfg.model).num_hidden_layers)
     if plan.zero_stage == 1:  # gradients out, then parameters in: one after the other
-        seconds, hidden = 2 * bytes_per_element(cfg) * shard / link, False
+        seconds, hidden = 2 * bytes_per_element(cfg.precision) * shard / link, False
     else:  # shards in twice per micro-batch while gradients go out: both ways at once
         seconds = 2 * 4 * shard * accum / link
         hidden = seconds <= compute

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
-from slurm_autosp.config import ActivationCheckpointing, JobConfig
+from slurm_autosp.config import ActivationCheckpointing, CompileConfig, JobConfig
 
 SAC_BUDGETS = (1.0, 0.75, 0.5, 0.25, 0.0)
 TILE_BYTES = (
@@ -86,12 +86,12 @@ def ladder(cfg: JobConfig) -> tuple[Rung, ...]:
 
 
 def tile_tokens_for(
-    cfg: JobConfig, intermediate_size: int, bytes_per_element: int, local_tokens: int
+    compile: CompileConfig, intermediate_size: int, bytes_per_element: int, local_tokens: int
 ) -> int:
     """The configured tile, or the plan's: a power of two whose MLP intermediate fits TILE_BYTES,
     at most the local sequence."""
-    if cfg.compile.tile_tokens:
-        return cfg.compile.tile_tokens
+    if compile.tile_tokens:
+        return compile.tile_tokens
     tile = 1 << max(0, (TILE_BYTES // (intermediate_size * bytes_per_element)).bit_length() - 1)
     return max(1, min(tile, local_tokens))
 
@@ -109,9 +109,9 @@ def rung_label(rung: Rung) -> str:
     )
 
 
-def policy_from_plan(cfg: JobConfig) -> bool:
+def policy_from_plan(compile: CompileConfig) -> bool:
     """Whether the plan chooses the checkpointing: `auto`, or `sac` with its budget left null."""
-    c = cfg.compile
+    c = compile
     return c.activation_checkpointing is ActivationCheckpointing.auto or (
         c.activation_checkpointing is ActivationCheckpointing.sac
         and c.activation_memory_budget is None
@@ -124,7 +124,7 @@ def activation_checkpoint_candidates(cfg: JobConfig) -> tuple[ActivationCheckpoi
     c = cfg.compile
     if c.activation_checkpointing is ActivationCheckpointing.auto:
         return AUTO_CANDIDATES
-    if policy_from_plan(cfg):
+    if policy_from_plan(cfg.compile):
         return _sac_candidates(c.recompute_all_to_all)
     policy = c.activation_checkpointing
     budget = c.activation_memory_budget if policy is ActivationCheckpointing.sac else 0.0

@@ -109,14 +109,14 @@ def ring_line(plan: MemoryPlan) -> str:
     )  # the Ulysses all-to-alls: over the Ulysses group only
     kv = 2 * kv_block_per_token(cfg, ulysses) * t.tokens  # K and V blocks
     forward = (ring - 1) * kv
-    backward = (ring - 1) * kv * (1 + RING_GRADIENT_BYTES / bytes_per_element(cfg))
+    backward = (ring - 1) * kv * (1 + RING_GRADIENT_BYTES / bytes_per_element(cfg.precision))
     sent = forward * (1 + bool(t.recomputed_attention)) + backward
     seconds = sent / (FABRIC_GB_PER_S * GB)
-    peak = peak_tflops(cfg)
+    peak = peak_tflops(cfg.trace)
     compute = compute_seconds(cfg, t.forward_flops + t.backward_flops)
     hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
     return (
-        f"ring attention: {layout_summary(cfg, layout_for(cfg))}; per layer each rank sends "
+        f"ring attention: {layout_summary(cfg.cluster, layout_for(cfg))}; per layer each rank sends "
         f"{forward / GB:.2f} GB of K/V forward"
         f"{' (twice: attention recomputed)' if t.recomputed_attention else ''} and "
         f"{backward / GB:.2f} GB of K/V and dK/dV backward = {seconds * 1e3:,.0f} ms at "
@@ -132,7 +132,7 @@ def offload_line(plan: MemoryPlan) -> str:
     c, t = cfg.cluster, memory.trace
     node = memory.host_per_token * t.tokens * c.ranks_per_node
     seconds = t.activation_bytes / (c.host_link_gb_per_s * GB)
-    peak = peak_tflops(cfg)
+    peak = peak_tflops(cfg.trace)
     compute = compute_seconds(cfg, t.forward_flops)
     hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
     return (

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
-from slurm_autosp.config import DocumentBoundaries, JobConfig, Precision
+from slurm_autosp.config import DocumentBoundaries, JobConfig, ModelConfig, Precision
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.memory_plan.compute_time import compute_seconds
 from slurm_autosp.memory_plan.layer_graph import LayerTrace, hf_layer_classes
@@ -160,7 +160,9 @@ def attention_backward_per_token(cfg: JobConfig) -> float:
     ulysses, _ = cfg.parallel.ulysses_ring
     q_width = heads * head_dim
     rank_kv_heads = max(1, kv_heads // ulysses)  # fewer than the Ulysses size: repeated
-    expanded = 2 * bytes_per_element(cfg) * q_width if rank_kv_heads < heads // ulysses else 0
+    expanded = (
+        2 * bytes_per_element(cfg.precision) * q_width if rank_kv_heads < heads // ulysses else 0
+    )
     return FLASH_DQ_ACCUMULATOR_BYTES * q_width + expanded
 
 
@@ -171,7 +173,7 @@ def kv_block_per_token(cfg: JobConfig, ulysses: int) -> float:
     hf = hf_config(cfg.model)
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads or hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    return ulysses * max(1, kv_heads // ulysses) * head_dim * bytes_per_element(cfg)
+    return ulysses * max(1, kv_heads // ulysses) * head_dim * bytes_per_element(cfg.precision)
 
 
 def ring_blocks_per_token(cfg: JobConfig, ulysses: int, ring: int) -> float:
@@ -180,7 +182,7 @@ def ring_blocks_per_token(cfg: JobConfig, ulysses: int, ring: int) -> float:
     if ring == 1:
         return 0.0
     kv = 2 * 2 * kv_block_per_token(cfg, ulysses)  # K and V, send and receive
-    return kv + kv * RING_GRADIENT_BYTES / bytes_per_element(cfg)
+    return kv + kv * RING_GRADIENT_BYTES / bytes_per_element(cfg.precision)
 
 
 # of a node's host memory, for offloaded activations and optimizer state (the rest: OS, data)
@@ -204,11 +206,11 @@ class ModelSize:
         return self.in_layers + self.root
 
 
-def model_size(cfg: JobConfig) -> ModelSize:
+def model_size(model: ModelConfig) -> ModelSize:
     """Parameter counts of the configured model, from its decoder layers built on the meta
     device (nothing allocated; an MoE's layers hold every expert, not only those a token runs)."""
-    layer_class, _ = hf_layer_classes(cfg.model)
-    config = hf_config(cfg.model)
+    layer_class, _ = hf_layer_classes(model)
+    config = hf_config(model)
     with torch.device("meta"):
         built = [layer_class(config, i) for i in range(config.num_hidden_layers)]
     layers = [sum(p.numel() for p in layer.parameters()) for layer in built]
@@ -331,13 +333,13 @@ class MemoryPlan:
         return (local * self.cfg.parallel.sp_size) // 1024 * 1024
 
 
-def bytes_per_element(cfg: JobConfig) -> int:
-    return 2 if cfg.precision is Precision.bf16 else 4
+def bytes_per_element(precision: Precision) -> int:
+    return 2 if precision is Precision.bf16 else 4
 
 
 def _state_terms(cfg: JobConfig, size: ModelSize, zero_stage: int) -> dict[str, float]:
     """Parameters, gradients and optimizer state per GPU (see the module docstring)."""
-    b, world, params = bytes_per_element(cfg), cfg.cluster.world_size, size.total
+    b, world, params = bytes_per_element(cfg.precision), cfg.cluster.world_size, size.total
     if zero_stage == 3:
         return {name: nbytes * params / world for name, nbytes in FSDP2_STATE_BYTES.items()}
     partition = ZERO1_GRADIENT_PARTITION_BYTES if b == 4 else 0
@@ -358,14 +360,16 @@ def _offloaded_state(
     if zero_stage == 3:
         return {name: 0.0 for name in state}, sum(state.values())
     shard = size.total / cfg.cluster.world_size
-    host = (ZERO1_OPTIMIZER_BYTES + ZERO1_GRADIENT_PARTITION_BYTES + bytes_per_element(cfg)) * shard
+    host = (
+        ZERO1_OPTIMIZER_BYTES + ZERO1_GRADIENT_PARTITION_BYTES + bytes_per_element(cfg.precision)
+    ) * shard
     return {**state, "optimizer_shard": 0.0}, host
 
 
 def _gathered_weights(cfg: JobConfig, size: ModelSize) -> float:
     """FSDP2's unsharded buffers at the peak: the root group and two layers gathered, the
     lm_head's gradient, one layer's gradient and its fp32 copy for the reduce-scatter."""
-    b = bytes_per_element(cfg)
+    b = bytes_per_element(cfg.precision)
     return b * (size.root + 2 * size.layer + size.head) + (b + REDUCE_BYTES) * size.layer
 
 
@@ -381,7 +385,7 @@ def policy_memory(
     to the layer's peak; a whole layer's tiles under `full` run beside only what lives between
     them (then no all-to-all spans the sequence, see tiled_layer_trace), so the working set is
     the larger of that plus a tile and the full-width peak (`tile_excess`)."""
-    b = bytes_per_element(cfg)
+    b = bytes_per_element(cfg.precision)
     hf = hf_config(cfg.model)
     tokens = trace.tokens
     hidden, vocab = hf.hidden_size, hf.vocab_size
@@ -404,7 +408,7 @@ def policy_memory(
         "attention_backward": 0.0 if rung.tiled else attention_backward_per_token(cfg),
         "ring_kv_blocks": ring_blocks_per_token(cfg, *cfg.parallel.ulysses_ring),
     }
-    tile = tile_tokens_for(cfg, hf.intermediate_size, b, tokens) if rung.tiled else 0
+    tile = tile_tokens_for(cfg.compile, hf.intermediate_size, b, tokens) if rung.tiled else 0
     beside_tile = trace.tile_alongside_bytes  # a tiled layer's: see LayerTrace.working_bytes_with
     tile_excess = (
         ((beside_tile - trace.working_bytes) / tokens, tile * trace.tile_bytes_per_token)
@@ -466,7 +470,7 @@ def _zero1_gradient_path(cfg: JobConfig, size: ModelSize, rung: Rung) -> dict[st
     """What ZeRO-1's gradients take on their way into DeepSpeed during backward (see the
     module docstring): DeepSpeed runs BF16_Optimizer for bf16 without optimizer offload, its
     ZeRO optimizer otherwise (runtime/engine.py, _configure_zero_optimizer's choice)."""
-    b = bytes_per_element(cfg)
+    b = bytes_per_element(cfg.precision)
     if b == 2 and not rung.offload_optimizer:
         return {"gradient_conversion": (b + REDUCE_BYTES) * size.largest}
     return {"reduce_bucket": ZERO_BUCKET_ELEMENTS * REDUCE_BYTES}

@@ -25,7 +25,7 @@ def biggest_term(memory: PolicyMemory) -> tuple[str, float]:
 def _stage_setting(cfg: JobConfig, stage: int) -> str:
     """What to set for `stage`: the key when the config fixes another stage, and per_layer for ZeRO-3."""
     keys = [f"parallel.zero_stage={stage}"] if cfg.parallel.zero_stage not in (None, stage) else []
-    if stage == 3 and whole_model_graph(cfg):
+    if stage == 3 and whole_model_graph(cfg.compile):
         keys.append("compile.per_layer=true")
     return " and ".join(keys)
 
@@ -46,7 +46,9 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
             if other == 3
             else "ZeRO-1 (parallel.zero_stage=1"
         )
-        per_layer = ", compile.per_layer=true" if other == 3 and whole_model_graph(cfg) else ""
+        per_layer = (
+            ", compile.per_layer=true" if other == 3 and whole_model_graph(cfg.compile) else ""
+        )
         options.append(f"{what}{per_layer}) with: " + ", ".join(fitting))
     ring_now = ring_blocks_per_token(cfg, *cfg.parallel.ulysses_ring)
     for sp in divisors(cfg.cluster.world_size):

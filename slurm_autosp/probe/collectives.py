@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
-from slurm_autosp.config import JobConfig, Precision
+from slurm_autosp.config import JobConfig, ParallelConfig, Precision
 from slurm_autosp.memory_plan import model_size
 from slurm_autosp.memory_plan.terms import REDUCE_BYTES, ZERO_BUCKET_ELEMENTS
 from slurm_autosp.model import hf_config
@@ -43,8 +43,8 @@ class CollectiveTiming:
         return self.algbw_gb_per_s * bus_factor(self.collective, self.group_size)
 
 
-def _element_bytes(cfg: JobConfig) -> tuple[torch.dtype, int]:
-    return (torch.bfloat16, 2) if cfg.precision is Precision.bf16 else (torch.float32, 4)
+def _element_bytes(precision: Precision) -> tuple[torch.dtype, int]:
+    return (torch.bfloat16, 2) if precision is Precision.bf16 else (torch.float32, 4)
 
 
 def step_messages(cfg: JobConfig, zero_stage: int) -> list[Message]:
@@ -54,7 +54,7 @@ def step_messages(cfg: JobConfig, zero_stage: int) -> list[Message]:
     attention's pass of one K/V block to the next ring rank (its Ulysses rank's KV heads over
     S/R tokens; each is sent R-1 times forward and backward) and of its fp32 dK/dV (R times)."""
     hf = hf_config(cfg.model)
-    dtype, b = _element_bytes(cfg)
+    dtype, b = _element_bytes(cfg.precision)
     sp, micro = cfg.parallel.sp_size, cfg.train.micro_batch
     ulysses, ring = cfg.parallel.ulysses_ring
     local = -(-cfg.data.seq_len // sp)
@@ -90,7 +90,7 @@ def gradient_reduction(cfg: JobConfig, zero_stage: int) -> Message:
     1-D mesh; DeepSpeed's BF16_Optimizer all-reduces its flat fp32 gradient (one parameter
     group: one tensor, past reduce_bucket_size, so sent whole, in place); ZeRO-1's fp32
     optimizer reduce-scatters buckets of reduce_bucket_size."""
-    size = model_size(cfg)
+    size = model_size(cfg.model)
     if zero_stage == 3:
         what, collective, elements = "layer gradient (fp32)", "reduce_scatter", size.layer
     elif cfg.precision is Precision.bf16:
@@ -101,11 +101,13 @@ def gradient_reduction(cfg: JobConfig, zero_stage: int) -> Message:
     return Message(collective, what, "world", elements * REDUCE_BYTES, torch.float32)
 
 
-def nominal_bandwidth(cfg: JobConfig, group: str, device: torch.device) -> tuple[float | None, str]:
+def nominal_bandwidth(
+    parallel: ParallelConfig, group: str, device: torch.device
+) -> tuple[float | None, str]:
     """The published per-link bandwidth this group's busbw is held to, and where it came from."""
     if device.type != "cuda":
         return None, "no nominal: gloo on CPU"
-    if group != "sp" or cfg.parallel.allow_cross_domain:
+    if group != "sp" or parallel.allow_cross_domain:
         return None, "no nominal: between nodes it depends on the NICs per GPU"
     return nvlink_bandwidth(device)
 
@@ -141,7 +143,7 @@ def time_collectives(
             break
         group, index, size = groups[m.group]
         nbytes, seconds, latency = time_message(m, group, dims.device)
-        nominal, source = nominal_bandwidth(cfg, m.group, dims.device)
+        nominal, source = nominal_bandwidth(cfg.parallel, m.group, dims.device)
         timings.append(
             CollectiveTiming(
                 m.collective,

@@ -143,7 +143,7 @@ class ProbeSteps:
         self.engine = build_engine(cfg, dims.device, choices.zero_stage, choices.offload_optimizer)
         self.backend = compile_for_sp(
             self.engine.module,
-            cfg,
+            cfg.compile,
             dims,
             choices.checkpointing,
             choices.tile_tokens,

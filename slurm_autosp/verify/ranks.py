@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims, contiguous_parallel_dims
 from slurm_autosp.compile import AutoSPBackend, compile_model
-from slurm_autosp.config import JobConfig, ModelConfig
+from slurm_autosp.config import CompileConfig, JobConfig, ModelConfig
 from slurm_autosp.model import build_model
 from slurm_autosp.sp import IGNORE_INDEX, loss_scale, set_sp_groups, sp_token_positions
 from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count
@@ -259,7 +259,7 @@ def compare_sp_step(
     }
     return Report(
         description=_describe(
-            cfg, dims, dtype, model_cfg, options, seq_len, int(count), batch, layout
+            cfg.compile, dims, dtype, model_cfg, options, seq_len, int(count), batch, layout
         ),
         sp_size=sp_size,
         seq_len=seq_len,
@@ -284,7 +284,7 @@ def _short_name(name: str) -> str:
 
 
 def _describe(
-    cfg: JobConfig,
+    compile: CompileConfig,
     dims: ParallelDims,
     dtype: torch.dtype,
     model: ModelConfig,
@@ -309,7 +309,7 @@ def _describe(
         f"vocab {model.vocab_size}\n"
         f"  sp_size={sp}{ring} x dp={dims.dp_size} {dims.device.type} ranks, {str(dtype).removeprefix('torch.')} "
         f"(reference fp32), "
-        f"compile.per_layer={cfg.compile.per_layer}{codegen}; batch {batch['input_ids'].shape[0]} x {seq_len} tokens "
+        f"compile.per_layer={compile.per_layer}{codegen}; batch {batch['input_ids'].shape[0]} x {seq_len} tokens "
         f"(padded to {padded} = {sp} shards of {padded // sp}), {count} valid labels{injected}"
         + ("" if layout is None else f"\n  packed: {layout.describe()}")
     )

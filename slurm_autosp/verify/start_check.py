@@ -27,7 +27,7 @@ import torch.distributed as dist
 import transformers
 
 from slurm_autosp.cluster.parallel_dims import ParallelDims
-from slurm_autosp.config import DocumentBoundaries, JobConfig
+from slurm_autosp.config import DocumentBoundaries, JobConfig, ModelConfig, RunConfig
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.model import hf_config
 from slurm_autosp.sp.attention_pattern import windowed_attention
@@ -82,8 +82,8 @@ def run_start_check(cfg: JobConfig, dims: ParallelDims) -> StartCheck | None:
     if not start_check_needed(cfg, dims):
         return None
     options, dtype = _options(cfg, dims)
-    compared = _compared(cfg, dims, options, dtype)
-    shared: list[StartCheck | None] = [_recorded(cfg, compared) if dims.rank == 0 else None]
+    compared = _compared(cfg.model, dims, options, dtype)
+    shared: list[StartCheck | None] = [_recorded(cfg.run, compared) if dims.rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     if shared[0] is not None:
         if dims.rank == 0:
@@ -103,7 +103,7 @@ def run_start_check(cfg: JobConfig, dims: ParallelDims) -> StartCheck | None:
     check = None
     if report is not None:
         check = _outcome(report, options, compared, time.perf_counter() - start, kernels)
-        _record(cfg, check)
+        _record(cfg.run, check)
     shared = [check]
     dist.broadcast_object_list(shared, src=0)
     check = shared[0]
@@ -142,14 +142,14 @@ def _document_kernel_used(cfg: JobConfig, dims: ParallelDims, options: VerifyOpt
 
 
 def _compared(
-    cfg: JobConfig, dims: ParallelDims, options: VerifyOptions, dtype: torch.dtype
+    model: ModelConfig, dims: ParallelDims, options: VerifyOptions, dtype: torch.dtype
 ) -> str:
     ring = f" (Ulysses {dims.ulysses_size} x ring {dims.ring_size})" if dims.ring_size > 1 else ""
     pattern = [f"{options.documents} packed documents"] if options.documents else []
     pattern += [f"a window of {options.window}"] if options.window else []
-    model = cfg.model.pretrained_path or cfg.model.builder or cfg.model.model_type
+    name = model.pretrained_path or model.builder or model.model_type
     return (
-        f"{model} shrunk to {options.layers} layers, SP {dims.sp_size}{ring} x DP {dims.dp_size} "
+        f"{name} shrunk to {options.layers} layers, SP {dims.sp_size}{ring} x DP {dims.dp_size} "
         f"on {dims.device.type} in {str(dtype).removeprefix('torch.')} against one device in fp32"
         + (f", {' and '.join(pattern)}" if pattern else "")
         + (f", INJECTED BUG {options.inject.value}" if options.inject is not Inject.none else "")
@@ -187,10 +187,10 @@ def _outcome(
     )
 
 
-def _recorded(cfg: JobConfig, compared: str) -> StartCheck | None:
+def _recorded(run: RunConfig, compared: str) -> StartCheck | None:
     """The passed check recorded in the run directory, if it compared the same thing with the
     same torch and transformers."""
-    path = RunDir(cfg.run.dir).start_check
+    path = RunDir(run.dir).start_check
     try:
         check = StartCheck(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
@@ -203,10 +203,10 @@ def _recorded(cfg: JobConfig, compared: str) -> StartCheck | None:
     return check if same and check.passed else None
 
 
-def _record(cfg: JobConfig, check: StartCheck) -> None:
+def _record(run: RunConfig, check: StartCheck) -> None:
     """Write the outcome whole or not at all: a half-written record is never read as passed.
     A record that cannot be written costs only a repeat of the check next time."""
-    path = RunDir(cfg.run.dir).start_check
+    path = RunDir(run.dir).start_check
     partial = path.with_name(f".{path.name}.partial")
     try:
         partial.write_text(json.dumps(asdict(check), indent=1) + "\n")

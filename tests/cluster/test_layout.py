@@ -312,7 +312,7 @@ def test_auto_ring_size_on_nvl72_racks_meets_heads_and_domain():
 
 def test_the_dry_run_line_names_where_ulysses_and_ring_groups_sit():
     cfg = load_config([*LLAMA8B_8_NODES, "parallel.sp_size=64"])
-    assert layout_summary(cfg, layout_for(cfg)) == (
+    assert layout_summary(cfg.cluster, layout_for(cfg)) == (
         "SP 64 = Ulysses 8 x ring 8: Ulysses groups inside NVLink domains (the first on node 0), "
         "ring over nodes 0-7 (8 NVLink domains)"
     )

@@ -38,13 +38,13 @@ def test_a_passed_check_with_the_same_versions_is_not_repeated(tmp_path):
     cfg = load_config([f"cfg={TINY}", f"run.output_root={tmp_path}"])
     RunDir(cfg.run.dir).root.mkdir(parents=True)
     _record(cfg.run.dir)
-    assert isinstance(_recorded(cfg, "llama shrunk to 2 layers"), StartCheck)
-    assert _recorded(cfg, "llama shrunk to 2 layers, SP 4") is None  # another comparison
+    assert isinstance(_recorded(cfg.run, "llama shrunk to 2 layers"), StartCheck)
+    assert _recorded(cfg.run, "llama shrunk to 2 layers, SP 4") is None  # another comparison
     for changed in ({"torch": "2.11.0"}, {"transformers": "5.17.0"}, {"passed": False}):
         _record(cfg.run.dir, **changed)
-        assert _recorded(cfg, "llama shrunk to 2 layers") is None, changed
+        assert _recorded(cfg.run, "llama shrunk to 2 layers") is None, changed
     RunDir(cfg.run.dir).start_check.write_text('{"passed": tr')  # cut short
-    assert _recorded(cfg, "llama shrunk to 2 layers") is None
+    assert _recorded(cfg.run, "llama shrunk to 2 layers") is None
 
 
 @pytest.mark.slow
