@@ -174,7 +174,7 @@ def train(
         tracer.close()
     weights = engine.full_state_dict()  # every rank takes each tensor: FSDP2 gathers it
     if dims.rank == 0:
-        export_hf(engine.module, cfg.run.dir, weights, prepared_tokenizer(cfg))
+        export_hf(engine.module, cfg.run.dir, weights, prepared_tokenizer(cfg.data))
     else:
         for _ in weights:
             pass

@@ -60,7 +60,7 @@ def run_settings(cfg: JobConfig, layout: ParallelLayout, zero_stage: int) -> dic
     assert isinstance(tree, dict)
     return {
         **dict(_flatten(tree)),
-        **data_identity(cfg),
+        **data_identity(cfg.data),
         "parallel.zero_stage": zero_stage,
         "train.precision": cfg.precision.value,
         "train.global_batch": cfg.global_batch,

@@ -132,5 +132,5 @@ def init_parallel_dims(cfg: JobConfig, on_join: Callable[[int], None]) -> Parall
     """
     local_rank, device = init_distributed(cfg.cluster.uses_gpus, cfg.cluster.collective_timeout_min)
     on_join(dist.get_rank())
-    verify_topology(cfg, local_rank)
+    verify_topology(cfg.cluster, local_rank)
     return build_parallel_dims(cfg, local_rank, device)

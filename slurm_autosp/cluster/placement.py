@@ -107,7 +107,7 @@ def check_detected_topology(cluster: ClusterConfig, reports: list[NodeTopology |
         )
 
 
-def verify_topology(cfg: JobConfig, local_rank: int) -> None:
+def verify_topology(cluster: ClusterConfig, local_rank: int) -> None:
     """Each node's first rank detects its GPUs; rank 0 checks them all; every rank learns the
     verdict, so a mismatch stops the whole job before the model loads."""
     report = detect_node_topology() if local_rank == 0 else None
@@ -116,7 +116,7 @@ def verify_topology(cfg: JobConfig, local_rank: int) -> None:
     verdict = [""]
     if dist.get_rank() == 0:
         try:
-            check_detected_topology(cfg.cluster, reports)
+            check_detected_topology(cluster, reports)
         except TopologyMismatch as err:
             verdict = [str(err)]
     dist.broadcast_object_list(verdict, src=0)

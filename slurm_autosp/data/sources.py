@@ -312,12 +312,12 @@ def token_paths(data: DataConfig) -> list[str]:
     return list(data.blend) or ([] if data.path is None else [data.path])
 
 
-def data_identity(cfg: JobConfig) -> dict[str, str | None]:
+def data_identity(data: DataConfig) -> dict[str, str | None]:
     """What the training data is, beyond its paths: the contents of every file read
     (`data.contents`) and the tokenizer they were prepared with (`data.tokenizer`); None for
     synthetic data. A checkpoint records them, so that data prepared again at the same path
     does not resume silently on other tokens."""
-    paths = [Path(p) for p in token_paths(cfg.data)]
+    paths = [Path(p) for p in token_paths(data)]
     if not paths:
         return {"data.contents": None, "data.tokenizer": None}
     tokenizers = {t for t in map(recorded_tokenizer, paths) if t is not None}
@@ -327,10 +327,10 @@ def data_identity(cfg: JobConfig) -> dict[str, str | None]:
     }
 
 
-def prepared_tokenizer(cfg: JobConfig) -> Path | None:
+def prepared_tokenizer(data: DataConfig) -> Path | None:
     """The tokenizer prepared data was made with (None for bare token files); check_token_file
     has made sure blended datasets share it."""
-    directories = [Path(p) / TOKENIZER_DIR for p in token_paths(cfg.data)]
+    directories = [Path(p) / TOKENIZER_DIR for p in token_paths(data)]
     return next((d for d in directories if d.is_dir()), None)
 
 

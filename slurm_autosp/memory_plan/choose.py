@@ -210,7 +210,7 @@ def activation_checkpoint_spec_for(cfg: JobConfig) -> ActivationCheckpointSpec:
     a null `sac` budget, the plan's choice. Without a plan: CPU ranks have no GPU to fit, so
     they keep everything (sac budget 1); builder models keep the least (sac budget 0)."""
     if not policy_from_plan(cfg.compile):
-        return activation_checkpoint_candidates(cfg)[0]
+        return activation_checkpoint_candidates(cfg.compile)[0]
     if _has_plan(cfg):
         return build_plan(cfg).configured.spec
     budget = 1.0 if not cfg.cluster.uses_gpus else 0.0

@@ -46,7 +46,7 @@ def optimizer_offload_cost(plan: MemoryPlan) -> OptimizerOffloadCost:
     shard = plan.parameters / c.world_size  # parameters per rank
     link = c.host_link_gb_per_s * GB
     flops = (t.forward_flops + t.backward_flops + t.recompute_flops) * accum
-    compute = compute_seconds(cfg, flops * hf_config(cfg.model).num_hidden_layers)
+    compute = compute_seconds(cfg.trace, flops * hf_config(cfg.model).num_hidden_layers)
     if plan.zero_stage == 1:  # gradients out, then parameters in: one after the other
         seconds, hidden = 2 * bytes_per_element(cfg.precision) * shard / link, False
     else:  # shards in twice per micro-batch while gradients go out: both ways at once

@@ -61,7 +61,7 @@ def ladder(cfg: JobConfig) -> tuple[Rung, ...]:
     as is, then the least-memory policies tiled, tiled with activation offload, tiled with
     optimizer offload (where host memory, not the GPU, bounds activation offload), then both. `compile.tile_tokens`, `compile.offload_activations` and
     `parallel.offload_optimizer` set to a value fix that dimension for every rung."""
-    candidates = activation_checkpoint_candidates(cfg)
+    candidates = activation_checkpoint_candidates(cfg.compile)
     tiling, offload = cfg.compile.tile_tokens, cfg.compile.offload_activations
     optimizer = cfg.parallel.offload_optimizer
     rungs = [Rung(spec) for spec in candidates]
@@ -118,13 +118,15 @@ def policy_from_plan(compile: CompileConfig) -> bool:
     )
 
 
-def activation_checkpoint_candidates(cfg: JobConfig) -> tuple[ActivationCheckpointSpec, ...]:
+def activation_checkpoint_candidates(
+    compile: CompileConfig,
+) -> tuple[ActivationCheckpointSpec, ...]:
     """The specs training may compile with, in order of preference (least recomputation
     first): auto's candidates, a null sac budget's, or the one configured."""
-    c = cfg.compile
+    c = compile
     if c.activation_checkpointing is ActivationCheckpointing.auto:
         return AUTO_CANDIDATES
-    if policy_from_plan(cfg.compile):
+    if policy_from_plan(compile):
         return _sac_candidates(c.recompute_all_to_all)
     policy = c.activation_checkpointing
     budget = c.activation_memory_budget if policy is ActivationCheckpointing.sac else 0.0
@@ -146,7 +148,7 @@ def traced_specs(cfg: JobConfig) -> list[ActivationCheckpointSpec]:
         *AUTO_CANDIDATES,
         ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=a2a),
     ]
-    return list(dict.fromkeys([*table, *activation_checkpoint_candidates(cfg)]))
+    return list(dict.fromkeys([*table, *activation_checkpoint_candidates(cfg.compile)]))
 
 
 def spec_label(spec: ActivationCheckpointSpec) -> str:

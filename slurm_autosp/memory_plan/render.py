@@ -113,7 +113,7 @@ def ring_line(plan: MemoryPlan) -> str:
     sent = forward * (1 + bool(t.recomputed_attention)) + backward
     seconds = sent / (FABRIC_GB_PER_S * GB)
     peak = peak_tflops(cfg.trace)
-    compute = compute_seconds(cfg, t.forward_flops + t.backward_flops)
+    compute = compute_seconds(cfg.trace, t.forward_flops + t.backward_flops)
     hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
     return (
         f"ring attention: {layout_summary(cfg.cluster, layout_for(cfg))}; per layer each rank sends "
@@ -133,7 +133,7 @@ def offload_line(plan: MemoryPlan) -> str:
     node = memory.host_per_token * t.tokens * c.ranks_per_node
     seconds = t.activation_bytes / (c.host_link_gb_per_s * GB)
     peak = peak_tflops(cfg.trace)
-    compute = compute_seconds(cfg, t.forward_flops)
+    compute = compute_seconds(cfg.trace, t.forward_flops)
     hidden = "hidden behind" if seconds <= compute else "NOT hidden behind"
     return (
         f"activation offload: {node / GB:,.0f} GB of host memory per node (cluster.host_memory_gb="

@@ -145,7 +145,7 @@ def offload_lag_layers(cfg: JobConfig, trace: LayerTrace, layers: int) -> float:
     if not cfg.cluster.uses_gpus or not trace.activation_bytes:
         return 0.0
     copy = trace.activation_bytes / (cfg.cluster.host_link_gb_per_s * GB)
-    forward = compute_seconds(cfg, trace.forward_flops)
+    forward = compute_seconds(cfg.trace, trace.forward_flops)
     return layers * max(0.0, 1 - forward / copy)
 
 
@@ -366,10 +366,10 @@ def _offloaded_state(
     return {**state, "optimizer_shard": 0.0}, host
 
 
-def _gathered_weights(cfg: JobConfig, size: ModelSize) -> float:
+def _gathered_weights(precision: Precision, size: ModelSize) -> float:
     """FSDP2's unsharded buffers at the peak: the root group and two layers gathered, the
     lm_head's gradient, one layer's gradient and its fp32 copy for the reduce-scatter."""
-    b = bytes_per_element(cfg.precision)
+    b = bytes_per_element(precision)
     return b * (size.root + 2 * size.layer + size.head) + (b + REDUCE_BYTES) * size.layer
 
 
@@ -425,8 +425,8 @@ def policy_memory(
         state, host_state = _offloaded_state(cfg, size, zero_stage, state)
     terms = {
         **state,
-        **({"gathered_weights": _gathered_weights(cfg, size)} if zero_stage == 3 else {}),
-        **(_zero1_gradient_path(cfg, size, rung) if zero_stage == 1 else {}),
+        **({"gathered_weights": _gathered_weights(cfg.precision, size)} if zero_stage == 3 else {}),
+        **(_zero1_gradient_path(cfg.precision, size, rung) if zero_stage == 1 else {}),
         "activations": per_token["activations"] * tokens,
         "logits_and_loss": per_token["logits_and_loss_saved"] * tokens + logits_chunk,
         "communication": per_token["communication_all_to_all"] * tokens,
@@ -466,11 +466,11 @@ def policy_memory(
     )
 
 
-def _zero1_gradient_path(cfg: JobConfig, size: ModelSize, rung: Rung) -> dict[str, float]:
+def _zero1_gradient_path(precision: Precision, size: ModelSize, rung: Rung) -> dict[str, float]:
     """What ZeRO-1's gradients take on their way into DeepSpeed during backward (see the
     module docstring): DeepSpeed runs BF16_Optimizer for bf16 without optimizer offload, its
     ZeRO optimizer otherwise (runtime/engine.py, _configure_zero_optimizer's choice)."""
-    b = bytes_per_element(cfg.precision)
+    b = bytes_per_element(precision)
     if b == 2 and not rung.offload_optimizer:
         return {"gradient_conversion": (b + REDUCE_BYTES) * size.largest}
     return {"reduce_bucket": ZERO_BUCKET_ELEMENTS * REDUCE_BYTES}
