@@ -38,15 +38,14 @@ freed tensors leave the resident set at once.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, bench_parser, markdown_table, spawn_ranks, write_json
+
 SP = 2
 LAYERS = 4
 POLICIES = [
@@ -385,36 +384,60 @@ def _quadratic(a: dict, b: dict) -> str:
 
 
 def render(rows0: list[dict], rows1: list[dict]) -> str:
-    lines = [
-        "| S (P=2) | policy | saved B/tok/layer | O(S²) saved | a2a in bw | recompute | attn recomputed | step (s) | loss err | grad err |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for a, b in zip(rows0, rows1, strict=True):
-        lines.append(
-            f"| {a['seq']} | {a['policy']} | {max(a['saved_per_token_layer'], b['saved_per_token_layer']):,.0f} | "
-            f"{_quadratic(a, b)} | {max(a['a2a_backward'], b['a2a_backward'])} | "
-            f"{a['recompute_share']:.1%} | {a['attention_recomputed']} | {max(a['step_s'], b['step_s']):.3f} | "
-            f"{max(a['loss_err'], b['loss_err']):.1e} | {max(a['grad_err'], b['grad_err']):.1e} |"
-        )
-    lines += [
-        "",
-        "| S (P=2) | policy | plan: held after forward | measured (VmRSS delta, rank 0) | error |",
-        "|---|---|---|---|---|",
-    ]
-    for a in rows0:
-        if a["policy"] in ("none", "sac", "sac_replay_a2a"):
-            predicted, measured = a["predicted_forward_bytes"], a["rss_forward_delta"]
-            lines.append(
-                f"| {a['seq']} | {a['policy']} | {predicted / 2**20:.2f} MiB | {measured / 2**20:.2f} MiB | "
-                f"{(predicted - measured) / measured:+.1%} |"
+    saved = markdown_table(
+        (
+            "S (P=2)",
+            "policy",
+            "saved B/tok/layer",
+            "O(S²) saved",
+            "a2a in bw",
+            "recompute",
+            "attn recomputed",
+            "step (s)",
+            "loss err",
+            "grad err",
+        ),
+        [
+            (
+                a["seq"],
+                a["policy"],
+                f"{max(a['saved_per_token_layer'], b['saved_per_token_layer']):,.0f}",
+                _quadratic(a, b),
+                max(a["a2a_backward"], b["a2a_backward"]),
+                f"{a['recompute_share']:.1%}",
+                a["attention_recomputed"],
+                f"{max(a['step_s'], b['step_s']):.3f}",
+                f"{max(a['loss_err'], b['loss_err']):.1e}",
+                f"{max(a['grad_err'], b['grad_err']):.1e}",
             )
-    return "\n".join(lines)
+            for a, b in zip(rows0, rows1, strict=True)
+        ],
+    )
+    planned = markdown_table(
+        (
+            "S (P=2)",
+            "policy",
+            "plan: held after forward",
+            "measured (VmRSS delta, rank 0)",
+            "error",
+        ),
+        [
+            (
+                a["seq"],
+                a["policy"],
+                f"{a['predicted_forward_bytes'] / 2**20:.2f} MiB",
+                f"{a['rss_forward_delta'] / 2**20:.2f} MiB",
+                f"{a['predicted_forward_bytes'] / a['rss_forward_delta'] - 1:+.1%}",
+            )
+            for a in rows0
+            if a["policy"] in ("none", "sac", "sac_replay_a2a")
+        ],
+    )
+    return f"{saved}\n\n{planned}"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--seqs", default="1024,4096,8192")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "bench" / "checkpointing_results.json"))
@@ -422,12 +445,9 @@ def main() -> int:
     seqs = [int(s) for s in args.seqs.split(",")]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the resident set at once
-    sys.path.insert(0, str(REPO))
-    from spawn import spawn_ranks
 
     rows = spawn_ranks(rank_main, (seqs, args.steps), SP)
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json(args.out, rows)
     print(render(rows[0], rows[1]))
     return 0
 

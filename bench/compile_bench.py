@@ -24,7 +24,6 @@ Time on 2 CPU cores: the full run needs about 12-15 minutes of both cores (its C
 to that, most of it the peer's 32-layer compile); on a machine shared at load 5-17 it took 42.
 """
 
-import argparse
 import json
 import os
 import signal
@@ -36,7 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, bench_parser
+
 SP = 2
 SEQ = 256
 VOCAB = 256
@@ -326,7 +326,7 @@ def table(results: dict, layer_counts: list[int]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="2 and 8 layers, 3 timed steps")
     parser.add_argument("--layers", type=int, nargs="+", help="depths to measure (default 2 8 32)")
     parser.add_argument("--impls", nargs="+", default=["ours", "peer"], choices=["ours", "peer"])
@@ -337,7 +337,6 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     parser.add_argument("--json", type=Path, help="also write every result here")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run launch's cleanup on SIGTERM too
     layer_counts = args.layers or ([2, 8] if args.quick else [2, 8, 32])
     steps = args.steps or (3 if args.quick else 5)

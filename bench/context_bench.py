@@ -39,7 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import bench_parser
+
 SP = 2
 LAYERS = 2
 MODES = [
@@ -248,9 +249,7 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--tile", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
@@ -262,7 +261,6 @@ def main() -> int:
     )
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    sys.path.insert(0, str(REPO))
     from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 
     # the user's own TORCHINDUCTOR_CACHE_DIR, else a fresh private one

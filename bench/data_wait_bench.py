@@ -11,20 +11,17 @@ SP group of 8 H200 at 40% MFU of 989 TFLOP/s each; pass a measured one with --st
 The host copy to the GPU and the label-count all-reduce are not in the figure.
 """
 
-import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from common import bench_parser
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from slurm_autosp.compile import prepare_sp_inputs  # noqa: E402
-from slurm_autosp.config import JobConfig  # noqa: E402
-from slurm_autosp.data import ShuffledSource, TokenFileSource, micro_batch, write_token_file  # noqa: E402
+from slurm_autosp.config import JobConfig
+from slurm_autosp.data import ShuffledSource, TokenFileSource, micro_batch, write_token_file
+from slurm_autosp.sp import prepare_sp_inputs
 
 SEQ = 131_072
 PARAMS, LAYERS, HIDDEN = 8.03e9, 32, 4096  # Llama-3.1-8B
@@ -36,7 +33,7 @@ def modelled_step_seconds(gpus: int, mfu: float, peak_tflops: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--sp", type=int, default=8)
     parser.add_argument("--samples", type=int, default=64, help="samples in the token file")
     parser.add_argument("--steps", type=int, default=30)

@@ -35,9 +35,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, bench_parser, markdown_table, spawn_ranks, write_json
+
 SP = 2
 LAYERS = 4
 CHUNK = 256
@@ -144,40 +144,40 @@ def render(rows0: list[dict], rows1: list[dict]) -> str:
         [max(t) for t in zip(a["times"], b["times"], strict=True)]
         for a, b in zip(rows0, rows1, strict=True)
     ]
-    lines = [
-        "| S (P=2) | attention | step (s) | best (s) | / sdpa | saved B/tok/layer | loss err | grad err |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = ("S (P=2)", "attention", "step (s)", "best (s)", "/ sdpa", "saved B/tok/layer")
+    table = []
     for a, b, times in zip(rows0, rows1, steps, strict=True):
         ratio = statistics.median(t / s for t, s in zip(times, steps[0], strict=True))
         compared = a["mode"] in ("sdpa", "op, 1 document")
         errors = (
-            f"{max(a['loss_err'], b['loss_err']):.1e} | {max(a['grad_err'], b['grad_err']):.1e}"
+            (f"{max(a['loss_err'], b['loss_err']):.1e}", f"{max(a['grad_err'], b['grad_err']):.1e}")
             if compared
-            else "– | –"
+            else ("–", "–")
         )
-        lines.append(
-            f"| {a['seq']} | {a['mode']} | {statistics.median(times):.3f} | {min(times):.3f} | {ratio:.2f}× | "
-            f"{max(a['saved_per_token_layer'], b['saved_per_token_layer']):,.0f} | {errors} |"
+        table.append(
+            (
+                a["seq"],
+                a["mode"],
+                f"{statistics.median(times):.3f}",
+                f"{min(times):.3f}",
+                f"{ratio:.2f}×",
+                f"{max(a['saved_per_token_layer'], b['saved_per_token_layer']):,.0f}",
+                *errors,
+            )
         )
-    return "\n".join(lines)
+    return markdown_table((*header, "loss err", "grad err"), table, right=range(2, 8))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--documents", type=int, default=8, help="documents of the packed row")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     parser.add_argument("--out", default=str(REPO / "bench" / "documents_results.json"))
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
-    from spawn import spawn_ranks
 
     rows = spawn_ranks(rank_main, (args,), SP)
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json(args.out, rows)
     print(render(rows[0], rows[1]))
     return 0
 

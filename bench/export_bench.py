@@ -16,13 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from common import bench_parser, markdown_table
+from transformers import LlamaConfig, LlamaForCausalLM
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from slurm_autosp.checkpoint.export import distinct_tensors, export_hf  # noqa: E402
-from slurm_autosp.lifecycle.run_dir import RunDir  # noqa: E402
+from slurm_autosp.checkpoint.export import distinct_tensors, export_hf
+from slurm_autosp.lifecycle.run_dir import RunDir
 
 
 def measure(mode: str, layers: int, shard_mb: int, out: Path) -> dict:
@@ -56,7 +55,7 @@ def measure(mode: str, layers: int, shard_mb: int, out: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--shard-mb", type=int, default=256)
     parser.add_argument("--mode", choices=["streamed", "gathered"], help=argparse.SUPPRESS)
@@ -77,14 +76,17 @@ def main() -> None:
         f"model {first['model'] / 1e9:.2f} GB (bf16), largest tensor {first['largest'] / 1e6:.0f} "
         f"MB, shards of at most {args.shard_mb} MB"
     )
-    print("| export | peak RSS above start | bound | files | seconds |")
-    print("|---|---:|---:|---:|---:|")
     bound = {"gathered": "the model", "streamed": "a shard + the largest tensor"}
-    for mode, row in rows.items():
-        print(
-            f"| {mode} | {row['peak'] / 1e9:.2f} GB | {bound[mode]} | {row['files']} | "
-            f"{row['s']:.1f} |"
+    print(
+        markdown_table(
+            ("export", "peak RSS above start", "bound", "files", "seconds"),
+            [
+                (mode, f"{row['peak'] / 1e9:.2f} GB", bound[mode], row["files"], f"{row['s']:.1f}")
+                for mode, row in rows.items()
+            ],
+            right=(1, 2, 3, 4),
         )
+    )
 
 
 if __name__ == "__main__":

@@ -22,13 +22,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.spawn import spawn_ranks  # noqa: E402
+from common import bench_parser, markdown_table, spawn_ranks
 
 WORLD = 2
 
@@ -98,7 +95,7 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, out: str) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--seq", type=int, default=2048, help="tokens a rank")
     parser.add_argument("--steps", type=int, default=5)
@@ -112,19 +109,22 @@ def main() -> None:
         f"layer stops: {WORLD} CPU ranks, Llama hidden 64, {args.layers} layers, {args.seq} tokens "
         f"a rank; medians of {args.steps} steps each way, the slower rank"
     )
-    print("| what | time | against the step |")
-    print("|---|---:|---:|")
-    print(f"| step without boundaries | {slowest['plain'] * 1e3:,.1f} ms | 1 |")
-    print(
-        f"| step with {boundaries} boundaries | {slowest['armed'] * 1e3:,.1f} ms | "
-        f"{slowest['armed'] / slowest['plain']:.3f} |"
-    )
-    print(
-        f"| per boundary (difference / {boundaries}) | {per_boundary * 1e6:,.0f} us | "
-        f"{per_boundary / slowest['plain']:.2%} |"
-    )
-    print(f"| agreement alone, back to back | {slowest['alone'] * 1e6:,.0f} us | - |")
-    print(f"| one synchronous gloo all-reduce | {slowest['all_reduce'] * 1e6:,.0f} us | - |")
+    rows = [
+        ("step without boundaries", f"{slowest['plain'] * 1e3:,.1f} ms", 1),
+        (
+            f"step with {boundaries} boundaries",
+            f"{slowest['armed'] * 1e3:,.1f} ms",
+            f"{slowest['armed'] / slowest['plain']:.3f}",
+        ),
+        (
+            f"per boundary (difference / {boundaries})",
+            f"{per_boundary * 1e6:,.0f} us",
+            f"{per_boundary / slowest['plain']:.2%}",
+        ),
+        ("agreement alone, back to back", f"{slowest['alone'] * 1e6:,.0f} us", "-"),
+        ("one synchronous gloo all-reduce", f"{slowest['all_reduce'] * 1e6:,.0f} us", "-"),
+    ]
+    print(markdown_table(("what", "time", "against the step"), rows, right=(1, 2)))
 
 
 if __name__ == "__main__":

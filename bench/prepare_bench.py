@@ -11,21 +11,18 @@ prepared directory (EOS appended, skipped rows counted, files written and rename
 run twice, alternating, and the faster run counts; the load cache is not shared.
 """
 
-import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import datasets
+from common import bench_parser
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from slurm_autosp.data.prepare import PrepareOptions, prepare  # noqa: E402
+from slurm_autosp.data.prepare import PrepareOptions, prepare
 
 
 def build_corpus(root: Path, documents: int) -> Path:
@@ -75,7 +72,7 @@ def ours(root: Path, corpus: Path, workers: int, run: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = bench_parser(__doc__)
     parser.add_argument("--documents", type=int, default=40_000)
     args = parser.parse_args()
     datasets.disable_progress_bars()

@@ -20,15 +20,14 @@ and 1 x 4. Columns, per rank (the largest over the ranks):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import bench_parser, markdown_table, spawn_ranks
+
 WORLD = 4
 LAYERS = 2
 SPLITS = [(4, 1), (2, 2), (1, 4)]  # (ulysses, ring)
@@ -112,29 +111,34 @@ def rank_main(rank: int, init_file: str, seq: int, steps: int, out: str) -> None
 
 
 def render(seq: int, ranks: list[list[dict]]) -> str:
-    lines = [
-        f"| S={seq}, SP=4 (Ulysses x ring) | step (s) | sent/layer (MiB) | saved B/tok/layer | loss |",
-        "|---|---|---|---|---|",
-    ]
+    header = (
+        f"S={seq}, SP=4 (Ulysses x ring)",
+        "step (s)",
+        "sent/layer (MiB)",
+        "saved B/tok/layer",
+        "loss",
+    )
+    table = []
     for rows in zip(*ranks, strict=True):
         worst = {k: max(r[k] for r in rows) for k in ("step_s", "sent_per_layer")}
         saved = max(r["saved_per_token_layer"] for r in rows)
-        lines.append(
-            f"| {rows[0]['split']} | {worst['step_s']:.2f} | {worst['sent_per_layer'] / 2**20:.2f} | "
-            f"{saved:,.0f} | {rows[0]['loss']:.6f} |"
+        table.append(
+            (
+                rows[0]["split"],
+                f"{worst['step_s']:.2f}",
+                f"{worst['sent_per_layer'] / 2**20:.2f}",
+                f"{saved:,.0f}",
+                f"{rows[0]['loss']:.6f}",
+            )
         )
-    return "\n".join(lines)
+    return markdown_table(header, table, right=(1, 2, 3, 4))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
-    from spawn import spawn_ranks
 
     ranks = spawn_ranks(rank_main, (args.seq, args.steps), WORLD)
     print(render(args.seq, ranks))

@@ -32,12 +32,11 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import bench_parser
 
 WORLD = 2
 
@@ -191,7 +190,7 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (a multiple of 8)")
     parser.add_argument("--saves", type=int, default=3)

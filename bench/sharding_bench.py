@@ -50,7 +50,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from common import bench_parser
+
 WORLD = 2
 STAGES = {1: "DeepSpeed ZeRO-1", 3: "FSDP2 (params sharded)"}
 
@@ -274,9 +275,7 @@ def render(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace) -
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument(
         "--hidden",
         type=int,
@@ -294,7 +293,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: the held state is measured on the last warmup step")
-    sys.path.insert(0, str(REPO))
     import torch
     import torch.multiprocessing as mp
 

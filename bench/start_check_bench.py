@@ -13,27 +13,24 @@ the process keeps from one compile to the next favours the baseline, not the che
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import spawn_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.spawn import spawn_ranks  # noqa: E402
-from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups  # noqa: E402
-from slurm_autosp.cluster.parallel_dims import ParallelDims  # noqa: E402
-from slurm_autosp.compile import AutoSPBackend, compile_model  # noqa: E402
-from slurm_autosp.config import DocumentBoundaries, load_config  # noqa: E402
-from slurm_autosp.lifecycle.run_dir import RunDir  # noqa: E402
-from slurm_autosp.model import build_model  # noqa: E402
-from slurm_autosp.sp import loss_scale, set_sp_groups  # noqa: E402
-from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count  # noqa: E402
-from slurm_autosp.verify import make_batch, shrink_model_config, verify_seq_len  # noqa: E402
-from slurm_autosp.verify.start_check import _options, run_start_check  # noqa: E402
+from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
+from slurm_autosp.cluster.parallel_dims import ParallelDims
+from slurm_autosp.compile import AutoSPBackend, compile_model
+from slurm_autosp.config import DocumentBoundaries, load_config
+from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.model import build_model
+from slurm_autosp.sp import loss_scale, set_sp_groups
+from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count
+from slurm_autosp.verify import make_batch, shrink_model_config, verify_seq_len
+from slurm_autosp.verify.start_check import _options, run_start_check
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
 CASES = {

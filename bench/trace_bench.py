@@ -22,21 +22,18 @@ oversubscribed machine the CPU time is the steadier number: there, wall time als
 the scheduler treats a process with one more thread.
 """
 
-import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import bench_parser
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from slurm_autosp.config import load_config  # noqa: E402
-from slurm_autosp.metrics import StepTracer  # noqa: E402
+from slurm_autosp.config import load_config
+from slurm_autosp.metrics import StepTracer
 
 
 def build(device, hidden, layers):
@@ -82,7 +79,7 @@ class _Untimed:
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = bench_parser(__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
