@@ -1,33 +1,5 @@
-"""python -m slurm_autosp gpu-check [--out DIR] [--device cuda|cpu] [--tiny] [--eager]
-
-The first GPU evidence in one command (bench/gpu_check.sh runs it): one process on one GPU,
-at SP=1, prints one table and writes it to DIR/gpu_check.json (default runs/gpu_check):
-
-- exactness (correctness rows): the attention kernels of slurm_autosp.compile (packed
-  documents, sliding windows: probe/kernels.py) and the memory-saving rewrites (tiled vs
-  untiled MLPs and layers, offloaded vs resident activations: gpu_check/exactness.py), in bf16
-  against an fp32 reference;
-- plan vs peak: the memory plan against the measured peak, per checkpointing policy (none, sac
-  at budget 0, full) at 32k and 128k tokens, 4 decoder layers of Llama-3.1-8B width (goal: ±10%);
-- step: step time, tokens/s and MFU at the same lengths;
-- longest: per policy, the longest sequence that fits, searched by memory through the same
-  compiled model (gpu_check/search.py), within the policy's share of the budget;
-- bandwidth: all-reduce and all-to-all across the GPUs, where more than one is visible.
-
-A section that raises is one failed row naming the error; the sections after it still run and
-the report is still written, as it is after every section (a run killed at a time limit leaves
-what it measured). --budget-s is shared out so that one slow section cannot take every later
-one's time: each section gets the time left divided equally among those still to run, and asks
-it between units of work (a kernel cannot be stopped safely midway): a length it did not reach,
-or a search it stopped, is an "out of time" row beside what it measured; a section with no time
-left is one failed "out of time" row. Exit status 0 only when every section ran and every
-correctness row passed (a row the device refuses, e.g. a kernel ROCm lacks, is named as refused
-and does not fail it); 1 otherwise; 2 without a GPU. The output of an earlier run is removed
-first, so a failed run never leaves old results to read.
-
-  --device cpu --tiny --eager: every row's code on CPU, tiny shapes, uncompiled (a self-test
-  of this command, not evidence about any kernel); --tiny alone compiles them.
-"""
+"""The GPU check's sections and their budget shares, run on one device: what they measure and
+how a run reads is the command's help (commands/gpu_check.py)."""
 
 from __future__ import annotations
 
