@@ -29,7 +29,7 @@ def _setup(zero_stage: int, sp_size: int, grad_accum: int, steps: int):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
     cfg = _job_config(dist.get_world_size(), zero_stage, grad_accum, steps)
-    cfg.parallel.sp_size = sp_size
+    cfg.parallel.sp_size, cfg.parallel.ring_size = sp_size, 1  # Ulysses alone, as compiled
     engine = _build(zero_stage, cfg, offload=False)
     compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
     set_sp_group(contiguous_sp_group(sp_size))
