@@ -56,9 +56,7 @@ def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
     model = build_model(ModelConfig(num_hidden_layers=LAYERS, extra={"use_cache": False}))
     spec = ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
     compile_model(model, AutoSPBackend(WORLD, spec, ring), per_layer=True, dynamic=False)
-    groups = build_process_groups(
-        ParallelLayout.from_sp_groups((tuple(range(WORLD)),), ring_size=ring)
-    )
+    groups = build_process_groups(ParallelLayout.contiguous(WORLD, WORLD, ring))
     set_sp_groups(groups.ulysses, groups.ring)
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
     shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=WORLD, ring_size=ring)

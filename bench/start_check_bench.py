@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 from common import spawn_ranks
 
-from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
-from slurm_autosp.cluster.parallel_dims import ParallelDims
+from slurm_autosp.cluster.parallel_dims import ParallelDims, contiguous_parallel_dims
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import DocumentBoundaries, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
@@ -63,11 +62,7 @@ def _rank_main(rank: int, init_file: str, world_size: int, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
-    layout = ParallelLayout.from_sp_groups((tuple(range(world_size)),))
-    groups = build_process_groups(layout)
-    dims = ParallelDims(
-        rank, rank, torch.device("cpu"), layout, groups.sp, groups.dp, groups.ulysses, groups.ring
-    )
+    dims = contiguous_parallel_dims(world_size, 1, torch.device("cpu"))
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         # a first compile in a process pays inductor's own start (imports, its C++ toolchain

@@ -48,6 +48,15 @@ class ParallelLayout:
     ring_size: int = 1
     _sp_slot: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
+    @classmethod
+    def contiguous(cls, world_size: int, sp_size: int, ring_size: int = 1) -> ParallelLayout:
+        """SP groups of consecutive ranks: a world with no cluster profile to place it by
+        (verify's, the tests' and the benches')."""
+        return cls.from_sp_groups(
+            tuple(tuple(range(first, first + sp_size)) for first in range(0, world_size, sp_size)),
+            ring_size=ring_size,
+        )
+
     def __post_init__(self) -> None:
         if self.sp_size < 1 or self.dp_size < 1 or self.ring_size < 1:
             raise LayoutError(

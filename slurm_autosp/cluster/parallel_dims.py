@@ -82,17 +82,12 @@ class ParallelDims:
         return self.layout.ring_rank(self.rank)
 
 
-def build_parallel_dims(cfg: JobConfig, local_rank: int, device: torch.device) -> ParallelDims:
-    """This rank's dims over the process group it has joined: the layout the config gets and
-    its SP, DP, Ulysses and ring groups. Every rank of the group calls it (each builds every
-    group)."""
-    layout = layout_for(cfg)
-    if layout.cross_domain:
-        log.warning(
-            "parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)"
-        )
-    if dist.get_rank() == 0:
-        log.info("%s", layout_summary(cfg.cluster, layout))
+def parallel_dims_for(
+    layout: ParallelLayout, local_rank: int, device: torch.device
+) -> ParallelDims:
+    """This rank's dims in `layout`, over the process group it has joined: the one way dims are
+    built, the layout's SP, DP, Ulysses and ring groups created here. Every rank of the group
+    calls it (each builds every group)."""
     groups = build_process_groups(layout)
     return ParallelDims(
         dist.get_rank(),
@@ -106,20 +101,24 @@ def build_parallel_dims(cfg: JobConfig, local_rank: int, device: torch.device) -
     )
 
 
+def build_parallel_dims(cfg: JobConfig, local_rank: int, device: torch.device) -> ParallelDims:
+    """This rank's dims in the layout the config gets (layout_for), logged once."""
+    layout = layout_for(cfg)
+    if layout.cross_domain:
+        log.warning(
+            "parallel.allow_cross_domain=true: SP all-to-all crosses NVLink domains (slower)"
+        )
+    if dist.get_rank() == 0:
+        log.info("%s", layout_summary(cfg.cluster, layout))
+    return parallel_dims_for(layout, local_rank, device)
+
+
 def contiguous_parallel_dims(sp_size: int, ring_size: int, device: torch.device) -> ParallelDims:
-    """This rank's dims over the world it has joined, its SP groups contiguous ranks with
-    their Ulysses and ring groups as a job's layout places them: verify's world, which has no
-    cluster profile to lay out by. Every rank of the world calls it."""
-    world = dist.get_world_size()
-    layout = ParallelLayout.from_sp_groups(
-        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size)),
-        ring_size=ring_size,
-    )
-    groups = build_process_groups(layout)
+    """This rank's dims over the world it has joined, its SP groups contiguous ranks
+    (ParallelLayout.contiguous): verify's world, which has no cluster profile to lay out by."""
     rank = dist.get_rank()
-    return ParallelDims(
-        rank, rank, device, layout, groups.sp, groups.dp, groups.ulysses, groups.ring
-    )
+    layout = ParallelLayout.contiguous(dist.get_world_size(), sp_size, ring_size)
+    return parallel_dims_for(layout, rank, device)
 
 
 def init_parallel_dims(cfg: JobConfig, on_join: Callable[[int], None]) -> ParallelDims:

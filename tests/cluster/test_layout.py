@@ -14,7 +14,7 @@ from slurm_autosp.cluster.layout import (
     build_process_groups,
     derive_parallel_layout,
 )
-from slurm_autosp.cluster.parallel_dims import ParallelDims
+from slurm_autosp.cluster.parallel_dims import parallel_dims_for
 from slurm_autosp.cluster.placement import expected_topology, layout_for, layout_summary
 from slurm_autosp.cluster.topology import ClusterTopology, NodeTopology, topology_from_profile
 from slurm_autosp.config import ConfigError, load_config
@@ -372,12 +372,11 @@ def _ring_groups_worker(rank: int, world: int, init_file: str, results) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=4, ring_size=2)
-    groups = build_process_groups(layout)
-    dims = ParallelDims(rank, rank % 2, torch.device("cpu"), layout, *groups)
+    dims = parallel_dims_for(layout, rank % 2, torch.device("cpu"))
     assert (dims.ulysses_size, dims.ring_size) == (2, 2)
     assert (dims.ring_rank, dims.ulysses_rank) == (rank // 2, rank % 2)
     sums = []
-    for group in (groups.sp, groups.dp, groups.ulysses, groups.ring):
+    for group in (dims.sp_group, dims.dp_group, dims.ulysses_group, dims.ring_group):
         value = torch.tensor([float(rank)])
         dist.all_reduce(value, group=group)
         sums.append(value.item())

@@ -98,10 +98,7 @@ def ulysses_and_ring_groups(ulysses: int, ring: int) -> tuple[dist.ProcessGroup,
     r % ulysses of ring rank r // ulysses); built once per split, every rank building every group."""
     if (ulysses, ring) not in _ring_groups:
         world, sp = dist.get_world_size(), ulysses * ring
-        layout = ParallelLayout.from_sp_groups(
-            tuple(tuple(range(first, first + sp)) for first in range(0, world, sp)),
-            ring_size=ring,
-        )
+        layout = ParallelLayout.contiguous(world, sp, ring)
         groups = build_process_groups(layout)
         assert groups.ring is not None
         _ring_groups[(ulysses, ring)] = (groups.ulysses, groups.ring)

@@ -14,19 +14,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from pool_dims import pool_dims
 from sp_cases import (
     VOCAB,
     backend_for,
     contiguous_sp_group,
     register_sp_groups,
     tiny_model,
-    ulysses_and_ring_groups,
 )
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from slurm_autosp.checkpoint.export import export_hf
-from slurm_autosp.cluster.layout import ParallelLayout
-from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.compile import compile_model
 from slurm_autosp.data import TokenFileSource
 from slurm_autosp.evaluate import Evaluator
@@ -37,7 +35,6 @@ from slurm_autosp.verify import make_batch
 
 SEQ = 127  # not divisible by 2 or 4: exercises the SP padding
 LOSS_CHUNK = 24  # tokens per cross-entropy chunk in the engine steps: several chunks per rank
-_dp_groups: dict[int, dist.ProcessGroup] = {}
 
 
 def _shift(labels: torch.Tensor) -> torch.Tensor:
@@ -503,36 +500,6 @@ def fsdp2_held_bytes() -> dict:
 EVAL_SEQ = 61  # odd: the SP padding
 
 
-def contiguous_dims(sp_size: int, ring_size: int = 1) -> ParallelDims:
-    """This rank's dims on CPU over contiguous SP groups (contiguous_sp_group's; under a ring
-    their Ulysses and ring groups, sp_cases.ulysses_and_ring_groups'), the DP groups across
-    them, as the job builds them for one node (every rank creates every group, once)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    layout = ParallelLayout.from_sp_groups(
-        tuple(tuple(range(first, first + sp_size)) for first in range(0, world, sp_size)),
-        ring_size=ring_size,
-    )
-    if sp_size not in _dp_groups:
-        groups = [dist.new_group(list(ranks)) for ranks in layout.dp_groups]
-        _dp_groups[sp_size] = groups[layout.sp_rank(rank)]
-    sp_group = contiguous_sp_group(sp_size)
-    ulysses_group, ring_group = (
-        (sp_group, None)
-        if ring_size == 1
-        else ulysses_and_ring_groups(sp_size // ring_size, ring_size)
-    )
-    return ParallelDims(
-        rank,
-        rank,
-        torch.device("cpu"),
-        layout,
-        sp_group,
-        _dp_groups[sp_size],
-        ulysses_group,
-        ring_group,
-    )
-
-
 def held_out_eval(
     path: str, sp_size: int, tile_tokens: int, micro_batch: int, samples: int, ring_size: int = 1
 ) -> dict | None:
@@ -558,7 +525,7 @@ def held_out_eval(
         samples=samples,
         every=0,
         last_step=1,
-        dims=contiguous_dims(sp_size, ring_size),
+        dims=pool_dims(sp_size, ring_size),
         micro_batch=micro_batch,
         chunk_tokens=LOSS_CHUNK,
     )
