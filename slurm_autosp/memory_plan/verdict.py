@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import copy
+from dataclasses import replace
 
 from slurm_autosp.config import ActivationCheckpointing, JobConfig, resolve_ring_size
 from slurm_autosp.heads import divisors
@@ -54,10 +54,9 @@ def _alternatives(plan: MemoryPlan) -> list[str]:
     for sp in divisors(cfg.cluster.world_size):
         if sp <= cfg.parallel.sp_size:
             continue
-        larger = copy.deepcopy(cfg)  # past the head count or a domain: Ulysses x ring
-        larger.parallel.sp_size = sp
-        larger.parallel.ring_size = resolve_ring_size(larger)
-        ulysses, ring = larger.parallel.ulysses_ring
+        # past the head count or a domain: Ulysses x ring, as load_config would resolve it
+        ring = resolve_ring_size(replace(cfg, parallel=replace(cfg.parallel, sp_size=sp)))
+        ulysses = sp // ring
         extra_per_token = (ring_blocks_per_token(cfg, ulysses, ring) - ring_now) * (
             1 + FRAGMENTATION
         )
