@@ -59,9 +59,9 @@ def test_both_run_every_task_through_srun_into_the_same_training_job(generated):
     assert (
         "export SUBMITIT_EXECUTOR=slurm" in SCRIPT and "export SUBMITIT_EXECUTOR=slurm" in generated
     )
-    assert re.search(r"^srun --unbuffered .*-m slurm_autosp\.run \"\$@\"$", SCRIPT, re.M)
+    assert re.search(r"^srun --unbuffered .*-m slurm_autosp run \"\$@\"$", SCRIPT, re.M)
     assert re.search(r"^srun --unbuffered .*-m submitit\.core\._submit ", generated, re.M)
-    run_module = (REPO / "slurm_autosp" / "run.py").read_text()
+    run_module = (REPO / "slurm_autosp" / "commands" / "run.py").read_text()
     assert "TrainingJob(cfg, LockClaim(" in run_module
 
 
