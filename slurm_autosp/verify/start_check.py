@@ -93,9 +93,7 @@ def run_start_check(cfg: JobConfig, dims: ParallelDims) -> StartCheck | None:
     start = time.perf_counter()
     with full_fp32():
         report = compare_sp_step(cfg, options, dims, dtype)
-    kernels = (
-        check_document_kernel(dims.device) if _document_kernel_used(cfg, dims, options) else []
-    )
+    kernels = check_document_kernel(dims.device) if _document_kernel_used(dims, options) else []
     torch._dynamo.reset()  # the job's model compiles afresh: no shapes carried over as dynamic
     by_rank: list[list[KernelCheck]] = [[] for _ in range(dims.world_size)]
     dist.all_gather_object(by_rank, kernels)  # every GPU's kernel, reported by rank 0
@@ -135,7 +133,7 @@ def _options(cfg: JobConfig, dims: ParallelDims) -> tuple[VerifyOptions, torch.d
     return options, torch.bfloat16 if bf16_only else torch.float32
 
 
-def _document_kernel_used(cfg: JobConfig, dims: ParallelDims, options: VerifyOptions) -> bool:
+def _document_kernel_used(dims: ParallelDims, options: VerifyOptions) -> bool:
     """A GPU job whose attention runs the document kernel (flash varlen): the check's options
     carry the job's windows and documents."""
     return dims.device.type == "cuda" and bool(options.window or options.documents)
