@@ -79,7 +79,7 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
     ulysses, ring = cfg.parallel.ulysses_ring
     local_seq = -(-cfg.data.seq_len // sp)
     dtype = compute_dtype(cfg.precision)
-    rungs = [*(Rung(spec) for spec in traced_specs(cfg)), *ladder(cfg)]
+    rungs = [*(Rung(spec) for spec in traced_specs(cfg.compile)), *ladder(cfg)]
     traces = {}
     for tiled in sorted({r.tiled for r in rungs}):
         specs = list(

@@ -138,9 +138,9 @@ def activation_checkpoint_candidates(
     )
 
 
-def traced_specs(cfg: JobConfig) -> list[ActivationCheckpointSpec]:
+def traced_specs(compile: CompileConfig) -> list[ActivationCheckpointSpec]:
     """Every policy of the plan's table, the candidates included, once each."""
-    a2a = cfg.compile.recompute_all_to_all
+    a2a = compile.recompute_all_to_all
     table = [
         ActivationCheckpointSpec(ActivationCheckpointing.none, recompute_all_to_all=a2a),
         ActivationCheckpointSpec(ActivationCheckpointing.torch_default),
@@ -148,7 +148,7 @@ def traced_specs(cfg: JobConfig) -> list[ActivationCheckpointSpec]:
         *AUTO_CANDIDATES,
         ActivationCheckpointSpec(ActivationCheckpointing.full, recompute_all_to_all=a2a),
     ]
-    return list(dict.fromkeys([*table, *activation_checkpoint_candidates(cfg.compile)]))
+    return list(dict.fromkeys([*table, *activation_checkpoint_candidates(compile)]))
 
 
 def spec_label(spec: ActivationCheckpointSpec) -> str:
