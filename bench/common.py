@@ -14,13 +14,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
-
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-
-from slurm_autosp.cluster.compile_cache import use_private_compile_cache  # noqa: E402
 
 
 def bench_parser(doc: str | None) -> argparse.ArgumentParser:
@@ -48,7 +44,12 @@ def spawn_ranks(rank_main: Callable[..., None], args: tuple, nprocs: int) -> lis
     """Call `rank_main(rank, init_file, *args, out)` on `nprocs` spawned ranks, each of which
     writes its JSON result to f"{out}.{rank}"; return those results in rank order. The ranks
     compile into fresh private caches (inductor's and Triton's), so no run times another's
-    cached graphs."""
+    cached graphs. torch is imported here, not with this module: a spawned rank imports its
+    bench's module before `rank_main` limits its threads, which torch reads as it loads."""
+    import torch.multiprocessing as mp
+
+    from slurm_autosp.cluster.compile_cache import use_private_compile_cache
+
     with tempfile.TemporaryDirectory() as tmp:
         use_private_compile_cache(os.path.join(tmp, "cache"), inherited={})
         out = os.path.join(tmp, "rows")

@@ -28,7 +28,7 @@ LAYERS = [
     {"probe"},
     {"gpu_check"},
     {"commands"},
-    {"submit", "__main__"},
+    {"submit", "run", "__main__"},
 ]
 LAYER = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

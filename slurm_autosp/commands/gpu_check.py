@@ -66,7 +66,9 @@ def _write(path: Path, report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m slurm_autosp gpu-check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="runs/gpu_check", help="where gpu_check.json goes")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -13,7 +13,7 @@ parallel.sp_size x dp local CPU ranks (gloo) run one AutoSP training step in fp3
 ring when parallel.ring_size > 1: the ranks' Ulysses and ring groups as a job builds them), on a batch
 whose sequence length is not divisible by the SP size and whose ignored labels are spread
 unevenly over the shards, and one device runs the plain model on the same batch. Gradients
-are averaged over all ranks, as DeepSpeed ZeRO-1 does, with slurm_autosp.compile.loss_scale.
+are averaged over all ranks, as DeepSpeed ZeRO-1 does, with slurm_autosp.sp.loss_scale.
 An MoE trained with its router's load-balancing loss (output_router_logits) is compared with
 the plain model's loss plus coef x its family's aux over each DP replica's rows as one
 micro-batch, averaged over the replicas (what training optimises).

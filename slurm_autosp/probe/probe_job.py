@@ -1,6 +1,7 @@
 """The probe as a job: the training job's whole path (environment, process group, run lock,
 topology check, layout) with the probe's measurements where training would run, stopping on
-the job's stop signals as training does (without the checkpoint and the requeue)."""
+the job's stop signals as training does (without the checkpoint and the requeue), and the
+config it runs (probe_config)."""
 
 from __future__ import annotations
 
