@@ -16,6 +16,13 @@ and 1 x 4. Columns, per rank (the largest over the ranks):
 - saved B/tok/layer: bytes of distinct storages saved for backward per local token and layer
   (bench/saved_bytes.py);
 - loss: the step's loss, the same for every split (each is exact).
+
+A second table (`--balance-only` prints it alone, no ranks) is arithmetic, not a run: the
+causal attention work (query-key pairs inside a document) each ring rank's zigzag chunks hold,
+for one 128k-token row and for rows packed with documents of uneven length (log-normal,
+median 2k tokens, fixed seed): the largest rank's work over the mean, i.e. how far the zigzag
+split stays balanced once documents cut the causal triangle (packed documents under the ring
+are not built yet; this is what their load balance starts from).
 """
 
 from __future__ import annotations
@@ -132,14 +139,60 @@ def render(seq: int, ranks: list[list[dict]]) -> str:
     return markdown_table(header, table, right=(1, 2, 3, 4))
 
 
+BALANCE_SEQ = 131072
+BALANCE_RINGS = (2, 4, 8)
+
+
+def zigzag_work(document_lengths: list[int], ring: int) -> list[int]:
+    """Causal query-key pairs inside documents for each ring rank's zigzag chunks (rank i holds
+    chunks i and 2R-1-i of 2R): a query at offset t of its document attends to t + 1 keys."""
+    import numpy as np
+
+    work = np.concatenate([np.arange(1, n + 1, dtype=np.int64) for n in document_lengths])
+    chunks = work.reshape(2 * ring, -1).sum(axis=1)
+    return [int(chunks[i] + chunks[2 * ring - 1 - i]) for i in range(ring)]
+
+
+def packed_documents(seq: int, seed: int = 0) -> list[int]:
+    """One row of `seq` tokens cut into documents of log-normal lengths (median 2048)."""
+    import numpy as np
+
+    rng, lengths = np.random.default_rng(seed), []
+    while sum(lengths) < seq:
+        lengths.append(max(1, int(rng.lognormal(np.log(2048), 1.0))))
+    lengths[-1] -= sum(lengths) - seq
+    return lengths
+
+
+def render_balance() -> str:
+    rows = []
+    for name, lengths in (
+        ("one document", [BALANCE_SEQ]),
+        ("packed, seed 0", packed_documents(BALANCE_SEQ, 0)),
+        ("packed, seed 1", packed_documents(BALANCE_SEQ, 1)),
+    ):
+        cells = []
+        for ring in BALANCE_RINGS:
+            work = zigzag_work(lengths, ring)
+            cells.append(f"{max(work) / (sum(work) / ring) - 1:+.1%}")
+        rows.append((f"{name} ({len(lengths)} document{'s' if len(lengths) > 1 else ''})", *cells))
+    header = (
+        f"S={BALANCE_SEQ}: largest rank's work over the mean",
+        *(f"ring {r}" for r in BALANCE_RINGS),
+    )
+    return markdown_table(header, rows, right=range(1, 1 + len(BALANCE_RINGS)))
+
+
 def main() -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--balance-only", action="store_true", help="the load-balance table alone")
     args = parser.parse_args()
-
-    ranks = spawn_ranks(rank_main, (args.seq, args.steps), WORLD)
-    print(render(args.seq, ranks))
+    if not args.balance_only:
+        ranks = spawn_ranks(rank_main, (args.seq, args.steps), WORLD)
+        print(render(args.seq, ranks), end="\n\n")
+    print(render_balance())
     return 0
 
 
