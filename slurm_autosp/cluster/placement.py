@@ -89,19 +89,18 @@ def layout_summary(cluster: ClusterConfig, layout: ParallelLayout) -> str:
 def check_detected_topology(cluster: ClusterConfig, reports: list[NodeTopology | None]) -> None:
     """Compare what each node found (one report per node, others None) with the profile."""
     nodes = tuple(r for r in reports if r is not None)
-    c = cluster
-    if not c.uses_gpus:
-        if len(nodes) != c.nodes:
+    if not cluster.uses_gpus:
+        if len(nodes) != cluster.nodes:
             raise TopologyMismatch(
-                f"cluster.nodes={c.nodes} but the job runs on {len(nodes)} nodes"
+                f"cluster.nodes={cluster.nodes} but the job runs on {len(nodes)} nodes"
             )
         return
-    problems = compare_topology(expected_topology(c), ClusterTopology(nodes))
+    problems = compare_topology(expected_topology(cluster), ClusterTopology(nodes))
     if problems:
         raise TopologyMismatch(
             "the nodes differ from the cluster profile (cluster.gpus_per_node="
-            f"{c.gpus_per_node}, cluster.nvlink_domain_size={c.nvlink_domain_size or c.gpus_per_node}, "
-            f"cluster.vendor={c.vendor.value}):\n  "
+            f"{cluster.gpus_per_node}, cluster.nvlink_domain_size={cluster.nvlink_domain_size or cluster.gpus_per_node}, "
+            f"cluster.vendor={cluster.vendor.value}):\n  "
             + "\n  ".join(problems)
             + "\nfix the profile to match the machines, or request the machines it describes"
         )

@@ -64,7 +64,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no command {name!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
     return importlib.import_module(command.module).main(arguments)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -72,7 +72,3 @@ def main(argv: list[str] | None = None) -> int:
             where = first.get("note") or f"input row {first['row']}"
             print(f"  first {why}: {where}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

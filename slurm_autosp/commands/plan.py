@@ -14,7 +14,6 @@ job fits, 1 when it does not, 2 on a config error.
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from dataclasses import replace
 
@@ -46,7 +45,3 @@ def main(argv: list[str] | None = None) -> int:
     plan = build_plan(cfg)
     print(render(plan))
     return 0 if verdict(plan)[1] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,8 +24,6 @@ slowest rank), and writes probe.json and TensorBoard events in the probe's run d
 
 from __future__ import annotations
 
-import sys
-
 from slurm_autosp.commands.arguments import arguments, config_error, take_flag
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.submission import submit
@@ -41,7 +39,3 @@ def main(argv: list[str] | None = None) -> int:
         return submit(probe_config(load_config(settings)), force, job_type=ProbeJob)
     except ConfigError as err:
         return config_error(err)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,6 @@ rank exits when it cannot; --force takes a run whose holder cannot be checked).
 from __future__ import annotations
 
 import os
-import sys
 
 from slurm_autosp.admission import Admission, admit
 from slurm_autosp.commands.arguments import arguments, config_error, take_flag
@@ -44,7 +43,3 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return config_error(err)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

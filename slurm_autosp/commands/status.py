@@ -158,7 +158,3 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return config_error(err)
     return follow(job, run_dir)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

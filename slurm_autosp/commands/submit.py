@@ -25,8 +25,6 @@ and TensorBoard events:
 
 from __future__ import annotations
 
-import sys
-
 from slurm_autosp.commands.arguments import arguments, config_error, take_flag
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.submission import submit
@@ -41,7 +39,3 @@ def main(argv: list[str] | None = None) -> int:
         return submit(load_config(argv), force)
     except ConfigError as err:
         return config_error(err)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -146,7 +146,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(summarize(run_dir, max(args.rows, 2)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

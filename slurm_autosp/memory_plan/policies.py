@@ -111,10 +111,9 @@ def rung_label(rung: Rung) -> str:
 
 def policy_from_plan(compile: CompileConfig) -> bool:
     """Whether the plan chooses the checkpointing: `auto`, or `sac` with its budget left null."""
-    c = compile
-    return c.activation_checkpointing is ActivationCheckpointing.auto or (
-        c.activation_checkpointing is ActivationCheckpointing.sac
-        and c.activation_memory_budget is None
+    return compile.activation_checkpointing is ActivationCheckpointing.auto or (
+        compile.activation_checkpointing is ActivationCheckpointing.sac
+        and compile.activation_memory_budget is None
     )
 
 
@@ -123,17 +122,16 @@ def activation_checkpoint_candidates(
 ) -> tuple[ActivationCheckpointSpec, ...]:
     """The specs training may compile with, in order of preference (least recomputation
     first): auto's candidates, a null sac budget's, or the one configured."""
-    c = compile
-    if c.activation_checkpointing is ActivationCheckpointing.auto:
+    if compile.activation_checkpointing is ActivationCheckpointing.auto:
         return AUTO_CANDIDATES
     if policy_from_plan(compile):
-        return _sac_candidates(c.recompute_all_to_all)
-    policy = c.activation_checkpointing
-    budget = c.activation_memory_budget if policy is ActivationCheckpointing.sac else 0.0
+        return _sac_candidates(compile.recompute_all_to_all)
+    policy = compile.activation_checkpointing
+    budget = compile.activation_memory_budget if policy is ActivationCheckpointing.sac else 0.0
     assert budget is not None  # a null sac budget is the plan's to choose (policy_from_plan)
     return (
         ActivationCheckpointSpec(
-            policy, budget=budget, recompute_all_to_all=c.recompute_all_to_all
+            policy, budget=budget, recompute_all_to_all=compile.recompute_all_to_all
         ),
     )
 
