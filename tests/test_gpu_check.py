@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh (python -m slurm_autosp gpu-check): fails fast where no GPU is
+"""python -m slurm_autosp gpu-check: fails fast where no GPU is
 visible, never leaves an earlier run's output to be read, and in its CPU self-test (tiny shapes,
 eager) runs every row's code; its parts: the kernel checks' adapter, the rewrites' exactness
 check (which must catch a broken rewrite), the search for the longest sequence, and the budget
@@ -46,17 +46,16 @@ CPU = torch.device("cpu")
 UNLIMITED = Budget(math.inf, math.inf)
 
 
-def test_the_script_fails_fast_without_a_gpu_and_leaves_no_earlier_output(tmp_path):
+def test_the_command_fails_fast_without_a_gpu_and_leaves_no_earlier_output(tmp_path):
     """A rerun that fails must not leave the last run's table to be read as its own."""
     earlier = tmp_path / OUTPUT
     earlier.write_text('{"passed": true}')
     proc = subprocess.run(
-        ["bash", "bench/gpu_check.sh"],
+        [sys.executable, "-m", "slurm_autosp", "gpu-check", "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "OUT": str(tmp_path)},
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("gpu_check: no GPU visible"), proc.stderr

@@ -1,6 +1,6 @@
 """python -m slurm_autosp gpu-check [--out DIR] [--device cuda|cpu] [--tiny] [--eager]
 
-The first GPU evidence in one command (bench/gpu_check.sh runs it): one process on one GPU,
+The first GPU evidence in one command: one process on one GPU,
 at SP=1, prints one table and writes it to DIR/gpu_check.json (default runs/gpu_check):
 
 - exactness (correctness rows): the attention kernels of slurm_autosp.compile (packed
@@ -132,7 +132,3 @@ def main(argv: list[str] | None = None) -> int:
     )
     _write(out / OUTPUT, report(rows, True))
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

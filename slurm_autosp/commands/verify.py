@@ -1,7 +1,7 @@
 """Check, before spending GPU hours, that AutoSP trains your model exactly as one device would.
 
-    python -m slurm_autosp.verify cfg=configs/llama8b_32k.yaml parallel.sp_size=4
-    python -m slurm_autosp.verify cfg=configs/tiny_cpu.yaml parallel.sp_size=2 compile.enabled=true --dp 2
+    python -m slurm_autosp verify cfg=configs/llama8b_32k.yaml parallel.sp_size=4
+    python -m slurm_autosp verify cfg=configs/tiny_cpu.yaml parallel.sp_size=2 compile.enabled=true --dp 2
 
 The configured model is shrunk to a CPU-sized copy with the same head layout (the same
 num_attention_heads and num_key_value_heads, hence the same grouped-query ratio and the same
@@ -99,7 +99,3 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report, options.tolerance))
     print(f"({cfg.parallel.sp_size * options.dp} ranks, {time.perf_counter() - start:.1f} s)")
     return 1 if failures(report, options.tolerance) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,7 +30,7 @@ def no_gpu() -> str | None:
     if not tools:
         return (
             "no GPU visible: neither nvidia-smi nor rocm-smi is installed here; run this on a GPU "
-            "node (e.g. srun --gpus=1 bench/gpu_check.sh), or add --device cpu --tiny --eager "
+            "node (e.g. srun --gpus=1 python -m slurm_autosp gpu-check), or add --device cpu --tiny --eager "
             "for the CPU self-test"
         )
     return (

@@ -1,5 +1,5 @@
 """Check, before spending GPU hours, that AutoSP trains your model exactly as one device would:
-`python -m slurm_autosp.verify` (the command and its arguments: commands/verify.py).
+`python -m slurm_autosp verify` (the command and its arguments: commands/verify.py).
 
 options: the `verify.*` keys and the shrunk model; documents: the packed rows
 `verify.documents` checks; ranks: what every rank runs; report: the figures, which fail and

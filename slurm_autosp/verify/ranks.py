@@ -138,7 +138,7 @@ def run_rank(
     init_file: str,
     result_file: str,
 ) -> None:
-    """One spawned CPU rank of `python -m slurm_autosp.verify`: joins a gloo group, lays the
+    """One spawned CPU rank of `python -m slurm_autosp verify`: joins a gloo group, lays the
     ranks out as a job would (contiguous SP groups, their Ulysses and ring groups) and runs
     `compare_sp_step`; rank 0 writes the report."""
 

@@ -111,7 +111,7 @@ def run_start_check(cfg: JobConfig, dims: ParallelDims) -> StartCheck | None:
     if not check.passed:
         raise StartCheckFailed(
             f"{check.line}\n{check.report}\nThe report is in {RunDir(cfg.run.dir).start_check}; "
-            "nothing was trained. Check the model with python -m slurm_autosp.verify, train it "
+            "nothing was trained. Check the model with python -m slurm_autosp verify, train it "
             "without AutoSP (compile.enabled=false, parallel.sp_size=1), or skip this check at "
             "your own risk (train.start_check=false)"
         )

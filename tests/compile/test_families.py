@@ -17,7 +17,7 @@ OPTIONS = VerifyOptions(codegen=False)
 
 
 def outcome_of(case: Case, pool) -> tuple[Outcome, str]:
-    """What `python -m slurm_autosp.verify` would say: refused (exit 2), or its report."""
+    """What `python -m slurm_autosp verify` would say: refused (exit 2), or its report."""
     cfg = case.job_config()
     try:
         admit_verify(cfg, OPTIONS)

@@ -1,4 +1,4 @@
-"""`python -m slurm_autosp.verify` passes for AutoSP on shrunk copies of the shipped configs and
+"""`python -m slurm_autosp verify` passes for AutoSP on shrunk copies of the shipped configs and
 fails, naming the shard boundary, when labels are shifted inside each shard."""
 
 import os
@@ -28,7 +28,7 @@ def run_verify(compile_cache_dir):
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "slurm_autosp.verify", *args],
+            [sys.executable, "-m", "slurm_autosp", "verify", *args],
             cwd=REPO,
             env=env,
             capture_output=True,
