@@ -157,7 +157,6 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
             raise ConfigError(f"{source}: {_own_failure(config, traced)}")
         if cfg.compile.enabled:
             _refuse_unsplit_heads(cfg.parallel, config, traced)
-            _refuse_inexact_ring(cfg, config, padded)
             problems = traced.unsupported + _no_attention_call(config, traced)
             problems += _no_decoder_layers(cfg.compile, config)
     if problems:
@@ -324,25 +323,6 @@ def _document_kernel_patterns(data: DataConfig, config: Any, seq_len: int) -> li
         if data.documents is DocumentBoundaries.masked
         else []
     )
-
-
-def _refuse_inexact_ring(cfg: JobConfig, config: Any, seq_len: int) -> None:
-    """Ring attention passes whole causal key/value blocks: it does not yet apply windows or
-    document boundaries, so an SP size split over a ring is refused for them, by name."""
-    _, ring = cfg.parallel.ulysses_ring
-    needed = _document_kernel_patterns(cfg.data, config, seq_len)
-    if ring > 1 and needed:
-        sp = cfg.parallel.sp_size
-        raise ConfigError(
-            f"parallel.sp_size={sp} = Ulysses {sp // ring} x ring {ring} (parallel.ring_size="
-            f"{ring}): ring attention does not compute {' or '.join(needed)} exactly yet; set "
-            "parallel.ring_size=1 with a parallel.sp_size the heads split over"
-            + (
-                " or data.documents=concat"
-                if cfg.data.documents is DocumentBoundaries.masked
-                else ""
-            )
-        )
 
 
 def _untested_varlen_attention(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:

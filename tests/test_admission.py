@@ -100,21 +100,14 @@ def test_a_requeued_start_adopts_its_frozen_choices_where_a_first_start_is_refus
 
 
 @pytest.mark.parametrize("pattern", ["sliding window", "packed documents"])
-def test_attention_a_ring_does_not_compute_exactly_is_refused_by_name(pattern, tmp_path):
+def test_a_ring_is_admitted_for_windows_and_packed_documents(pattern, tmp_path):
+    """Ring attention computes both (tests/compile/test_ring_attention.py): nothing refused."""
     if pattern == "sliding window":
         args = [TINY, "model.model_type=mistral", "model.extra.sliding_window=16"]
-        what = "sliding-window attention (sliding_window=16 on layers 0, 1 of 2)"
     else:
         data = prepared_dataset(tmp_path / "prepared", [100, 156, 256])
         args = [TINY, "data.source=tokens", f"data.path={data}", "data.documents=masked"]
-        what = "per-document attention (data.documents=masked)"
-    with pytest.raises(ConfigError) as refused:
-        admit_model(load_config([*args, "parallel.ring_size=2"]))
-    assert str(refused.value).startswith(
-        f"parallel.sp_size=2 = Ulysses 1 x ring 2 (parallel.ring_size=2): ring attention does not "
-        f"compute {what} exactly yet; set parallel.ring_size=1"
-    )
-    admit_model(load_config([*args, "parallel.ring_size=1"]))  # Ulysses computes it
+    admit_model(load_config([*args, "parallel.ring_size=2"]))  # raises ConfigError if refused
 
 
 def test_admission_writes_the_ring_size_into_the_config_and_a_requeue_adopts_its_own(tmp_path):

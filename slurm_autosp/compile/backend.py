@@ -155,27 +155,12 @@ def _call(
     return node
 
 
-def _refuse_documents_in_ring(
-    node: fx.Node, arguments: dict[str, Argument], ring_size: int
-) -> None:
-    what = (
-        "packed documents (or left padding)"
-        if arguments.get("cu_seqlens") is not None
-        else "a sliding window shorter than the sequence"
-    )
-    raise AutoSPCompileError(
-        f"attention at {_where(node)} needs {what}, which ring attention "
-        f"(parallel.ring_size={ring_size}) does not run: use parallel.ring_size=1 (Ulysses alone, "
-        "parallel.sp_size up to the query heads), or train unpacked rows (data.documents=concat, "
-        "right padding) of a model without sliding windows"
-    )
-
-
 def _ring_attention_instead(
     graph: fx.Graph, node: fx.Node, arguments: dict[str, Argument], ring_size: int
-) -> fx.Node:
-    """Replace the SDPA call `node` (its q, k, v already Ulysses-scattered) by ring attention
-    over `ring_size` ranks; returns the node of its output."""
+) -> list[fx.Node]:
+    """Replace the attention call `node` (SDPA, or document attention with its boundaries and
+    window; its q, k, v already Ulysses-scattered) by ring attention over `ring_size` ranks;
+    returns the nodes that read its output."""
     if arguments.get("dropout_p"):
         raise AutoSPCompileError(
             f"scaled_dot_product_attention at {_where(node)} has dropout_p={arguments['dropout_p']}; "
@@ -194,11 +179,20 @@ def _ring_attention_instead(
             graph,
             _RING_ATTENTION,
             (query, arguments["key"], arguments["value"], scale, ring_size),
+            {"cu_seqlens": arguments.get("cu_seqlens"), "window": arguments.get("window", 0)},
         )
-        output = _call(graph, operator.getitem, (ring, 0))
-    node.replace_all_uses_with(output)
+        if node.target is not _DOCUMENT_ATTENTION:  # SDPA returns the output alone
+            output = _call(graph, operator.getitem, (ring, 0))
+            node.replace_all_uses_with(output)
+            graph.erase_node(node)
+            return [output]
+    # document attention returns (output, log-sum-exp) as the ring does: its items read the ring's
+    items = [u for u in node.users if u.target is operator.getitem]
+    node.replace_all_uses_with(ring)
     graph.erase_node(node)
-    return output
+    for item in items:
+        item.meta["example_value"] = ring.meta["example_value"][item.args[1]]
+    return [item for item in items if item.args[1] == 0]
 
 
 def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int, ring_size: int = 1) -> None:
@@ -206,8 +200,6 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int, ring_size: int = 
     documents = node.target is _DOCUMENT_ATTENTION
     if documents:  # the cumulative lengths are global: they hold for the whole sequence as is
         arguments = _document_arguments(node)
-        if ring_size > 1:
-            _refuse_documents_in_ring(node, arguments, ring_size)
     else:
         arguments = _sdpa_arguments(node)
         _check_causal_without_mask(node, arguments)
@@ -235,9 +227,8 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, sp_size: int, ring_size: int = 
         arguments["key"] = scatter_heads(key, layout.kv_repeat)
         arguments["value"] = scatter_heads(value, layout.kv_repeat)
     if ring_size > 1:  # it reads grouped KV heads as they are
-        _gather_heads_after(
-            graph, _ring_attention_instead(graph, node, arguments, ring_size), ulysses
-        )
+        for output in _ring_attention_instead(graph, node, arguments, ring_size):
+            _gather_heads_after(graph, output, ulysses)
         return
     if not documents:
         arguments["enable_gqa"] = layout.local_grouped
@@ -281,7 +272,7 @@ def _gather_heads_after(graph: fx.Graph, local: fx.Node, sp_size: int) -> None:
 def rewrite_sdpa_for_sp(gm: fx.GraphModule, sp_size: int, ring_size: int = 1) -> int:
     """Wrap every attention call in `gm` (scaled_dot_product_attention, document_attention)
     with the Ulysses all-to-alls over sp_size / ring_size ranks; with `ring_size` > 1 SDPA
-    becomes ring attention across the ring (packed documents and windows are refused).
+    becomes ring attention across the ring (document attention too, with its boundaries and window).
 
     Returns how many calls were rewritten; a graph without any is legal (e.g. the lm_head
     graph after a graph break).

@@ -53,7 +53,7 @@ class DocumentAttentionError(RuntimeError):
     """Document boundaries or a device the document attention op cannot serve exactly."""
 
 
-def _documents(cu_seqlens: torch.Tensor | None, batch: int, seq: int) -> list[tuple[int, int, int]]:
+def document_spans(cu_seqlens: torch.Tensor | None, batch: int, seq: int) -> list[tuple[int, int, int]]:
     """(row, start, end) of each document (each row one without `cu_seqlens`); refuses boundaries
     that are not a partition of the rows into documents (increasing, none spanning two rows, so
     each row starts one)."""
@@ -118,7 +118,7 @@ def _check_max_length(documents: list[tuple[int, int, int]], max_length: int) ->
         )
 
 
-def _check_window(window: int) -> None:
+def check_window(window: int) -> None:
     if window < 0:
         raise DocumentAttentionError(f"window={window}: a sliding window is a positive length")
 
@@ -126,7 +126,7 @@ def _check_window(window: int) -> None:
 def _pieces(documents: list[tuple[int, int, int]], window: int) -> Iterator[_Piece]:
     """What the kernel runs on: each document whole when the window covers it (or there is
     none), else in query chunks with the keys their window reaches within the document."""
-    _check_window(window)
+    check_window(window)
     for row, start, end in documents:
         if not window or end - start <= window:
             yield _Piece(row, start, end, start)
@@ -180,7 +180,7 @@ def document_attention(
     group = heads // key.shape[1]
     output = _token_major(query)
     logsumexp = query.new_empty(batch, heads, seq, dtype=_logsumexp_dtype(query.dtype))
-    documents = _documents(cu_seqlens, batch, seq)
+    documents = document_spans(cu_seqlens, batch, seq)
     _check_max_length(documents, max_length)
     for piece in _pieces(documents, window):
         queries, keys = piece.queries(), piece.keys()
@@ -237,7 +237,7 @@ def document_attention_backward(
     group = heads // kv_heads
     grad_q = _token_major(query)
     grad_k, grad_v = _token_major(key).zero_(), _token_major(value).zero_()
-    for piece in _pieces(_documents(cu_seqlens, batch, seq), window):
+    for piece in _pieces(document_spans(cu_seqlens, batch, seq), window):
         queries, keys = piece.queries(), piece.keys()
         mask = piece.mask(query.dtype, query.device)
         part_q, part_k, part_v = aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -349,7 +349,7 @@ def _flash_window(window: int) -> tuple[int, bool]:
     """(window_size_left, is_causal) as torch's varlen_attn passes them, with window_size_right
     0: causal is (-1, 0), a window of W tokens (W - 1, 0), keys q - W + 1 ... q of the query's
     document."""
-    _check_window(window)
+    check_window(window)
     return (window - 1, False) if window else (-1, True)
 
 

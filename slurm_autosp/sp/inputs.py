@@ -163,17 +163,11 @@ def sp_token_positions(seq: int, sp_rank: int, sp_size: int, ring_size: int = 1)
     return held.view(ulysses, -1)[member]
 
 
-def _check_ring(sp_size: int, ring_size: int, packed: bool) -> None:
+def _check_ring(sp_size: int, ring_size: int) -> None:
     if ring_size < 1 or sp_size % ring_size:
         raise ValueError(
             f"parallel.ring_size={ring_size} must divide parallel.sp_size={sp_size} "
             "(sp_size = ulysses x ring)"
-        )
-    if packed and ring_size > 1:
-        raise PackedRowsError(
-            f"packed rows and left padding (documents within a row) need document attention, which "
-            f"ring attention (parallel.ring_size={ring_size}) does not run: use "
-            "parallel.ring_size=1, or data.documents=concat and right padding"
         )
 
 
@@ -199,7 +193,8 @@ def prepare_sp_inputs(
     when its `position_ids` restart at 0 or its `document_ids` [B, S] change; attention then
     stays within each document, and no label predicts across a boundary. With `ring_size` > 1
     the SP group is ulysses x ring ranks and the shard is this rank's zigzag share (module
-    docstring; the batch is padded to a multiple of 2 x sp_size); packed rows are refused.
+    docstring; the batch is padded to a multiple of 2 x sp_size), the documents' boundaries
+    global as without a ring.
     """
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} is outside the SP group of size {sp_size}")
@@ -224,7 +219,7 @@ def prepare_sp_inputs(
     shift_labels = torch.cat([labels[:, 1:], ignored_last], dim=1)
     if starts is not None:  # a document's last token predicts nothing: the next token is another's
         shift_labels[:, :-1].masked_fill_(starts[:, 1:], IGNORE_INDEX)
-    _check_ring(sp_size, ring_size, starts is not None)
+    _check_ring(sp_size, ring_size)
     multiple = sp_size if ring_size == 1 else 2 * sp_size
     padding = -seq % multiple
     position_tail = position_ids[:, -1:] + torch.arange(1, padding + 1, device=position_ids.device)

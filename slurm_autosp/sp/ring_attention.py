@@ -1,152 +1,47 @@
-"""Causal ring attention over the registered ring group, as custom ops compiled graphs can carry.
+"""Causal ring attention over the registered ring group, within documents and sliding windows,
+as custom ops compiled graphs can carry.
 
 Ulysses splits heads, so it cannot use more ranks than there are query heads. Ring attention
-splits the sequence instead: each of R ring ranks keeps its queries, and the key/value blocks
-travel around the ring, one hop per step; the outputs of the R blocks merge exactly through
-their log-sum-exps. An SP group of `ulysses x ring` ranks runs the Ulysses all-to-all inside
-each group of `ulysses` ranks and this op across the `ring` such groups.
+splits the sequence instead: each of R ring ranks keeps its queries, and the other ranks'
+key/value blocks come to it; the outputs of the blocks merge exactly through their
+log-sum-exps. An SP group of `ulysses x ring` ranks runs the Ulysses all-to-all inside each
+group of `ulysses` ranks and this op across the `ring` such groups.
 
 Causal load balance (zigzag): the sequence is cut into 2R chunks and ring rank i holds chunks
-i and 2R-1-i, laid end to end (`prepare_sp_inputs` orders the tokens so). Against the block
-of ring rank j, rank i then computes: j == i, causal attention over its own 2 chunks; j < i,
-all its queries over j's first chunk (j's second lies after both of i's); j > i, its second
-chunk's queries over both of j's chunks (its first lies before both). Every step but the first
-is half a block, the same work on every rank.
+i and 2R-1-i, laid end to end (`prepare_sp_inputs` orders the tokens so): against an earlier
+rank's block its queries read that block's first chunk, against a later one its second chunk's
+queries read the whole block, the same work on every rank. Packed documents (`cu_seqlens`, the
+global boundaries, as document attention reads them) and a sliding window (`window`) restrict
+which query reads which key; `ring_plan` cuts each block pair into pieces by them, and a block
+no query of a rank reads is never sent to it, so a windowed model's traffic grows with its
+window, not its sequence. Documents unbalance the zigzag (bench/ring_bench.py measures it).
 
-As exact as the block kernel: each block's (output, log-sum-exp) is merged in fp32. The backward reads the merged output and log-sum-exp (saved by the forward, never
-recomputed), so each block's gradient is the exact share of the whole: dq stays local, and the
-block's dk, dv travel around the ring with it, gathering every rank's share, one final hop
-bringing them home. K and V travel packed in one tensor, with their own (grouped) heads: no
-repeated KV is materialised or sent. The next block's send and receive are issued before the
-current block's compute (overlapped where the backend overlaps P2P, as NCCL does); in backward
-a block's dk, dv leave once this rank's share is added, and travel during the next block's
-compute.
+At step s each rank sends its own block to rank i + s and receives that of rank i - s (the
+next step's exchange issued before this step's compute, overlapped where the backend overlaps
+P2P, as NCCL does); K and V travel packed in one tensor, with their own (grouped) heads. As
+exact as the kernel: each piece's (output, log-sum-exp) is merged in fp32. The backward reads
+the merged output and log-sum-exp (saved by the forward, never recomputed), so each piece's
+gradient is the exact share of the whole: dq stays local, a visited block's dk, dv go back to
+its rank (fp32), which adds them in step order.
 
-The block kernel is per device, the code around it one: on CPU torch's flash kernel for CPU
-(grouped KV heads natively, log-sum-exp returned), on CUDA the flash varlen kernel (bf16/fp16)
-with each row one sequence, as document attention runs it. The CUDA kernel has not run on a GPU.
+The kernel is per device (`varlen_kernel`), the code around it one. On CUDA the document
+boundaries are read on the host once per call (a copy back of B x documents int32 values);
+the CUDA kernel has not run on a GPU.
 """
 
 import torch
 import torch.distributed as dist
 
-from slurm_autosp.compat.torch_api import (
-    flash_attention_backward,
-    flash_attention_forward,
-    flash_refusal,
-)
 from slurm_autosp.sp.all_to_all import communication_counts, current_ring_group
+from slurm_autosp.sp.document_attention import check_window, document_spans
+from slurm_autosp.sp.ring_plan import RingPlan, Round, ring_plan
+from slurm_autosp.sp.varlen_kernel import varlen_backward, varlen_forward
 
-aten = torch.ops.aten
 _KV_TAG, _GRAD_TAG = 0, 1  # P2P tags: the K/V blocks and their gradients, matched apart on gloo
 
 
 class RingAttentionError(RuntimeError):
     """A ring attention call that cannot be run as compiled; the message says what to change."""
-
-
-# ------------------------------------------------------------------ the per-device block kernel
-
-
-def _check_cuda(query: torch.Tensor) -> None:
-    why, precision = flash_refusal(query)
-    if why:
-        raise RingAttentionError(
-            f"ring attention on CUDA runs the flash kernel, which {why}: "
-            + ("train with train.precision=bf16, or " if precision else "set ")
-            + "parallel.ring_size=1 with a parallel.sp_size the heads split over"
-        )
-
-
-def _rows(batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    """Cumulative lengths of `batch` rows of `seq` tokens: each row one varlen sequence."""
-    return torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device=device)
-
-
-def _packed(tensor: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, D] as the varlen kernel reads it: [B * S, H, D]."""
-    return tensor.transpose(1, 2).flatten(0, 1).contiguous()
-
-
-def _unpacked(packed: torch.Tensor, batch: int) -> torch.Tensor:
-    return packed.unflatten(0, (batch, -1)).transpose(1, 2)
-
-
-def block_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of `query` [B, Hq, Sq, D] over one block of `key`, `value` [B, Hkv, Sk, D]
-    (query head h reads KV head h // (Hq / Hkv)); causal only for Sq == Sk. Returns the output
-    and its log-sum-exp [B, Hq, Sq] in fp32."""
-    if query.device.type != "cuda":
-        return aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, scale=scale
-        )
-    _check_cuda(query)
-    batch, _, s_q, _ = query.shape
-    s_k = key.shape[2]
-    output, lse, *_ = flash_attention_forward(
-        _packed(query),
-        _packed(key),
-        _packed(value),
-        _rows(batch, s_q, query.device),
-        _rows(batch, s_k, query.device),
-        s_q,
-        s_k,
-        0.0,
-        causal,
-        False,
-        scale=scale,
-    )
-    # [Hq, B * Sq] as flash writes it
-    return _unpacked(output, batch), lse.unflatten(1, (batch, s_q)).transpose(0, 1)
-
-
-def block_backward(
-    grad_output: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    output: torch.Tensor,
-    logsumexp: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block's query, key and value, given the whole attention's `output` and
-    `logsumexp` for these queries: then they are this block's exact share of the whole's."""
-    if query.device.type != "cuda":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_output.contiguous(),
-            query,
-            key,
-            value,
-            output,
-            logsumexp,
-            0.0,
-            causal,
-            scale=scale,
-        )
-    batch, heads, s_q, _ = query.shape
-    s_k = key.shape[2]
-    grads = flash_attention_backward(
-        _packed(grad_output),
-        _packed(query),
-        _packed(key),
-        _packed(value),
-        _packed(output),
-        logsumexp.transpose(0, 1).reshape(heads, -1).contiguous(),
-        _rows(batch, s_q, query.device),
-        _rows(batch, s_k, query.device),
-        s_q,
-        s_k,
-        0.0,
-        causal,
-        torch.zeros(2, dtype=torch.uint64, device=query.device),  # no dropout
-        torch.empty(0, device=query.device),
-        scale=scale,
-    )
-    grad_q, grad_k, grad_v = (_unpacked(grad, batch) for grad in grads)
-    return grad_q, grad_k, grad_v
 
 
 # ------------------------------------------------------------------ the ring
@@ -164,17 +59,29 @@ def _ring(ring_size: int) -> tuple[dist.ProcessGroup, int]:
     return group, dist.get_rank(group)
 
 
-def _pass_on(send: torch.Tensor, group: dist.ProcessGroup, tag: int) -> tuple[torch.Tensor, list]:
-    """Send `send` to the next ring rank and receive the previous one's into a new tensor;
-    returns it and the requests to wait on before reading it."""
+def _exchange(
+    send: torch.Tensor | None,
+    receive_like: torch.Tensor | None,
+    step: int,
+    group: dist.ProcessGroup,
+    tag: int,
+    backwards: bool = False,
+) -> tuple[torch.Tensor | None, list]:
+    """Step `step`'s exchange: `send` (when not None) to ring rank i + step and a tensor like
+    `receive_like` (when not None) from i - step, or the other way round `backwards`; returns
+    the tensor being received and the requests to wait on before reading it."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    received = torch.empty_like(send)
-    ops = [
-        dist.P2POp(dist.isend, send, group=group, tag=tag, group_peer=(rank + 1) % size),
-        dist.P2POp(dist.irecv, received, group=group, tag=tag, group_peer=(rank - 1) % size),
-    ]
-    communication_counts.ring_bytes += send.nbytes
-    return received, dist.batch_isend_irecv(ops)
+    to, source = (rank - step) % size, (rank + step) % size
+    if not backwards:
+        to, source = source, to
+    ops, received = [], None
+    if send is not None:
+        ops.append(dist.P2POp(dist.isend, send, group=group, tag=tag, group_peer=to))
+        communication_counts.ring_bytes += send.nbytes
+    if receive_like is not None:
+        received = torch.empty_like(receive_like)
+        ops.append(dist.P2POp(dist.irecv, received, group=group, tag=tag, group_peer=source))
+    return received, dist.batch_isend_irecv(ops) if ops else []
 
 
 def _wait(requests: list) -> None:
@@ -191,58 +98,155 @@ def _check_shapes(query: torch.Tensor, key: torch.Tensor) -> None:
         )
 
 
-def _merge(
-    output: torch.Tensor, lse: torch.Tensor, block: torch.Tensor, block_lse: torch.Tensor
+def _tokens(tensor: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] (or [B, H, S]) as [B * S, H, ...], the pieces' token-major layout."""
+    return tensor.transpose(1, 2).flatten(0, 1).contiguous()
+
+
+def _untokens(tokens: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B * S, H, ...] back to [B, H, S, ...] in `dtype`: a new tensor (a custom op's outputs
+    may not alias each other, as K's and V's gradients would with one KV head)."""
+    unflat = tokens.unflatten(0, (batch, -1)).transpose(1, 2)
+    return unflat.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _take(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return tensor if index is None else tensor.index_select(0, index)
+
+
+def _indices(round_: Round, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if i is None else i.to(device) for i in (round_.q_index, round_.k_index))
+
+
+def _plan(
+    query: torch.Tensor, cu_seqlens: torch.Tensor | None, window: int, ring_size: int
+) -> RingPlan:
+    """The ring's plan for these queries: the documents of the whole rows (R x 2c tokens)."""
+    check_window(window)
+    batch, _, local, _ = query.shape
+    documents = tuple(document_spans(cu_seqlens, batch, local * ring_size))
+    return ring_plan(ring_size, batch, local, documents, window)
+
+
+def _attend(
+    rounds: tuple[Round, ...],
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
 ) -> None:
-    """Fold one block's (output, log-sum-exp) into the running fp32 ones, in place."""
-    merged = torch.logaddexp(lse, block_lse)
-    output.mul_((lse - merged).exp().unsqueeze(-1))
-    output.add_(block.float() * (block_lse - merged).exp().unsqueeze(-1))
-    lse.copy_(merged)
+    """Fold the rounds' attention of `query` [T, Hq, D] over the block `kv` [2, T, Hkv, D] into
+    the running fp32 `output` [T, Hq, D] and log-sum-exp `lse` [T, Hq], in place."""
+    for round_ in rounds:
+        q_index, k_index = _indices(round_, query.device)
+        block, block_lse = varlen_forward(
+            _take(query, q_index), _take(kv[0], k_index), _take(kv[1], k_index), round_, scale
+        )
+        held, held_lse = _take(output, q_index), _take(lse, q_index)
+        merged = torch.logaddexp(held_lse, block_lse)
+        held = held * (held_lse - merged).exp().unsqueeze(-1)
+        held += block.float() * (block_lse - merged).exp().unsqueeze(-1)
+        if q_index is None:
+            output.copy_(held)
+            lse.copy_(merged)
+        else:
+            output.index_copy_(0, q_index, held)
+            lse.index_copy_(0, q_index, merged)
 
 
-def _source_blocks(rank: int, ring_size: int, chunk: int) -> list[tuple[slice, slice]]:
-    """For each step after the first, which of this rank's query rows attend to which of the
-    visiting block's key rows (zigzag: see the module docstring)."""
-    whole, first, second = slice(None), slice(None, chunk), slice(chunk, None)
-    return [
-        (whole, first) if (rank - step) % ring_size < rank else (second, whole)
-        for step in range(1, ring_size)
-    ]
+def _attend_backward(
+    rounds: tuple[Round, ...],
+    saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    kv: torch.Tensor,
+    grad_q: torch.Tensor,
+    grad_kv: torch.Tensor,
+    scale: float,
+) -> None:
+    """Add the rounds' shares of the gradients to `grad_q` [T, Hq, D] and the block's
+    `grad_kv` [2, T, Hkv, D] (fp32), from `saved`: grad_output, query, output, log-sum-exp."""
+    grad_output, query, output, lse = saved
+    for round_ in rounds:
+        q_index, k_index = _indices(round_, query.device)
+        part_q, part_k, part_v = varlen_backward(
+            _take(grad_output, q_index),
+            _take(query, q_index),
+            _take(kv[0], k_index),
+            _take(kv[1], k_index),
+            _take(output, q_index),
+            _take(lse, q_index),
+            round_,
+            scale,
+        )
+        for whole, part, index in (
+            (grad_q, part_q, q_index),
+            (grad_kv[0], part_k, k_index),
+            (grad_kv[1], part_v, k_index),
+        ):
+            if index is None:
+                whole += part.float()
+            else:
+                whole.index_add_(0, index, part.float())
 
 
 @torch.library.custom_op("slurm_autosp::ring_attention", mutates_args=())
 def ring_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, ring_size: int
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    ring_size: int,
+    cu_seqlens: torch.Tensor | None = None,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this ring rank's zigzag queries [B, Hq, 2c, D] over the whole
     sequence, whose key/value blocks [B, Hkv, 2c, D] (Hq a multiple of Hkv) the ring's
-    `ring_size` ranks hold. Returns the output [B, Hq, 2c, D] and its log-sum-exp [B, Hq, 2c]
-    (fp32), which the backward reads."""
+    `ring_size` ranks hold, within the documents of `cu_seqlens` (global, as document attention
+    reads them; None: each row one) and, when `window` > 0, the `window` latest keys. Returns the
+    output [B, Hq, 2c, D] and its log-sum-exp [B, Hq, 2c] (fp32), which the backward reads."""
     _check_shapes(query, key)
     group, rank = _ring(ring_size)
+    plan = _plan(query, cu_seqlens, window, ring_size)
     communication_counts.ring_forwards += 1
-    kv = torch.stack([key, value])
-    if ring_size > 1:  # the first visiting block travels while the own one is computed
-        incoming, requests = _pass_on(kv, group, _KV_TAG)
-    block, block_lse = block_forward(query, key, value, True, scale)
-    # fp32, laid out as the fake declares them (the kernels' may be token-major)
-    output, lse = block.float().contiguous(), block_lse.float().contiguous()
-    for step, (rows, keys) in enumerate(_source_blocks(rank, ring_size, query.shape[2] // 2), 1):
-        _wait(requests)
-        kv = incoming
-        if step < ring_size - 1:
-            incoming, requests = _pass_on(kv, group, _KV_TAG)
-        block, block_lse = block_forward(
-            query[:, :, rows], kv[0, :, :, keys], kv[1, :, :, keys], False, scale
+    batch = query.shape[0]
+    queries, kv = _tokens(query), torch.stack([_tokens(key), _tokens(value)])
+    steps = sorted(set(plan.sources(rank)) | set(plan.destinations(rank)))
+    exchanges = {}
+
+    def start(step: int) -> None:
+        exchanges[step] = _exchange(
+            kv if step in plan.destinations(rank) else None,
+            kv if step in plan.sources(rank) else None,
+            step,
+            group,
+            _KV_TAG,
         )
-        _merge(output[:, :, rows], lse[:, :, rows], block, block_lse)
-    return output.to(query.dtype), lse
+
+    if steps:  # the first block travels while the own one is computed
+        start(steps[0])
+    output = queries.new_zeros(queries.shape, dtype=torch.float32)
+    lse = queries.new_full(queries.shape[:2], float("-inf"), dtype=torch.float32)
+    _attend(plan.rounds[rank][rank], queries, kv, output, lse, scale)
+    for at, step in enumerate(steps):
+        visiting, requests = exchanges.pop(step)
+        _wait(requests)
+        if at + 1 < len(steps):
+            start(steps[at + 1])
+        if visiting is not None:
+            source = plan.rounds[rank][(rank - step) % ring_size]
+            _attend(source, queries, visiting, output, lse, scale)
+    return _untokens(output, batch, query.dtype), _untokens(lse, batch, torch.float32)
 
 
 @ring_attention.register_fake
 def _(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, ring_size: int
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    ring_size: int,
+    cu_seqlens: torch.Tensor | None = None,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seq, _ = query.shape
     return torch.empty_like(query, memory_format=torch.contiguous_format), query.new_empty(
@@ -260,47 +264,71 @@ def ring_attention_backward(
     logsumexp: torch.Tensor,
     scale: float,
     ring_size: int,
+    cu_seqlens: torch.Tensor | None = None,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of query, key and value, block by block as the forward ran, from its merged
-    output and log-sum-exp. A visiting block's dk, dv (fp32) follow it around the ring, each
-    rank adding its share; after the last step one more hop takes each home."""
+    output and log-sum-exp. A visited block's dk, dv (fp32) go back to its rank at the step it
+    came, one step's in flight while the next is computed."""
     group, rank = _ring(ring_size)
+    plan = _plan(query, cu_seqlens, window, ring_size)
     communication_counts.ring_backwards += 1
-    kv = torch.stack([key, value])
-    if ring_size > 1:
-        incoming, requests = _pass_on(kv, group, _KV_TAG)
-    grad_q, grad_k, grad_v = block_backward(
-        grad_output, query, key, value, output, logsumexp, True, scale
-    )
-    grad_q = grad_q.float().contiguous()
-    grad_kv = torch.stack([grad_k, grad_v]).float()  # the block in hand's, travelling with it
-    for step, (rows, keys) in enumerate(_source_blocks(rank, ring_size, query.shape[2] // 2), 1):
-        outgoing = grad_kv  # held until its send is waited on
-        grad_kv, grad_requests = _pass_on(outgoing, group, _GRAD_TAG)
-        _wait(requests)
-        kv = incoming
-        if step < ring_size - 1:
-            incoming, requests = _pass_on(kv, group, _KV_TAG)
-        part_q, part_k, part_v = block_backward(
-            grad_output[:, :, rows],
-            query[:, :, rows],
-            kv[0, :, :, keys],
-            kv[1, :, :, keys],
-            output[:, :, rows],
-            logsumexp[:, :, rows],
-            False,
-            scale,
+    batch = query.shape[0]
+    kv = torch.stack([_tokens(key), _tokens(value)])
+    saved = (_tokens(grad_output), _tokens(query), _tokens(output), _tokens(logsumexp))
+    sources, destinations = plan.sources(rank), plan.destinations(rank)
+    steps = sorted(set(sources) | set(destinations))
+    exchanges = {}
+
+    def start(step: int) -> None:
+        exchanges[step] = _exchange(
+            kv if step in destinations else None,
+            kv if step in sources else None,
+            step,
+            group,
+            _KV_TAG,
         )
-        grad_q[:, :, rows] += part_q
-        _wait(grad_requests)
-        grad_kv[0, :, :, keys] += part_k
-        grad_kv[1, :, :, keys] += part_v
-    if ring_size > 1:  # home: the block of this rank's successor, every rank's share added
-        outgoing = grad_kv
-        grad_kv, grad_requests = _pass_on(outgoing, group, _GRAD_TAG)
-        _wait(grad_requests)
-    grad_k, grad_v = grad_kv.to(key.dtype).unbind(0)
-    return grad_q.to(query.dtype), grad_k, grad_v.clone()  # a custom op's outputs may not alias
+
+    if steps:
+        start(steps[0])
+    grad_q = saved[1].new_zeros(saved[1].shape, dtype=torch.float32)
+    grad_kv = kv.new_zeros(kv.shape, dtype=torch.float32)  # this rank's block's, all shares
+    _attend_backward(plan.rounds[rank][rank], saved, kv, grad_q, grad_kv, scale)
+    returning: tuple[torch.Tensor | None, list, torch.Tensor | None] = (None, [], None)
+    for at, step in enumerate(steps):
+        visiting, requests = exchanges.pop(step)
+        _wait(requests)
+        if at + 1 < len(steps):
+            start(steps[at + 1])
+        share = None
+        if visiting is not None:
+            share = torch.zeros_like(grad_kv)
+            source = plan.rounds[rank][(rank - step) % ring_size]
+            _attend_backward(source, saved, visiting, grad_q, share, scale)
+        _add_returned(grad_kv, returning)  # the previous step's shares, in flight meanwhile
+        received, requests = _exchange(
+            share,
+            grad_kv if step in destinations else None,
+            step,
+            group,
+            _GRAD_TAG,
+            backwards=True,
+        )
+        returning = (received, requests, share)
+    _add_returned(grad_kv, returning)
+    grad_k, grad_v = (_untokens(grad, batch, key.dtype) for grad in grad_kv.unbind(0))
+    return _untokens(grad_q, batch, query.dtype), grad_k, grad_v
+
+
+def _add_returned(
+    grad_kv: torch.Tensor, returning: tuple[torch.Tensor | None, list, torch.Tensor | None]
+) -> None:
+    """Wait for a step's gradient exchange and add the share another rank sent back for this
+    rank's block (the sent share is held until then)."""
+    received, requests, _sent = returning
+    _wait(requests)
+    if received is not None:
+        grad_kv += received
 
 
 @ring_attention_backward.register_fake
@@ -313,6 +341,8 @@ def _(
     logsumexp: torch.Tensor,
     scale: float,
     ring_size: int,
+    cu_seqlens: torch.Tensor | None = None,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
         torch.empty_like(query, memory_format=torch.contiguous_format),
@@ -322,15 +352,15 @@ def _(
 
 
 def _setup_context(ctx: object, inputs: tuple, output: tuple) -> None:
-    query, key, value, scale, ring_size = inputs
-    ctx.save_for_backward(query, key, value, *output)  # type: ignore[attr-defined]
-    ctx.scale, ctx.ring_size = scale, ring_size  # type: ignore[attr-defined]
+    query, key, value, scale, ring_size, cu_seqlens, window = inputs
+    ctx.save_for_backward(query, key, value, *output, cu_seqlens)  # type: ignore[attr-defined]
+    ctx.scale, ctx.ring_size, ctx.window = scale, ring_size, window  # type: ignore[attr-defined]
 
 
 def _backward(
     ctx: object, grad_output: torch.Tensor, _grad_logsumexp: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-    query, key, value, output, logsumexp = ctx.saved_tensors  # type: ignore[attr-defined]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None, None]:
+    query, key, value, output, logsumexp, cu_seqlens = ctx.saved_tensors  # type: ignore[attr-defined]
     grad_q, grad_k, grad_v = ring_attention_backward(
         grad_output,
         query,
@@ -340,8 +370,10 @@ def _backward(
         logsumexp,
         ctx.scale,  # type: ignore[attr-defined]
         ctx.ring_size,  # type: ignore[attr-defined]
+        cu_seqlens,
+        ctx.window,  # type: ignore[attr-defined]
     )
-    return grad_q, grad_k, grad_v, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup_context)

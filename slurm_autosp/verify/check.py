@@ -40,9 +40,7 @@ def admit_verify(cfg: JobConfig, options: VerifyOptions) -> None:
     """Refuse (ConfigError) what submit would, and what verify itself cannot run."""
     admit_model(cfg)  # as submit would
     admit_model(cfg, verify_seq_len(cfg.parallel.sp_size, options))  # and what verify runs
-    verify_layout(
-        cfg.parallel.sp_size, options, cfg.parallel.ulysses_ring[1]
-    )  # one that can be had
+    verify_layout(cfg.parallel.sp_size, options)  # one that can be had
     _refuse_a_failing_copy(cfg, options)
 
 

@@ -118,17 +118,10 @@ def choose_layout(seq_len: int, sp_size: int, documents: int) -> DocumentLayout:
     return layout
 
 
-def verify_layout(
-    sp_size: int, options: VerifyOptions, ring_size: int = 1
-) -> DocumentLayout | None:
-    """The packed rows `verify.documents` asks for; None for one sequence per row. Ring
-    attention does not run packed rows: asking for them with a ring is refused."""
+def verify_layout(sp_size: int, options: VerifyOptions) -> DocumentLayout | None:
+    """The packed rows `verify.documents` asks for; None for one sequence per row. Under a ring
+    the shard boundaries are rank boundaries as well (each zigzag chunk splits over the
+    Ulysses ranks at them), so the same layout checks the ring's."""
     if not options.documents:
         return None
-    if ring_size > 1:
-        raise ConfigError(
-            f"verify.documents={options.documents} with parallel.ring_size={ring_size}: ring "
-            "attention does not run packed documents; check them with parallel.ring_size=1, or "
-            "drop verify.documents"
-        )
     return choose_layout(verify_seq_len(sp_size, options), sp_size, options.documents)

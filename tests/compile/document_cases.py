@@ -77,9 +77,10 @@ def documents_alone(
     return total.detach(), per_token, {n: p.grad for n, p in model.named_parameters()}
 
 
-def packed_sp_step(case: PackedCase, sp_size: int) -> dict[str, float]:
-    """One SP step over the packed rows against `documents_alone` (sp_cases.step_against)."""
+def packed_sp_step(case: PackedCase, sp_size: int, ring_size: int = 1) -> dict[str, float]:
+    """One SP step (sp_size = ulysses x `ring_size`) over the packed rows against
+    `documents_alone` (sp_cases.step_against)."""
     batch = packed_batch(case)
     reference = documents_alone(case, batch)
     model = tiny_model(case.family, case.kv_heads, window=case.window)
-    return step_against(model, case.per_layer, batch, reference, sp_size)
+    return step_against(model, case.per_layer, batch, reference, sp_size, ring_size)

@@ -19,24 +19,51 @@ from slurm_autosp.sp.ring_attention import ring_attention
 
 
 def _causal_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    documents: torch.Tensor | None = None,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain causal attention in float64 (grouped KV heads repeated): output and log-sum-exp."""
+    """Plain causal attention in float64 (grouped KV heads repeated) within the documents
+    (`documents` [B, S]: each token's document) and the window: output and log-sum-exp."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
     scores = (q @ k.transpose(-1, -2)) * scale
     seq = q.shape[2]
-    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
+    position = torch.arange(seq)
+    allowed = (position[None, :] <= position[:, None]).expand(q.shape[0], seq, seq)
+    if window:
+        allowed = allowed & (position[:, None] - position[None, :] < window)
+    if documents is not None:
+        allowed = allowed & (documents[:, :, None] == documents[:, None, :])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     return scores.softmax(-1) @ v, scores.logsumexp(-1)
 
 
+def _documents(lengths: list[list[int]], seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's document ([B, S]) of rows cut into documents of `lengths` (the rest of a row
+    one more), and the global cu_seqlens of the rows laid end to end."""
+    ids, bounds = [], [0]
+    for row, row_lengths in enumerate(lengths):
+        cut = [*row_lengths, seq - sum(row_lengths)] if sum(row_lengths) < seq else row_lengths
+        ids.append(torch.cat([torch.full((n,), d) for d, n in enumerate(cut)]))
+        bounds += [row * seq + int(end) for end in torch.tensor(cut).cumsum(0)]
+    return torch.stack(ids), torch.tensor(bounds, dtype=torch.int32)
+
+
 def ring_op_against_full_attention(
-    kv_heads: int, chunk: int = 5, dtype: torch.dtype = torch.float32
+    kv_heads: int,
+    chunk: int = 5,
+    dtype: torch.dtype = torch.float32,
+    lengths: list[list[int]] | None = None,
+    window: int = 0,
 ) -> dict[str, float]:
     """The ring op over the world as one ring (zigzag shards of a sequence of 2 x world chunks),
     forward and backward in `dtype`, against float64 causal attention over the whole sequence
-    of the same (rounded) inputs; each figure max |x - x_ref| / max |x_ref| over this rank's rows."""
+    of the same (rounded) inputs, within the documents of `lengths` (per row; None: a row is
+    one) and the `window`; each figure max |x - x_ref| / max |x_ref| over this rank's rows."""
     ring = dist.get_world_size()
     batch, heads, dim = 2, 4, 8
     seq = 2 * ring * chunk
@@ -46,15 +73,16 @@ def ring_op_against_full_attention(
     )
     k, v = (torch.randn(batch, kv_heads, seq, dim, generator=generator).to(dtype) for _ in range(2))
     scale = dim**-0.5
+    documents, cu_seqlens = _documents(lengths, seq) if lengths else (None, None)
     full = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = _causal_reference(*full, scale)
+    ref_out, ref_lse = _causal_reference(*full, scale, documents, window)
     ref_out.backward(grad_out.double())
 
     held = sp_token_positions(seq, dist.get_rank(), ring, ring)
     local = [t[:, :, held].clone().requires_grad_() for t in (q, k, v)]
     ulysses_group, ring_group = ulysses_and_ring_groups(1, ring)
     with sp_group_context(ulysses_group, ring_group):
-        out, lse = ring_attention(*local, scale, ring)
+        out, lse = ring_attention(*local, scale, ring, cu_seqlens, window)
         out.backward(grad_out[:, :, held])
 
     def error(x: torch.Tensor, ref: torch.Tensor) -> float:

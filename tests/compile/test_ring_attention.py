@@ -7,8 +7,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from document_cases import PackedCase, packed_sp_step
 from ring_cases import ring_op_against_full_attention, ring_reruns_under
-from sp_cases import Case, sp_step, tiny_model
+from sp_cases import Case, sp_step
+from test_packed_documents import ROWS_95, ROWS_96, assert_matches_documents_alone
 from test_sp_equivalence import assert_matches_reference
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,22 +21,14 @@ from slurm_autosp.compat.torch_api import (
     flash_attention_backward,
     flash_attention_forward,
 )
-from slurm_autosp.compile import (
-    AutoSPBackend,
-    compile_model,
-    rewrite_sdpa_for_sp,
-)
+from slurm_autosp.compile import AutoSPBackend, rewrite_sdpa_for_sp
 from slurm_autosp.compile.activation_checkpointing import node_flops
 from slurm_autosp.compile.backend import HeadLayout
 from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs, sp_token_positions
-from slurm_autosp.sp.documents import PackedRowsError
 from slurm_autosp.sp.kernel_check import GRADIENT_BOUND, OUTPUT_BOUND
-from slurm_autosp.sp.ring_attention import (
-    RingAttentionError,
-    block_backward,
-    block_forward,
-    ring_attention,
-)
+from slurm_autosp.sp.ring_attention import ring_attention
+from slurm_autosp.sp.ring_plan import ring_plan, step_pieces
+from slurm_autosp.sp.varlen_kernel import VarlenKernelError, varlen_backward, varlen_forward
 
 TOLERANCE = 1e-5
 ALL_TO_ALL = torch.ops.slurm_autosp.sp_all_to_all.default
@@ -51,6 +45,32 @@ def test_ring_attention_forward_and_backward_match_full_causal_attention(ring, k
     results = pool.run(ring_op_against_full_attention, kv_heads)
     worst = {key: max(r[key] for r in results) for key in results[0]}
     print(f"ring {ring}, {kv_heads} KV heads, worst over ranks: {worst}")
+    assert all(error <= TOLERANCE for error in worst.values()), worst
+
+
+# (chunk, documents' lengths per row (the rest of a row one more), window)
+PATTERNS = {
+    "documents": (5, [[3, 9, 1], [17]], 0),
+    "window_shorter_than_a_chunk": (5, None, 4),
+    "window_across_chunks": (5, None, 13),
+    "documents_and_window": (5, [[3, 9, 1], [11, 2]], 7),
+    "window_slices_within_documents": (70, [[100, 7], [181]], 23),
+}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS.values(), ids=PATTERNS.keys())
+@pytest.mark.parametrize("ring", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["r2", "r4"])
+def test_ring_attention_within_documents_and_windows_matches_the_masked_attention(
+    ring, pattern, request
+):
+    """Documents spanning chunks and ranks, a document of one token, windows shorter than a
+    chunk (blocks skipped), longer than one, and long enough to be cut into query slices;
+    two KV heads for four query heads."""
+    chunk, lengths, window = pattern
+    pool = request.getfixturevalue(f"pool{ring}")
+    results = pool.run(ring_op_against_full_attention, 2, chunk, torch.float32, lengths, window)
+    worst = {key: max(r[key] for r in results) for key in results[0]}
+    print(f"ring {ring}, {pattern}: {worst}")
     assert all(error <= TOLERANCE for error in worst.values()), worst
 
 
@@ -88,42 +108,42 @@ class FlashCalls(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_cuda_block_kernel_returns_what_the_ring_merges_on_a_fake_cuda_device():
-    """The flash varlen kernel's blocks, as the ring runs them (own block causal, the first
-    chunk of an earlier rank's, the second chunk's queries over a later rank's), on fake CUDA
-    tensors (torch's meta kernels give the shapes; nothing runs): the output and fp32
-    log-sum-exp of the block's queries, gradients with the KV heads as they came; flash called
-    with each row one sequence, the block's lengths, its causality and the scale both ways, no
-    dropout; fp32 and head dimensions flash does not take refused by name."""
-    chunk = 6
-    with FakeTensorMode(), FlashCalls() as recorded:
-        query = torch.empty(2, 4, 2 * chunk, 64, dtype=torch.bfloat16, device="cuda")
-        key = torch.empty(2, 1, 2 * chunk, 64, dtype=torch.bfloat16, device="cuda")
-        # (start, length) of the queries and keys; narrow: indexing needs a CUDA build
-        blocks = [
-            ((0, 2 * chunk), (0, 2 * chunk), True),
-            ((0, 2 * chunk), (0, chunk), False),
-            ((chunk, chunk), (0, 2 * chunk), False),
-        ]
-        for (q_start, q_len), (k_start, k_len), causal in blocks:
-            q, k = query.narrow(2, q_start, q_len), key.narrow(2, k_start, k_len)
-            output, lse = block_forward(q, k, k, causal, 0.125)
-            assert output.shape == q.shape and output.dtype == torch.bfloat16
-            assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
-            grads = block_backward(torch.empty_like(output), q, k, k, output, lse, causal, 0.125)
-            assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
-        with pytest.raises(RingAttentionError, match="train.precision=bf16"):
-            block_forward(query.float(), key.float(), key.float(), True, 0.125)
-        odd = torch.empty(2, 4, chunk, 60, dtype=torch.bfloat16, device="cuda")
-        with pytest.raises(RingAttentionError, match="multiples of 8 up to 256, not 60"):
-            block_forward(odd, odd.narrow(1, 0, 1), odd.narrow(1, 0, 1), True, 0.125)
+def test_cuda_kernel_runs_each_round_as_one_flash_varlen_call_on_a_fake_cuda_device():
+    """Every round of a ring rank's plan (own block causal, earlier blocks whole, windows as
+    flash's (left, right)), on fake CUDA tensors (torch's meta kernels give the shapes; nothing
+    runs): one flash varlen call each way with the round's cumulative lengths, longest pieces,
+    rule and scale, no dropout; the output and fp32 log-sum-exp of its queries, gradients with
+    the KV heads as they came; fp32 and head dimensions flash does not take refused by name."""
+    plan = ring_plan(2, 2, 16, ((0, 0, 5), (0, 5, 32), (1, 0, 32)), 6)
+    rounds = [r for source in plan.rounds[1] for r in source]
+    assert {r.rule for r in rounds} >= {(5, 0)}  # the own block, causal within the window
+    with FakeTensorMode(allow_non_fake_inputs=True), FlashCalls() as recorded:
+        for round_ in rounds:
+            tokens_q = sum(p.q_len for p in round_.pieces)
+            tokens_k = sum(p.k_len for p in round_.pieces)
+            query = torch.empty(tokens_q, 4, 64, dtype=torch.bfloat16, device="cuda")
+            key = torch.empty(tokens_k, 1, 64, dtype=torch.bfloat16, device="cuda")
+            output, lse = varlen_forward(query, key, key, round_, 0.125)
+            assert output.shape == query.shape and output.dtype == torch.bfloat16
+            assert lse.shape == (tokens_q, 4) and lse.dtype == torch.float32
+            grads = varlen_backward(torch.empty_like(output), query, key, key, output, lse, round_, 0.125)
+            assert [g.shape for g in grads] == [query.shape, key.shape, key.shape]
+        query = torch.empty(8, 4, 64, device="cuda")
+        with pytest.raises(VarlenKernelError, match="train.precision=bf16"):
+            varlen_forward(query, query, query, rounds[0], 0.125)
+        odd = torch.empty(8, 4, 60, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(VarlenKernelError, match="multiples of 8 up to 256, not 60"):
+            varlen_forward(odd, odd, odd, rounds[0], 0.125)
     calls = recorded.calls
-    assert [c[0] for c in calls] == [flash_attention_forward, flash_attention_backward] * 3
-    for index, ((_, q_len), (_, k_len), causal) in enumerate(blocks):
+    assert [c[0] for c in calls] == [flash_attention_forward, flash_attention_backward] * len(rounds)
+    for index, round_ in enumerate(rounds):
+        left, right = round_.rule
         for at, (_, args, kwargs) in ((3, calls[2 * index]), (6, calls[2 * index + 1])):
-            assert kwargs["scale"] == 0.125 and args[at + 4] == 0.0 and args[at + 5] is causal
-            assert args[at + 2 : at + 4] == (q_len, k_len)
-            assert args[at].shape == args[at + 1].shape == (3,)  # 2 rows: [0, S, 2S]
+            assert kwargs["scale"] == 0.125 and args[at + 4] == 0.0
+            assert args[at + 5] is (round_.rule == (-1, 0))
+            assert (kwargs["window_size_left"], kwargs["window_size_right"]) == (left, right)
+            assert args[at + 2 : at + 4] == (round_.max_q, round_.max_k)
+            assert args[at].shape == args[at + 1].shape == (len(round_.pieces) + 1,)
 
 
 def test_ring_attention_flops_count_the_whole_sequences_keys_causally():
@@ -165,11 +185,68 @@ def test_ring_shards_pad_to_a_multiple_of_2_sp_with_ignored_labels_and_global_po
     assert sum(s.valid_labels for s in shards) == 26
 
 
-def test_packed_rows_under_a_ring_are_refused_naming_ring_size():
+def test_ring_shards_of_packed_rows_carry_the_global_boundaries_and_restarting_positions():
     ids = torch.arange(1, 17).unsqueeze(0)
     documents = torch.tensor([[0] * 6 + [1] * 10])
-    with pytest.raises(PackedRowsError, match="parallel.ring_size=2.*parallel.ring_size=1"):
-        prepare_sp_inputs(ids, sp_rank=0, sp_size=2, ring_size=2, document_ids=documents)
+    whole = prepare_sp_inputs(ids, sp_rank=0, sp_size=1, document_ids=documents)
+    for rank in range(2):
+        shard = prepare_sp_inputs(ids, sp_rank=rank, sp_size=2, ring_size=2, document_ids=documents)
+        assert shard.cu_seqlens.tolist() == whole.cu_seqlens.tolist() == [0, 6, 16]
+        held = sp_token_positions(16, rank, 2, 2)
+        assert shard.position_ids[0].tolist() == whole.position_ids[0, held].tolist()
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def _allowed_pairs(documents, seq: int, window: int) -> int:
+    """Causal (query, key) pairs within a document and the window, counted directly."""
+    total = 0
+    for _, start, end in documents:
+        for q in range(start, end):
+            low = start if not window else max(start, q - window + 1)
+            total += q - low + 1
+    return total
+
+
+@pytest.mark.parametrize("window", [0, 3, 11, 40])
+@pytest.mark.parametrize("ring", [2, 3, 4])
+def test_the_plan_computes_every_allowed_pair_once(ring, window):
+    """Over the ring's ranks and steps the pieces cover exactly the causal pairs within each
+    document and window (the op tests show which: its numbers are the masked attention's)."""
+    seq = 2 * ring * 12
+    documents = ((0, 0, 1), (0, 1, 30), (0, 30, seq), (1, 0, seq))
+    plan = ring_plan(ring, 2, seq // ring, documents, window)
+    assert sum(plan.pairs(rank) for rank in range(ring)) == _allowed_pairs(documents, seq, window)
+
+
+def test_a_window_shorter_than_a_chunk_sends_each_rank_only_its_neighbouring_chunks():
+    """Ring of 4, chunks of 8, window 4: a rank needs only the blocks holding the chunks just
+    before its own, so 6 of the 12 block sends remain (a ring without a window sends all 12);
+    a block of documents no query shares is not sent either."""
+    one_row = ((0, 0, 64),)
+    windowed = ring_plan(4, 1, 16, one_row, 4)
+    assert [windowed.sources(rank) for rank in range(4)] == [[3], [1, 3], [1, 3], [1]]
+    assert sum(len(windowed.destinations(rank)) for rank in range(4)) == 6
+    plain = ring_plan(4, 1, 16, one_row, 0)
+    assert sum(len(plain.destinations(rank)) for rank in range(4)) == 12
+    # documents of one chunk each: only own blocks are read
+    assert ring_plan(4, 1, 16, tuple((0, c * 8, c * 8 + 8) for c in range(8)), 0).sources(2) == []
+
+
+def test_a_ring_without_documents_runs_one_sequence_per_row_and_block():
+    """Rank 1 of 2 (chunks 1 and 2 of 4): its own block causal over each chunk and chunk 2 over
+    chunk 1 whole; rank 0's block, whose first chunk all its queries read, as one piece."""
+    own = step_pieces(1, 1, 2, 4, ((0, 0, 16),), 0)
+    assert [(p.q_start, p.q_len, p.k_start, p.k_len, p.rule) for p in own] == [
+        (0, 4, 0, 4, (-1, 0)),
+        (4, 4, 0, 4, (-1, -1)),
+        (4, 4, 4, 4, (-1, 0)),
+    ]
+    earlier = step_pieces(1, 0, 2, 4, ((0, 0, 16),), 0)
+    assert [(p.q_start, p.q_len, p.k_start, p.k_len, p.rule) for p in earlier] == [
+        (0, 8, 0, 4, (-1, -1))
+    ]
 
 
 # ------------------------------------------------------------------ the backend
@@ -213,15 +290,6 @@ def test_heads_split_over_the_ulysses_size_only_and_a_refusal_names_ring_size():
         _rewritten_graph(8, 2, heads=2, kv_heads=1)
 
 
-def test_sliding_window_under_a_ring_is_refused_naming_ring_size():
-    model = tiny_model("mistral", 2, window=16)
-    torch._dynamo.reset()
-    compile_model(model, AutoSPBackend(2, ring_size=2), per_layer=False)
-    ids = torch.randint(0, 256, (1, 32))
-    with pytest.raises(Exception, match="sliding window.*parallel.ring_size=2"):
-        model(input_ids=ids, use_cache=False)
-
-
 def test_backend_refuses_a_ring_size_that_does_not_divide_sp_size():
     with pytest.raises(ValueError, match="ring_size=3 must divide sp_size=4"):
         AutoSPBackend(4, ring_size=3)
@@ -237,6 +305,37 @@ def test_sp2_as_ring_2_trains_like_one_device_and_never_reruns_ring_attention_in
     assert_matches_reference(results)
     assert all(r["ring_forwards_in_backward"] == 0 for r in results), results
     assert all(r["ring_backwards"] == 2 for r in results), results  # one per layer
+
+
+def test_sp2_as_ring_2_within_packed_documents_and_a_window_matches_each_document_alone(pool2):
+    """Mistral's 7-token window within documents spanning the zigzag chunks, one of a single
+    token: packed rows reach ring attention, one ring backward per layer."""
+    case = PackedCase(ROWS_96, family="mistral", window=7, per_layer=True)
+    results = pool2.run(packed_sp_step, case, 2, 2)
+    assert_matches_documents_alone(results)
+    assert all(r["ring_backwards"] == 2 and r["ring_forwards_in_backward"] == 0 for r in results)
+
+
+@pytest.mark.slow
+def test_ring_2_with_left_padding_and_a_window_across_chunks_matches_single_device(pool2):
+    """Left padding (a document no real token attends to) under Mistral's 12-token window over
+    95 tokens, uneven ignored labels."""
+    case = Case(
+        family="mistral", window=12, seq=95, left_padding=True, labels="uneven", per_layer=True
+    )
+    results = pool2.run(sp_step, case, 2, 2)
+    assert_matches_reference(results)
+    assert all(r["ring_backwards"] == 2 for r in results), results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ring", [2, 4], ids=["2x2", "1x4"])
+def test_sp4_ring_within_packed_documents_and_some_windowed_layers_matches(pool4, ring):
+    """Qwen2's window on layer 1 only, one KV head, 95 tokens padded to 96."""
+    case = PackedCase(ROWS_95, family="qwen2", window=12, kv_heads=1, per_layer=True)
+    results = pool4.run(packed_sp_step, case, 4, ring)
+    assert_matches_documents_alone(results)
+    assert all(r["ring_backwards"] == 2 for r in results), results
 
 
 @pytest.mark.slow

@@ -113,10 +113,27 @@ def test_moe_router_loss_matches_single_device(run_verify, family, layout):
     assert expected in done.stdout, done.stdout
 
 
-def test_packed_documents_with_a_ring_exit_2_naming_ring_size(capsys):
-    arguments = ["parallel.sp_size=4", "parallel.ring_size=2", "cluster.tasks_per_node=4"]
-    assert main(["cfg=configs/tiny_cpu.yaml", *arguments, "verify.documents=3"]) == 2
-    assert "verify.documents=3 with parallel.ring_size=2" in capsys.readouterr().err
+RING_LAYOUTS = {"ulysses2_ring2": "parallel.ring_size=2", "ring4": "parallel.ring_size=4"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ring", RING_LAYOUTS.values(), ids=RING_LAYOUTS.keys())
+def test_packed_documents_and_a_window_under_a_ring_match_single_device(run_verify, ring):
+    """Three packed documents a row, Mistral's window of 7 tokens, one KV head, 123 tokens
+    (odd: padded to 128), over 4 ranks as Ulysses 2 x ring 2 and as a ring of 4."""
+    done = run_verify(
+        "cfg=configs/tiny_cpu.yaml",
+        "parallel.sp_size=4",
+        ring,
+        "cluster.tasks_per_node=4",
+        "verify.documents=3",
+        "verify.seq_len=123",
+        "model.model_type=mistral",
+        "model.extra.sliding_window=7",
+        "model.num_key_value_heads=1",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS" in done.stdout and "3 documents per row" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize(
