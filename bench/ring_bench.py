@@ -1,13 +1,16 @@
 """Ulysses x ring on 4 CPU ranks: what each split of SP=4 costs per step, sends per layer and
-keeps for backward.
+keeps for backward, and what a sliding window saves the ring.
 
     python bench/ring_bench.py                    # S = 16384 over 4 CPU ranks
     python bench/ring_bench.py --seq 4096 --steps 2
+    python bench/ring_bench.py --balance-only     # the load-balance table alone, no ranks
 
 A tiny Llama (hidden 64, 4 query heads, 2 KV heads, 2 layers, fp32), its decoder layers
 compiled per layer by our backend with SAC at budget 0 (the production policy for long
 sequences), one sequence of S tokens over 4 CPU ranks (gloo) as Ulysses x ring = 4 x 1, 2 x 2
-and 1 x 4. Columns, per rank (the largest over the ranks):
+and 1 x 4, and the same model as Mistral with a window of S/16 tokens (shorter than a zigzag
+chunk, S/8) as 1 x 4, against the unwindowed 1 x 4 (the ratio rows). Columns, per rank (the
+largest over the ranks):
 - step: median wall time of forward+backward (the machine has 2 cores for 4 ranks: compare
   the rows with each other, not with a GPU);
 - sent/layer: bytes this rank sent per layer per step, counted in the ops
@@ -15,14 +18,13 @@ and 1 x 4. Columns, per rank (the largest over the ranks):
   tensor) and ring attention's point-to-point sends (K/V blocks, and dK/dV in backward);
 - saved B/tok/layer: bytes of distinct storages saved for backward per local token and layer
   (bench/saved_bytes.py);
-- loss: the step's loss, the same for every split (each is exact).
+- loss: the step's loss, the same for every split of one model (each is exact).
 
-A second table (`--balance-only` prints it alone, no ranks) is arithmetic, not a run: the
-causal attention work (query-key pairs inside a document) each ring rank's zigzag chunks hold,
-for one 128k-token row and for rows packed with documents of uneven length (log-normal,
-median 2k tokens, fixed seed): the largest rank's work over the mean, i.e. how far the zigzag
-split stays balanced once documents cut the causal triangle (packed documents under the ring
-are not built yet; this is what their load balance starts from).
+The second table is the ring's plan (sp/ring_plan.py), not a run: the causal query-key pairs
+inside documents each ring rank computes under the zigzag split, for one 128k-token row and for
+rows packed with documents of uneven length (log-normal, median 2k tokens, fixed seed): the
+largest rank's work over the mean, i.e. how far the zigzag split stays balanced once documents
+cut the causal triangle.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ from common import bench_parser, markdown_table, spawn_ranks
 
 WORLD = 4
 LAYERS = 2
-SPLITS = [(4, 1), (2, 2), (1, 4)]  # (ulysses, ring)
+SPLITS = [(4, 1, False), (2, 2, False), (1, 4, False), (1, 4, True)]  # (ulysses, ring, windowed)
 
 
-def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
+def run_split(ulysses: int, ring: int, windowed: bool, seq: int, steps: int, rank: int) -> dict:
     import torch
     import torch.distributed as dist
     from saved_bytes import DecoderSavedBytes
@@ -60,7 +62,9 @@ def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = build_model(ModelConfig(num_hidden_layers=LAYERS, extra={"use_cache": False}))
+    window = {"model_type": "mistral", "extra": {"use_cache": False, "sliding_window": seq // 16}}
+    plain = {"extra": {"use_cache": False}}
+    model = build_model(ModelConfig(num_hidden_layers=LAYERS, **(window if windowed else plain)))
     spec = ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
     compile_model(model, AutoSPBackend(WORLD, spec, ring), per_layer=True, dynamic=False)
     groups = build_process_groups(ParallelLayout.contiguous(WORLD, WORLD, ring))
@@ -91,7 +95,7 @@ def run_split(ulysses: int, ring: int, seq: int, steps: int, rank: int) -> dict:
     total = loss.detach().clone()
     dist.all_reduce(total)
     return {
-        "split": f"{ulysses} x {ring}",
+        "split": f"{ulysses} x {ring}" + (f", window {seq // 16}" if windowed else ""),
         "step_s": statistics.median(times),
         "sent_per_layer": sent / LAYERS,
         "saved_per_token_layer": saved_bytes.bytes / LAYERS / shard.input_ids.shape[1],
@@ -107,8 +111,8 @@ def rank_main(rank: int, init_file: str, seq: int, steps: int, out: str) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     rows = []
-    for ulysses, ring in SPLITS:
-        rows.append(run_split(ulysses, ring, seq, steps, rank))
+    for ulysses, ring, windowed in SPLITS:
+        rows.append(run_split(ulysses, ring, windowed, seq, steps, rank))
         print(f"[rank {rank}] seq {seq}: {json.dumps(rows[-1])}", flush=True)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(rows, f)
@@ -136,6 +140,16 @@ def render(seq: int, ranks: list[list[dict]]) -> str:
                 f"{rows[0]['loss']:.6f}",
             )
         )
+    ring, windowed = table[2], table[3]
+    table.append(
+        (
+            "window / no window (1 x 4)",
+            f"{float(windowed[1]) / float(ring[1]):.2f}",
+            f"{float(windowed[2]) / float(ring[2]):.2f}",
+            "",
+            "",
+        )
+    )
     return markdown_table(header, table, right=(1, 2, 3, 4))
 
 
@@ -144,13 +158,13 @@ BALANCE_RINGS = (2, 4, 8)
 
 
 def zigzag_work(document_lengths: list[int], ring: int) -> list[int]:
-    """Causal query-key pairs inside documents for each ring rank's zigzag chunks (rank i holds
-    chunks i and 2R-1-i of 2R): a query at offset t of its document attends to t + 1 keys."""
-    import numpy as np
+    """Causal query-key pairs inside documents that each ring rank computes, by the ring's plan."""
+    from slurm_autosp.sp.ring_plan import ring_plan
 
-    work = np.concatenate([np.arange(1, n + 1, dtype=np.int64) for n in document_lengths])
-    chunks = work.reshape(2 * ring, -1).sum(axis=1)
-    return [int(chunks[i] + chunks[2 * ring - 1 - i]) for i in range(ring)]
+    ends = [sum(document_lengths[: i + 1]) for i in range(len(document_lengths))]
+    documents = tuple((0, end - n, end) for n, end in zip(document_lengths, ends, strict=True))
+    plan = ring_plan(ring, 1, ends[-1] // ring, documents, 0)
+    return [plan.pairs(rank) for rank in range(ring)]
 
 
 def packed_documents(seq: int, seed: int = 0) -> list[int]:

@@ -1,12 +1,14 @@
 """data.documents=masked: samples carry the document ids of the prepared dataset's recorded
 document ends. The reference run that the local and Slurm resume tests compare with trains on
-them (tests/reference_run.py): there a masked run trains end to end and resumes bit for bit."""
+them (tests/reference_run.py): there a masked run trains end to end and resumes bit for bit,
+and the same job with its SP group as a ring trains the same losses."""
 
 from pathlib import Path
 
 import numpy as np
 import pytest
-from reference_run import prepared_dataset
+from reference_run import prepared_dataset, train_reference
+from slurm_helpers import final_result
 
 from slurm_autosp.config import ConfigError, DocumentBoundaries, load_config
 from slurm_autosp.data import open_tokens, write_token_file
@@ -33,3 +35,29 @@ def test_masked_documents_need_recorded_document_ends_and_token_data(tmp_path):
         open_tokens(bare, 8, 256, documents=MASKED)
     with pytest.raises(ConfigError, match="data.documents=masked needs data.source=tokens"):
         load_config([f"cfg={REPO / 'configs' / 'tiny_cpu.yaml'}", "data.documents=masked"])
+
+
+@pytest.mark.slow
+def test_the_reference_job_with_a_ring_trains_the_ulysses_jobs_losses(
+    uninterrupted_run, reference_overrides, tmp_path
+):
+    """The masked reference (FSDP2, documents of 1 to 400 tokens) with parallel.ring_size=2:
+    its 2 ranks are a ring of 2 (Ulysses 1) whose blocks meet within documents; its first
+    losses are the Ulysses job's (exact in fp32; the ring sums in another order, which Adam
+    amplifies over later steps)."""
+    ring_run = train_reference(
+        tmp_path, (*reference_overrides, "parallel.ring_size=2", "train.steps=10")
+    )
+    log = next((ring_run / "submitit").glob("*_0_log.out")).read_text()
+    assert "AutoSPBackend(sp_size=2, ring_size=2" in log
+    ring = final_result(ring_run).losses
+    reference = final_result(uninterrupted_run).losses[:10]
+    assert len(ring) == 10
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ring[:3], reference[:3], strict=True)), (
+        ring,
+        reference,
+    )
+    assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(ring, reference, strict=True)), (
+        ring,
+        reference,
+    )

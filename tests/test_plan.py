@@ -250,9 +250,10 @@ def test_llama8b_32m_fits_16_nodes_as_ulysses8_times_ring16():
     assert memory.label == "full (all-to-all recomputed) + tiled layers + offload"
     assert (memory.trace.sp_size, memory.trace.ring_size, memory.trace.local_seq) == (8, 16, 2**18)
     # a K block: 8 ranks' tokens of one (repeated) KV head of 128, bf16: 2 KiB per local token;
-    # send + receive of K and V in bf16, and of dK and dV in fp32
-    assert ring_blocks_per_token(plan.cfg, 8, 16) == 4 * 2048 + 4 * 4096
-    assert memory.terms["ring_kv_blocks"] == 24576 * 2**18
+    # K and V of three blocks in bf16 and of four in fp32; the queries' 32 heads of 128 (8 KiB
+    # in bf16 per local token): queries, output and its gradient in bf16, dq in fp32
+    assert ring_blocks_per_token(plan.cfg, 8, 16) == 2 * (3 * 2048 + 4 * 4096) + 3 * 8192 + 16384
+    assert memory.terms["ring_kv_blocks"] == 86016 * 2**18
     # tiled layers keep the ring's output (bf16, 32 heads of 128) and log-sum-exp (fp32) per
     # token beside the layer's input: backward never runs the ring again
     assert memory.trace.recomputed_attention == 0
@@ -270,7 +271,8 @@ def test_llama8b_32m_fits_16_nodes_as_ulysses8_times_ring16():
 
 def test_past_the_head_count_the_ring_grows_the_longest_sequence_with_the_gpus(hybrid_plan):
     """Ulysses alone stops at the 32 heads (SP=32 across nodes, here DP=2 on 64 GPUs): the ring
-    takes SP to 64 on those GPUs (1.2x: the ring keeps its outputs) and to 128 on 16 nodes."""
+    takes SP to 64 on those GPUs (1.16x: the ring keeps its outputs and holds its blocks' and
+    queries' copies) and to 128 on 16 nodes."""
     ulysses_only = build_plan(
         load_config(
             [

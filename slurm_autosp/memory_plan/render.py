@@ -99,9 +99,11 @@ def render(plan: MemoryPlan) -> str:
 
 def ring_line(plan: MemoryPlan) -> str:
     """What the ring sends per layer and whether it can hide behind the layer's compute: each
-    rank passes R - 1 K/V blocks to its ring neighbour in forward (again when backward
-    recomputes attention) and R - 1 K/V plus dK/dV blocks in backward, over the fabric between
-    domains; the Ulysses all-to-alls stay inside the Ulysses group's domain."""
+    rank sends its K/V block to the R - 1 other ring ranks in forward (again when backward
+    recomputes attention) and again in backward, where each visited block's dK/dV go back, over
+    the fabric between domains; the Ulysses all-to-alls stay inside the Ulysses group's domain.
+    Without documents or a window, every block is read: a window shorter than the sequence
+    sends fewer (sp/ring_plan.py), which this line does not count."""
     cfg, memory = plan.cfg, plan.configured
     t = memory.trace
     ulysses, ring = (

@@ -93,7 +93,7 @@ CUDA_CONTEXT_BYTES = 0.6 * GB  # the CUDA context and its lazily loaded kernels,
 NCCL_BYTES_PER_COMMUNICATOR = 2**28  # 32 channels x (send + receive) x 4 MiB NCCL_BUFFSIZE
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20  # cuBLASLt's 32 MiB on sm90, compute and side stream
 FLASH_DQ_ACCUMULATOR_BYTES = 4  # flash backward accumulates dq in fp32
-RING_GRADIENT_BYTES = 4  # dK and dV travel round the ring accumulating in fp32
+RING_GRADIENT_BYTES = 4  # dK and dV go back to their block's rank in fp32
 
 
 def with_margin(subtotal: float) -> float:
@@ -177,12 +177,21 @@ def kv_block_per_token(cfg: JobConfig, ulysses: int) -> float:
 
 
 def ring_blocks_per_token(cfg: JobConfig, ulysses: int, ring: int) -> float:
-    """The ring's buffers in flight per local token at their peak, attention's backward: a send
-    and a receive buffer of K and of V, and of dK and dV in fp32 (none without a ring)."""
+    """The ring's buffers per local token at their peak, attention's backward (none without a
+    ring): K and V of this rank's block, of the visiting one and of the next (model dtype); dK
+    and dV in fp32 of this rank's block, of the visiting block's share, of the previous share
+    still in flight and of the share received; and the token-major copies of the queries, the
+    output and its gradient (model dtype) beside the queries' gradient (fp32)."""
     if ring == 1:
         return 0.0
-    kv = 2 * 2 * kv_block_per_token(cfg, ulysses)  # K and V, send and receive
-    return kv + kv * RING_GRADIENT_BYTES / bytes_per_element(cfg.precision)
+    hf = hf_config(cfg.model)
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    b = bytes_per_element(cfg.precision)
+    fp32 = RING_GRADIENT_BYTES / b
+    kv = 2 * kv_block_per_token(cfg, ulysses) * (3 + 4 * fp32)
+    queries = heads * head_dim * b * (3 + fp32)  # the rank's heads / U over U x local tokens
+    return kv + queries
 
 
 # of a node's host memory, for offloaded activations and optimizer state (the rest: OS, data)

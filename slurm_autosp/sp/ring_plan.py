@@ -51,13 +51,11 @@ class Piece:
 
     def allowed_pairs(self) -> int:
         """How many (query, key) pairs the piece computes: its share of the ring's work."""
-        shift = self.k_len - self.q_len
-        total = 0
-        for i in range(self.q_len):
-            low = 0 if self.left < 0 else max(0, i + shift - self.left)
-            high = self.k_len - 1 if self.right < 0 else min(self.k_len - 1, i + shift + self.right)
-            total += max(0, high - low + 1)
-        return total
+        aligned = torch.arange(self.q_len) + (self.k_len - self.q_len)
+        low = (aligned - self.left).clamp(min=0) if self.left >= 0 else torch.zeros_like(aligned)
+        high = (aligned + self.right).clamp(max=self.k_len - 1) if self.right >= 0 else None
+        high = torch.full_like(aligned, self.k_len - 1) if high is None else high
+        return int((high - low + 1).clamp(min=0).sum())
 
 
 @dataclass(frozen=True)
