@@ -163,7 +163,7 @@ def zigzag_work(document_lengths: list[int], ring: int) -> list[int]:
 
     ends = [sum(document_lengths[: i + 1]) for i in range(len(document_lengths))]
     documents = tuple((0, end - n, end) for n, end in zip(document_lengths, ends, strict=True))
-    plan = ring_plan(ring, 1, ends[-1] // ring, documents, 0)
+    plan = ring_plan(ring, ends[-1] // ring, documents, 0)
     return [plan.pairs(rank) for rank in range(ring)]
 
 

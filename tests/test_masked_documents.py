@@ -42,22 +42,16 @@ def test_the_reference_job_with_a_ring_trains_the_ulysses_jobs_losses(
     uninterrupted_run, reference_overrides, tmp_path
 ):
     """The masked reference (FSDP2, documents of 1 to 400 tokens) with parallel.ring_size=2:
-    its 2 ranks are a ring of 2 (Ulysses 1) whose blocks meet within documents; its first
-    losses are the Ulysses job's (exact in fp32; the ring sums in another order, which Adam
-    amplifies over later steps)."""
-    ring_run = train_reference(
-        tmp_path, (*reference_overrides, "parallel.ring_size=2", "train.steps=10")
-    )
+    its 2 ranks are a ring of 2 (Ulysses 1) whose blocks meet within documents; its losses are
+    the Ulysses job's (exact in fp32 for the first ten steps; the ring sums in another order,
+    which Adam amplifies over the hundred)."""
+    ring_run = train_reference(tmp_path, (*reference_overrides, "parallel.ring_size=2"))
     log = next((ring_run / "submitit").glob("*_0_log.out")).read_text()
     assert "AutoSPBackend(sp_size=2, ring_size=2" in log
     ring = final_result(ring_run).losses
-    reference = final_result(uninterrupted_run).losses[:10]
-    assert len(ring) == 10
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ring[:3], reference[:3], strict=True)), (
-        ring,
-        reference,
-    )
-    assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(ring, reference, strict=True)), (
-        ring,
-        reference,
-    )
+    reference = final_result(uninterrupted_run).losses
+    assert len(ring) == len(reference)
+    errors = [abs(a - b) / abs(b) for a, b in zip(ring, reference, strict=True)]
+    print(f"ring vs Ulysses: first 10 steps {max(errors[:10]):.1e}, step 100 {errors[-1]:.1e}")
+    assert max(errors[:10]) <= 1e-5, " ".join(f"{e:.1e}" for e in errors[:10])
+    assert errors[-1] <= 1e-2 and ring[-1] < ring[0] / 2, (ring[-1], reference[-1])

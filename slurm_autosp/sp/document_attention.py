@@ -53,7 +53,9 @@ class DocumentAttentionError(RuntimeError):
     """Document boundaries or a device the document attention op cannot serve exactly."""
 
 
-def document_spans(cu_seqlens: torch.Tensor | None, batch: int, seq: int) -> list[tuple[int, int, int]]:
+def document_spans(
+    cu_seqlens: torch.Tensor | None, batch: int, seq: int
+) -> list[tuple[int, int, int]]:
     """(row, start, end) of each document (each row one without `cu_seqlens`); refuses boundaries
     that are not a partition of the rows into documents (increasing, none spanning two rows, so
     each row starts one)."""

@@ -110,12 +110,15 @@ def _untokens(tokens: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Ten
     return unflat.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
-def _take(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    return tensor if index is None else tensor.index_select(0, index)
+Index = slice | torch.Tensor  # a run of tokens (a view), or the tokens gathered
 
 
-def _indices(round_: Round, device: torch.device) -> tuple[torch.Tensor | None, ...]:
-    return tuple(None if i is None else i.to(device) for i in (round_.q_index, round_.k_index))
+def _take(tensor: torch.Tensor, index: Index) -> torch.Tensor:
+    return tensor[index] if isinstance(index, slice) else tensor.index_select(0, index)
+
+
+def _on(index: Index, device: torch.device) -> Index:
+    return index if isinstance(index, slice) else index.to(device)
 
 
 def _plan(
@@ -125,7 +128,7 @@ def _plan(
     check_window(window)
     batch, _, local, _ = query.shape
     documents = tuple(document_spans(cu_seqlens, batch, local * ring_size))
-    return ring_plan(ring_size, batch, local, documents, window)
+    return ring_plan(ring_size, local, documents, window)
 
 
 def _attend(
@@ -139,7 +142,7 @@ def _attend(
     """Fold the rounds' attention of `query` [T, Hq, D] over the block `kv` [2, T, Hkv, D] into
     the running fp32 `output` [T, Hq, D] and log-sum-exp `lse` [T, Hq], in place."""
     for round_ in rounds:
-        q_index, k_index = _indices(round_, query.device)
+        q_index, k_index = _on(round_.q_index, query.device), _on(round_.k_index, query.device)
         block, block_lse = varlen_forward(
             _take(query, q_index), _take(kv[0], k_index), _take(kv[1], k_index), round_, scale
         )
@@ -147,9 +150,9 @@ def _attend(
         merged = torch.logaddexp(held_lse, block_lse)
         held = held * (held_lse - merged).exp().unsqueeze(-1)
         held += block.float() * (block_lse - merged).exp().unsqueeze(-1)
-        if q_index is None:
-            output.copy_(held)
-            lse.copy_(merged)
+        if isinstance(q_index, slice):
+            output[q_index] = held
+            lse[q_index] = merged
         else:
             output.index_copy_(0, q_index, held)
             lse.index_copy_(0, q_index, merged)
@@ -167,7 +170,7 @@ def _attend_backward(
     `grad_kv` [2, T, Hkv, D] (fp32), from `saved`: grad_output, query, output, log-sum-exp."""
     grad_output, query, output, lse = saved
     for round_ in rounds:
-        q_index, k_index = _indices(round_, query.device)
+        q_index, k_index = _on(round_.q_index, query.device), _on(round_.k_index, query.device)
         part_q, part_k, part_v = varlen_backward(
             _take(grad_output, q_index),
             _take(query, q_index),
@@ -183,8 +186,8 @@ def _attend_backward(
             (grad_kv[0], part_k, k_index),
             (grad_kv[1], part_v, k_index),
         ):
-            if index is None:
-                whole += part.float()
+            if isinstance(index, slice):
+                whole[index] += part.float()
             else:
                 whole.index_add_(0, index, part.float())
 

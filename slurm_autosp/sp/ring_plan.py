@@ -61,12 +61,12 @@ class Piece:
 @dataclass(frozen=True)
 class Round:
     """Pieces run in one kernel call: one rule, no query row twice. The token indices are into
-    the B x 2c local tokens laid end to end (row-major), None where they are all of them in
-    order; `cu_q`/`cu_k` the pieces' cumulative lengths, as the varlen kernel reads them."""
+    the B x 2c local tokens laid end to end (row-major), a slice where they are one run;
+    `cu_q`/`cu_k` the pieces' cumulative lengths, as the varlen kernel reads them."""
 
     pieces: tuple[Piece, ...]
-    q_index: torch.Tensor | None
-    k_index: torch.Tensor | None
+    q_index: slice | torch.Tensor
+    k_index: slice | torch.Tensor
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
@@ -157,11 +157,15 @@ def _joined(pieces: list[Piece]) -> Iterator[Piece]:
         if held is not None and held.rule == piece.rule == (-1, -1) and held.row == piece.row:
             same_q = (held.q_start, held.q_len) == (piece.q_start, piece.q_len)
             if same_q and held.k_start + held.k_len == piece.k_start:
-                held = Piece(held.row, held.q_start, held.q_len, held.k_start, held.k_len + piece.k_len)
+                held = Piece(
+                    held.row, held.q_start, held.q_len, held.k_start, held.k_len + piece.k_len
+                )
                 continue
             same_k = (held.k_start, held.k_len) == (piece.k_start, piece.k_len)
             if same_k and held.q_start + held.q_len == piece.q_start:
-                held = Piece(held.row, held.q_start, held.q_len + piece.q_len, held.k_start, held.k_len)
+                held = Piece(
+                    held.row, held.q_start, held.q_len + piece.q_len, held.k_start, held.k_len
+                )
                 continue
         if held is not None:
             yield held
@@ -170,27 +174,22 @@ def _joined(pieces: list[Piece]) -> Iterator[Piece]:
         yield held
 
 
-def _index(
-    spans: list[tuple[int, int]], total: int
-) -> torch.Tensor | None:
-    """Token indices of `spans` (start, length) laid end to end; None when they are all `total`
-    tokens in order (the kernel then reads the tensor itself)."""
-    position = 0
+def _index(spans: list[tuple[int, int]]) -> slice | torch.Tensor:
+    """The tokens of `spans` (start, length) laid end to end: a slice where they are one run
+    (the kernel then reads a view, nothing gathered), else their indices."""
+    position = spans[0][0]
     for start, length in spans:
         if start != position:
-            break
+            return torch.cat([torch.arange(start, start + length) for start, length in spans])
         position += length
-    else:
-        if position == total:
-            return None
-    return torch.cat([torch.arange(start, start + length) for start, length in spans])
+    return slice(spans[0][0], position)
 
 
 def _cumulative(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
-def _rounds(pieces: tuple[Piece, ...], local: int, batch: int) -> tuple[Round, ...]:
+def _rounds(pieces: tuple[Piece, ...], local: int) -> tuple[Round, ...]:
     """The kernel calls of one step: pieces grouped by rule, a row's queries at most once per
     call (a piece that repeats one starts the next call of its rule)."""
     calls: list[tuple[list[Piece], dict[int, list[tuple[int, int]]]]] = []
@@ -211,8 +210,8 @@ def _rounds(pieces: tuple[Piece, ...], local: int, batch: int) -> tuple[Round, .
         rounds.append(
             Round(
                 tuple(members),
-                _index(q_spans, batch * local),
-                _index(k_spans, batch * local),
+                _index(q_spans),
+                _index(k_spans),
                 _cumulative([p.q_len for p in members]),
                 _cumulative([p.k_len for p in members]),
                 max(p.q_len for p in members),
@@ -259,21 +258,17 @@ class RingPlan:
 
 @functools.lru_cache(maxsize=16)
 def ring_plan(
-    ring_size: int,
-    batch: int,
-    local: int,
-    documents: tuple[tuple[int, int, int], ...],
-    window: int,
+    ring_size: int, local: int, documents: tuple[tuple[int, int, int], ...], window: int
 ) -> RingPlan:
-    """The plan of a ring of `ring_size` ranks each holding `local` = 2c tokens of `batch` rows
-    whose documents are (row, start, end) in positions of the whole row; kept for the next
-    layer and the backward, which ask for the same."""
+    """The plan of a ring of `ring_size` ranks each holding `local` = 2c tokens of each row,
+    whose documents are (row, start, end) in positions of the whole row (every row's, in
+    order); kept for the next layer and the backward, which ask for the same."""
     chunk = local // 2
     return RingPlan(
         ring_size,
         tuple(
             tuple(
-                _rounds(step_pieces(rank, source, ring_size, chunk, documents, window), local, batch)
+                _rounds(step_pieces(rank, source, ring_size, chunk, documents, window), local)
                 for source in range(ring_size)
             )
             for rank in range(ring_size)

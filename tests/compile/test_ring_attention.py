@@ -114,7 +114,7 @@ def test_cuda_kernel_runs_each_round_as_one_flash_varlen_call_on_a_fake_cuda_dev
     runs): one flash varlen call each way with the round's cumulative lengths, longest pieces,
     rule and scale, no dropout; the output and fp32 log-sum-exp of its queries, gradients with
     the KV heads as they came; fp32 and head dimensions flash does not take refused by name."""
-    plan = ring_plan(2, 2, 16, ((0, 0, 5), (0, 5, 32), (1, 0, 32)), 6)
+    plan = ring_plan(2, 16, ((0, 0, 5), (0, 5, 32), (1, 0, 32)), 6)
     rounds = [r for source in plan.rounds[1] for r in source]
     assert {r.rule for r in rounds} >= {(5, 0)}  # the own block, causal within the window
     with FakeTensorMode(allow_non_fake_inputs=True), FlashCalls() as recorded:
@@ -126,7 +126,9 @@ def test_cuda_kernel_runs_each_round_as_one_flash_varlen_call_on_a_fake_cuda_dev
             output, lse = varlen_forward(query, key, key, round_, 0.125)
             assert output.shape == query.shape and output.dtype == torch.bfloat16
             assert lse.shape == (tokens_q, 4) and lse.dtype == torch.float32
-            grads = varlen_backward(torch.empty_like(output), query, key, key, output, lse, round_, 0.125)
+            grads = varlen_backward(
+                torch.empty_like(output), query, key, key, output, lse, round_, 0.125
+            )
             assert [g.shape for g in grads] == [query.shape, key.shape, key.shape]
         query = torch.empty(8, 4, 64, device="cuda")
         with pytest.raises(VarlenKernelError, match="train.precision=bf16"):
@@ -135,7 +137,9 @@ def test_cuda_kernel_runs_each_round_as_one_flash_varlen_call_on_a_fake_cuda_dev
         with pytest.raises(VarlenKernelError, match="multiples of 8 up to 256, not 60"):
             varlen_forward(odd, odd, odd, rounds[0], 0.125)
     calls = recorded.calls
-    assert [c[0] for c in calls] == [flash_attention_forward, flash_attention_backward] * len(rounds)
+    assert [c[0] for c in calls] == [flash_attention_forward, flash_attention_backward] * len(
+        rounds
+    )
     for index, round_ in enumerate(rounds):
         left, right = round_.rule
         for at, (_, args, kwargs) in ((3, calls[2 * index]), (6, calls[2 * index + 1])):
@@ -216,7 +220,7 @@ def test_the_plan_computes_every_allowed_pair_once(ring, window):
     document and window (the op tests show which: its numbers are the masked attention's)."""
     seq = 2 * ring * 12
     documents = ((0, 0, 1), (0, 1, 30), (0, 30, seq), (1, 0, seq))
-    plan = ring_plan(ring, 2, seq // ring, documents, window)
+    plan = ring_plan(ring, seq // ring, documents, window)
     assert sum(plan.pairs(rank) for rank in range(ring)) == _allowed_pairs(documents, seq, window)
 
 
@@ -225,13 +229,13 @@ def test_a_window_shorter_than_a_chunk_sends_each_rank_only_its_neighbouring_chu
     before its own, so 6 of the 12 block sends remain (a ring without a window sends all 12);
     a block of documents no query shares is not sent either."""
     one_row = ((0, 0, 64),)
-    windowed = ring_plan(4, 1, 16, one_row, 4)
+    windowed = ring_plan(4, 16, one_row, 4)
     assert [windowed.sources(rank) for rank in range(4)] == [[3], [1, 3], [1, 3], [1]]
     assert sum(len(windowed.destinations(rank)) for rank in range(4)) == 6
-    plain = ring_plan(4, 1, 16, one_row, 0)
+    plain = ring_plan(4, 16, one_row, 0)
     assert sum(len(plain.destinations(rank)) for rank in range(4)) == 12
     # documents of one chunk each: only own blocks are read
-    assert ring_plan(4, 1, 16, tuple((0, c * 8, c * 8 + 8) for c in range(8)), 0).sources(2) == []
+    assert ring_plan(4, 16, tuple((0, c * 8, c * 8 + 8) for c in range(8)), 0).sources(2) == []
 
 
 def test_a_ring_without_documents_runs_one_sequence_per_row_and_block():
