@@ -21,10 +21,10 @@ largest over the ranks):
 - loss: the step's loss, the same for every split of one model (each is exact).
 
 The second table is the ring's plan (sp/ring_plan.py), not a run: the causal query-key pairs
-inside documents each ring rank computes under the zigzag split, for one 128k-token row and for
-rows packed with documents of uneven length (log-normal, median 2k tokens, fixed seed): the
-largest rank's work over the mean, i.e. how far the zigzag split stays balanced once documents
-cut the causal triangle.
+inside documents each ring rank computes, for one 128k-token row and for rows packed with
+documents of uneven length (log-normal, median 2k tokens, fixed seed): the largest rank's work
+over the mean, under the zigzag split (2R chunks) and under the deal of 2R x 4 chunks by their
+work that packed rows get (sp/ring_layout.py).
 """
 
 from __future__ import annotations
@@ -157,13 +157,14 @@ BALANCE_SEQ = 131072
 BALANCE_RINGS = (2, 4, 8)
 
 
-def zigzag_work(document_lengths: list[int], ring: int) -> list[int]:
-    """Causal query-key pairs inside documents that each ring rank computes, by the ring's plan."""
+def ring_work(document_lengths: list[int], ring: int, packed: bool) -> list[int]:
+    """Causal query-key pairs inside documents that each ring rank computes, by the ring's plan:
+    under the zigzag split (`packed` False) or the deal packed rows get."""
     from slurm_autosp.sp.ring_plan import ring_plan
 
     ends = [sum(document_lengths[: i + 1]) for i in range(len(document_lengths))]
     documents = tuple((0, end - n, end) for n, end in zip(document_lengths, ends, strict=True))
-    plan = ring_plan(ring, ends[-1] // ring, documents, 0)
+    plan = ring_plan(ring, ends[-1] // ring, documents, 0, packed)
     return [plan.pairs(rank) for rank in range(ring)]
 
 
@@ -186,15 +187,17 @@ def render_balance() -> str:
         ("packed, seed 1", packed_documents(BALANCE_SEQ, 1)),
     ):
         cells = []
-        for ring in BALANCE_RINGS:
-            work = zigzag_work(lengths, ring)
-            cells.append(f"{max(work) / (sum(work) / ring) - 1:+.1%}")
+        for packed in (False, True):
+            for ring in BALANCE_RINGS:
+                work = ring_work(lengths, ring, packed)
+                cells.append(f"{max(work) / (sum(work) / ring) - 1:+.1%}")
         rows.append((f"{name} ({len(lengths)} document{'s' if len(lengths) > 1 else ''})", *cells))
     header = (
         f"S={BALANCE_SEQ}: largest rank's work over the mean",
-        *(f"ring {r}" for r in BALANCE_RINGS),
+        *(f"zigzag, ring {r}" for r in BALANCE_RINGS),
+        *(f"dealt, ring {r}" for r in BALANCE_RINGS),
     )
-    return markdown_table(header, rows, right=range(1, 1 + len(BALANCE_RINGS)))
+    return markdown_table(header, rows, right=range(1, 1 + 2 * len(BALANCE_RINGS)))
 
 
 def main() -> int:

@@ -32,6 +32,7 @@ from slurm_autosp.heads import (
 )
 from slurm_autosp.sp.attention_pattern import unsupported_attention, windowed_attention
 from slurm_autosp.sp.chunked_loss import unsupported_logits
+from slurm_autosp.sp.inputs import padded_length
 from slurm_autosp.sp.router_loss import (
     family_difference,
     load_balancing_of,
@@ -137,14 +138,15 @@ def refuse_unsupported_attention(cfg: JobConfig, seq_len: int | None = None) -> 
     compiled SP graph, the chunked loss or the router loss would compute differently from the
     model itself (never silently).
 
-    `seq_len` defaults to data.seq_len; it is padded to the SP size as training pads it.
+    `seq_len` defaults to data.seq_len; it is padded as training pads it (`padded_length`).
     """
     if cfg.model.builder:
         return  # the user's own module: refused where it runs (compile.hf_attention)
     config = hf_config(cfg.model)
     sp = cfg.parallel.sp_size
     seq = seq_len or cfg.data.seq_len
-    padded = -(-seq // sp) * sp
+    ring = cfg.parallel.ulysses_ring[1]
+    padded = padded_length(seq, sp, ring, cfg.data.documents is DocumentBoundaries.masked)
     source = (
         f"model.pretrained_path={cfg.model.pretrained_path}"
         if cfg.model.pretrained_path

@@ -9,12 +9,13 @@ and the cumulative document lengths of the whole batch, which every rank's atten
 after its all-to-all. The compiled graph then sees only local tensors (and those lengths) and
 is identical on every rank.
 
-With ring attention (`ring_size` R > 1, an SP group of U x R ranks) the sequence is cut into 2R
-chunks and ring rank i = sp_rank // U holds chunks i and 2R-1-i, so that causal attention costs
-every ring rank the same (zigzag); Ulysses member u = sp_rank % U holds the u-th contiguous 1/U
-of those two chunks laid end to end, so the Ulysses all-to-all (gathering along the sequence in
-group order) hands ring rank i exactly chunk i ++ chunk 2R-1-i. Without a ring each rank holds
-one contiguous 1/P of the sequence.
+With ring attention (`ring_size` R > 1, an SP group of U x R ranks) the sequence is cut into
+chunks and ring rank i = sp_rank // U holds some of them, so that causal attention costs every
+ring rank the same (`ring_layout`: the zigzag, chunks i and 2R-1-i of 2R, or for packed rows a
+deal of smaller chunks by their work); Ulysses member u = sp_rank % U holds the u-th contiguous
+1/U of those chunks laid end to end, so the Ulysses all-to-all (gathering along the sequence in
+group order) hands ring rank i exactly its chunks. Without a ring each rank holds one
+contiguous 1/P of the sequence.
 """
 
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from slurm_autosp.compat.torch_api import maybe_mark_dynamic
+from slurm_autosp.sp.document_attention import document_spans
 from slurm_autosp.sp.documents import (
     PackedRowsError,
     cumulative_lengths,
@@ -30,6 +32,7 @@ from slurm_autosp.sp.documents import (
     starts_from_document_ids,
     starts_from_position_ids,
 )
+from slurm_autosp.sp.ring_layout import chunk_layout, chunks_per_row
 
 IGNORE_INDEX = -100
 
@@ -145,22 +148,36 @@ def _document_starts(
     return position_ids, starts if bool(starts[:, 1:].any()) else None
 
 
-def _pad_to_multiple(tensor: torch.Tensor, multiple: int, value: int) -> torch.Tensor:
-    missing = -tensor.shape[1] % multiple
-    return torch.nn.functional.pad(tensor, (0, missing), value=value)
-
-
-def sp_token_positions(seq: int, sp_rank: int, sp_size: int, ring_size: int = 1) -> torch.Tensor:
-    """Which positions of a sequence of `seq` tokens (a multiple of 2 x sp_size under a ring,
-    of sp_size without) SP rank `sp_rank` holds, in its order: see the module docstring."""
+def sp_token_positions(
+    seq: int,
+    sp_rank: int,
+    sp_size: int,
+    ring_size: int = 1,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which positions of a row of `seq` tokens (padded as `prepare_sp_inputs` pads it) SP rank
+    `sp_rank` holds, in its order: under a ring its ring rank's chunks (`ring_layout`: the
+    zigzag, or for rows with the document boundaries `cu_seqlens` the work-balanced deal), of
+    which it holds its Ulysses member's contiguous part; see the module docstring."""
     if ring_size == 1:
         shard = seq // sp_size
         return torch.arange(sp_rank * shard, (sp_rank + 1) * shard)
     ulysses = sp_size // ring_size
     ring_rank, member = divmod(sp_rank, ulysses)
-    chunks = torch.arange(seq).view(2 * ring_size, -1)
-    held = torch.cat([chunks[ring_rank], chunks[2 * ring_size - 1 - ring_rank]])
+    documents = None
+    if cu_seqlens is not None:
+        documents = tuple(document_spans(cu_seqlens, int(cu_seqlens[-1]) // seq, seq))
+    held = chunk_layout(ring_size, seq, documents).positions(ring_rank)
     return held.view(ulysses, -1)[member]
+
+
+def padded_length(seq: int, sp_size: int, ring_size: int = 1, packed: bool = False) -> int:
+    """The length rows of `seq` tokens are padded to: a multiple of the SP size, under a ring of
+    its chunks (`ring_layout`) times the Ulysses size, so every rank holds as many tokens."""
+    multiple = sp_size
+    if ring_size > 1:
+        multiple = sp_size // ring_size * chunks_per_row(ring_size, packed)
+    return seq + -seq % multiple
 
 
 def _check_ring(sp_size: int, ring_size: int) -> None:
@@ -192,9 +209,9 @@ def prepare_sp_inputs(
     padded with `pad_token_id` tokens whose labels are ignored. A row holds several documents
     when its `position_ids` restart at 0 or its `document_ids` [B, S] change; attention then
     stays within each document, and no label predicts across a boundary. With `ring_size` > 1
-    the SP group is ulysses x ring ranks and the shard is this rank's zigzag share (module
-    docstring; the batch is padded to a multiple of 2 x sp_size), the documents' boundaries
-    global as without a ring.
+    the SP group is ulysses x ring ranks and the shard is this rank's share of its ring rank's
+    chunks (module docstring; the batch is padded to `padded_length`), the documents'
+    boundaries global as without a ring.
     """
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} is outside the SP group of size {sp_size}")
@@ -220,22 +237,21 @@ def prepare_sp_inputs(
     if starts is not None:  # a document's last token predicts nothing: the next token is another's
         shift_labels[:, :-1].masked_fill_(starts[:, 1:], IGNORE_INDEX)
     _check_ring(sp_size, ring_size)
-    multiple = sp_size if ring_size == 1 else 2 * sp_size
-    padding = -seq % multiple
+    padding = padded_length(seq, sp_size, ring_size, starts is not None) - seq
     position_tail = position_ids[:, -1:] + torch.arange(1, padding + 1, device=position_ids.device)
     position_ids = torch.cat([position_ids, position_tail], dim=1)
-    input_ids = _pad_to_multiple(input_ids, multiple, pad_token_id)
-    shift_labels = _pad_to_multiple(shift_labels, multiple, IGNORE_INDEX)
+    input_ids = torch.nn.functional.pad(input_ids, (0, padding), value=pad_token_id)
+    shift_labels = torch.nn.functional.pad(shift_labels, (0, padding), value=IGNORE_INDEX)
     real_tokens = torch.nn.functional.pad(valid, (0, padding), value=False)
 
+    cu_seqlens = None if starts is None else cumulative_lengths(starts, input_ids.shape[1])
     if ring_size == 1:
         shard = input_ids.shape[1] // sp_size
         local: slice | torch.Tensor = slice(sp_rank * shard, (sp_rank + 1) * shard)
     else:
-        positions = sp_token_positions(input_ids.shape[1], sp_rank, sp_size, ring_size)
+        positions = sp_token_positions(input_ids.shape[1], sp_rank, sp_size, ring_size, cu_seqlens)
         local = positions.to(input_ids.device)
     local_labels = shift_labels[:, local].contiguous()
-    cu_seqlens = None if starts is None else cumulative_lengths(starts, input_ids.shape[1])
     return SPBatch(
         input_ids=input_ids[:, local].contiguous(),
         shift_labels=local_labels,

@@ -7,14 +7,13 @@ key/value blocks come to it; the outputs of the blocks merge exactly through the
 log-sum-exps. An SP group of `ulysses x ring` ranks runs the Ulysses all-to-all inside each
 group of `ulysses` ranks and this op across the `ring` such groups.
 
-Causal load balance (zigzag): the sequence is cut into 2R chunks and ring rank i holds chunks
-i and 2R-1-i, laid end to end (`prepare_sp_inputs` orders the tokens so): against an earlier
-rank's block its queries read that block's first chunk, against a later one its second chunk's
-queries read the whole block, the same work on every rank. Packed documents (`cu_seqlens`, the
-global boundaries, as document attention reads them) and a sliding window (`window`) restrict
-which query reads which key; `ring_plan` cuts each block pair into pieces by them, and a block
-no query of a rank reads is never sent to it, so a windowed model's traffic grows with its
-window, not its sequence. Documents unbalance the zigzag (bench/ring_bench.py measures it).
+Causal load balance: each ring rank holds chunks of the sequence, laid end to end
+(`prepare_sp_inputs` orders the tokens so, `ring_layout` says which): the zigzag (2R chunks,
+rank i holding i and 2R-1-i) without document boundaries, smaller chunks dealt out by their
+work with them. Packed documents (`cu_seqlens`, the global boundaries, as document attention
+reads them) and a sliding window (`window`) restrict which query reads which key; `ring_plan`
+cuts each block pair into pieces by them, and a block no query of a rank reads is never sent to
+it, so a windowed model's traffic grows with its window, not its sequence.
 
 At step s each rank sends its own block to rank i + s and receives that of rank i - s (the
 next step's exchange issued before this step's compute, overlapped where the backend overlaps
@@ -128,7 +127,7 @@ def _plan(
     check_window(window)
     batch, _, local, _ = query.shape
     documents = tuple(document_spans(cu_seqlens, batch, local * ring_size))
-    return ring_plan(ring_size, local, documents, window)
+    return ring_plan(ring_size, local, documents, window, cu_seqlens is not None)
 
 
 def _attend(

@@ -1,14 +1,15 @@
 """Which of a ring rank's queries attend to which keys of each visiting block, planned on the
 host from the document boundaries and the sliding window: the ring's work and its traffic.
 
-Ring rank i holds the zigzag chunks i and 2R-1-i of every row (c tokens each, laid end to end:
-local rows 0..c-1 and c..2c-1). Against the block of ring rank j its queries attend only to keys
-of their own document, no later than themselves and, with a window of W tokens, less than W
-behind. So the plan cuts each pair of (query chunk, key chunk) by the documents they share into
-pieces, each a query range over a key range with one rule: a chunk over itself is causal, a
-chunk over an earlier one attends to all of it, a chunk over a later one to none of it; under a
-window a piece keeps only the queries that reach a key and the keys a query reaches, in query
-slices of at most `_WINDOW_SLICE` tokens, so no piece is wider than its window needs.
+A ring rank holds chunks of every row laid end to end (`ring_layout`: the zigzag, or for packed
+rows a deal of smaller chunks that balances the work). Against the block of another rank its
+queries attend only to keys of their own document, no later than themselves and, with a window
+of W tokens, less than W behind. So the plan cuts each pair of (query chunk, key chunk) by the
+documents they share into pieces, each a query range over a key range with one rule: a chunk
+over itself is causal, a chunk over an earlier one attends to all of it, a chunk over a later
+one to none of it; under a window a piece keeps only the queries that reach a key and the keys
+a query reaches, in query slices of at most `_WINDOW_SLICE` tokens, so no piece is wider than
+its window needs.
 
 A piece is one sequence of flash attention's varlen kernel, its rule flash's window: keys j of
 query i with i + (k_len - q_len) - left <= j <= i + (k_len - q_len) + right (aligned at the
@@ -26,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from slurm_autosp.sp.ring_layout import ChunkLayout, chunk_layout
 
 # query tokens per slice of a windowed piece: as document attention cuts its windowed documents
 _WINDOW_SLICE = (64, 512)
@@ -77,11 +80,6 @@ class Round:
         return self.pieces[0].rule
 
 
-def _local_chunks(ring_rank: int, ring_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(chunk index, local offset in chunks) of the two chunks ring rank `ring_rank` holds."""
-    return (ring_rank, 0), (2 * ring_size - 1 - ring_rank, 1)
-
-
 def _windowed(
     q_range: tuple[int, int], k_range: tuple[int, int], window: int
 ) -> Iterator[tuple[int, int, int, int, int, int]]:
@@ -126,24 +124,23 @@ def _pair_pieces(
 def step_pieces(
     ring_rank: int,
     source: int,
-    ring_size: int,
-    chunk: int,
+    layout: ChunkLayout,
     documents: tuple[tuple[int, int, int], ...],
     window: int,
 ) -> tuple[Piece, ...]:
     """What ring rank `ring_rank`'s queries compute against the block of ring rank `source`:
-    `documents` are (row, start, end) in positions of the whole row (2R chunks of `chunk`)."""
+    `documents` are (row, start, end) in positions of the whole row."""
+    chunk = layout.chunk
+    q_slots = {c: slot for slot, c in enumerate(layout.held[ring_rank])}
+    k_slots = {c: slot for slot, c in enumerate(layout.held[source])}
     pieces: list[Piece] = []
     for row, start, end in documents:
-        for q_chunk, q_at in _local_chunks(ring_rank, ring_size):
+        spanned = range(start // chunk, (end - 1) // chunk + 1)
+        for q_chunk in (c for c in spanned if c in q_slots):
             q_range = (max(start, q_chunk * chunk), min(end, (q_chunk + 1) * chunk))
-            if q_range[0] >= q_range[1]:
-                continue
-            for k_chunk, k_at in _local_chunks(source, ring_size):
+            for k_chunk in (c for c in spanned if c in k_slots and c <= q_chunk):
                 k_range = (max(start, k_chunk * chunk), min(end, (k_chunk + 1) * chunk))
-                if k_chunk > q_chunk or k_range[0] >= k_range[1]:
-                    continue
-                offsets = (q_chunk - q_at) * chunk, (k_chunk - k_at) * chunk
+                offsets = (q_chunk - q_slots[q_chunk]) * chunk, (k_chunk - k_slots[k_chunk]) * chunk
                 pieces.extend(_pair_pieces(row, q_range, k_range, offsets, window))
     return tuple(_joined(pieces))
 
@@ -258,17 +255,22 @@ class RingPlan:
 
 @functools.lru_cache(maxsize=16)
 def ring_plan(
-    ring_size: int, local: int, documents: tuple[tuple[int, int, int], ...], window: int
+    ring_size: int,
+    local: int,
+    documents: tuple[tuple[int, int, int], ...],
+    window: int,
+    packed: bool,
 ) -> RingPlan:
-    """The plan of a ring of `ring_size` ranks each holding `local` = 2c tokens of each row,
-    whose documents are (row, start, end) in positions of the whole row (every row's, in
-    order); kept for the next layer and the backward, which ask for the same."""
-    chunk = local // 2
+    """The plan of a ring of `ring_size` ranks each holding `local` tokens of each row, whose
+    documents are (row, start, end) in positions of the whole row (every row's, in order),
+    laid out as `ring_layout` lays out `packed` rows or whole ones; kept for the next layer and
+    the backward, which ask for the same."""
+    layout = chunk_layout(ring_size, local * ring_size, documents if packed else None)
     return RingPlan(
         ring_size,
         tuple(
             tuple(
-                _rounds(step_pieces(rank, source, ring_size, chunk, documents, window), local)
+                _rounds(step_pieces(rank, source, layout, documents, window), local)
                 for source in range(ring_size)
             )
             for rank in range(ring_size)

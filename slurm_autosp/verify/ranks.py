@@ -18,6 +18,7 @@ from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import CompileConfig, JobConfig, ModelConfig
 from slurm_autosp.model import build_model
 from slurm_autosp.sp import IGNORE_INDEX, loss_scale, set_sp_groups, sp_token_positions
+from slurm_autosp.sp.inputs import padded_length
 from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count
 from slurm_autosp.verify.options import (
     Inject,
@@ -244,12 +245,13 @@ def compare_sp_step(
             *(_relative(low_grads[name], grad, floor) for name, grad in ref_grads.items()),
         )
     # gathered[rank] is (dp_rank, sp_rank)'s [rows, shard]: rows by DP, sequence by SP
-    # (sp_rank's positions: a contiguous slice, its zigzag share under a ring)
+    # (sp_rank's positions: a contiguous slice, its ring rank's chunks' share under a ring)
     padded = per_token.shape[1] * sp_size
     full = per_token.new_empty(options.rows * dims.dp_size, padded)
     for r, tokens in enumerate(gathered):
         d, s = dims.layout.dp_rank(r), dims.layout.sp_rank(r)
-        positions = sp_token_positions(padded, s, sp_size, ring_size).to(dims.device)
+        positions = sp_token_positions(padded, s, sp_size, ring_size, shard.cu_seqlens)
+        positions = positions.to(dims.device)
         full[d * options.rows : (d + 1) * options.rows, positions] = tokens
     token_diff = (full[:, :seq_len] - ref_per_token).abs()
     mismatched = sorted({int(p) for p in (token_diff > options.tolerance).nonzero()[:, 1].tolist()})
@@ -301,7 +303,7 @@ def _describe(
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     assert heads is not None and kv is not None  # shrink_model_config sets both
     ring = f" (Ulysses {sp // ring_size} x ring {ring_size})" if ring_size > 1 else ""
-    padded = seq_len + (-seq_len % (sp if ring_size == 1 else 2 * sp))
+    padded = padded_length(seq_len, sp, ring_size, packed=layout is not None)
     codegen = "" if options.codegen else ", no inductor (verify.codegen=false)"
     return (
         f"AutoSP verify: {model.model_type}, {heads} query heads / {kv} KV heads (GQA {heads // kv}:1), shrunk to "

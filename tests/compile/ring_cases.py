@@ -78,7 +78,7 @@ def ring_op_against_full_attention(
     ref_out, ref_lse = _causal_reference(*full, scale, documents, window)
     ref_out.backward(grad_out.double())
 
-    held = sp_token_positions(seq, dist.get_rank(), ring, ring)
+    held = sp_token_positions(seq, dist.get_rank(), ring, ring, cu_seqlens)
     local = [t[:, :, held].clone().requires_grad_() for t in (q, k, v)]
     ulysses_group, ring_group = ulysses_and_ring_groups(1, ring)
     with sp_group_context(ulysses_group, ring_group):

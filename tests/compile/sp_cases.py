@@ -232,7 +232,8 @@ def step_against(
     )
     padded = shard.input_ids.shape[1] * sp_size
     padded_ref = F.pad(ref_per_token, (0, padded - ref_per_token.shape[1]))
-    ref_local = padded_ref[rows][:, sp_token_positions(padded, sp_rank, sp_size, ring_size)]
+    held = sp_token_positions(padded, sp_rank, sp_size, ring_size, shard.cu_seqlens)
+    ref_local = padded_ref[rows][:, held]
     grad_error = 0.0
     for name, param in model.named_parameters():
         dist.all_reduce(param.grad)

@@ -45,7 +45,10 @@ def test_per_rank_shares_sum_to_hfs_aux_value_and_gradient(sp_size, ring_size):
     generator = torch.Generator().manual_seed(2)
     logits = torch.randn(LAYERS, 2, padded, EXPERTS, generator=generator, requires_grad=True)
 
-    positions = [sp_token_positions(padded, r, sp_size, ring_size) for r in range(sp_size)]
+    positions = [
+        sp_token_positions(padded, r, sp_size, ring_size, shards[0].cu_seqlens)
+        for r in range(sp_size)
+    ]
     probabilities = [
         [torch.softmax(layer[:, p].reshape(-1, EXPERTS), dim=-1) for layer in logits]
         for p in positions
