@@ -314,7 +314,10 @@ def test_a_ring_counts_attention_flops_once_per_block_it_meets():
 
 
 def test_a_job_too_long_for_ulysses_is_offered_sp_past_the_heads():
-    plan = build_plan(load_config([*LLAMA8B_32M_8_NODES, "parallel.sp_size=8"]))
+    """16M tokens on 8 nodes: one node's SP=8 cannot hold them, Ulysses 8 x ring 8 can."""
+    plan = build_plan(
+        load_config([*LLAMA8B_32M_8_NODES, "parallel.sp_size=8", f"data.seq_len={2**24}"])
+    )
     text, fits, _ = verdict(plan)
     assert not fits
     assert (

@@ -21,7 +21,9 @@ P2P, as NCCL does); K and V travel packed in one tensor, with their own (grouped
 exact as the kernel: each piece's (output, log-sum-exp) is merged in fp32. The backward reads
 the merged output and log-sum-exp (saved by the forward, never recomputed), so each piece's
 gradient is the exact share of the whole: dq stays local, a visited block's dk, dv go back to
-its rank (fp32), which adds them in step order.
+its rank (fp32), which adds them in step order. Skipped blocks make the P2P ops of a step
+involve some ranks only: NCCL allows that once the ring group's communicator exists, which
+`cluster.distributed` ensures by binding each rank's device at init (eager communicators).
 
 The kernel is per device (`varlen_kernel`), the code around it one. On CUDA the document
 boundaries are read on the host once per call (a copy back of B x documents int32 values);
@@ -92,8 +94,9 @@ def _check_shapes(query: torch.Tensor, key: torch.Tensor) -> None:
     if query.shape[2] % 2 or query.shape[1] % key.shape[1]:
         raise RingAttentionError(
             f"ring attention got queries {tuple(query.shape)} and keys {tuple(key.shape)}: the "
-            "local sequence must be the two zigzag chunks of prepare_sp_inputs(..., ring_size=R) "
-            "(an even length) and the query heads a multiple of the KV heads"
+            "local sequence must be this ring rank's chunks as prepare_sp_inputs(..., "
+            "ring_size=R) lays them out (an even length) and the query heads a multiple of the "
+            "KV heads"
         )
 
 
@@ -123,7 +126,7 @@ def _on(index: Index, device: torch.device) -> Index:
 def _plan(
     query: torch.Tensor, cu_seqlens: torch.Tensor | None, window: int, ring_size: int
 ) -> RingPlan:
-    """The ring's plan for these queries: the documents of the whole rows (R x 2c tokens)."""
+    """The ring's plan for these queries: the documents of the whole rows (R x local tokens)."""
     check_window(window)
     batch, _, local, _ = query.shape
     documents = tuple(document_spans(cu_seqlens, batch, local * ring_size))
@@ -201,11 +204,12 @@ def ring_attention(
     cu_seqlens: torch.Tensor | None = None,
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of this ring rank's zigzag queries [B, Hq, 2c, D] over the whole
-    sequence, whose key/value blocks [B, Hkv, 2c, D] (Hq a multiple of Hkv) the ring's
-    `ring_size` ranks hold, within the documents of `cu_seqlens` (global, as document attention
-    reads them; None: each row one) and, when `window` > 0, the `window` latest keys. Returns the
-    output [B, Hq, 2c, D] and its log-sum-exp [B, Hq, 2c] (fp32), which the backward reads."""
+    """Causal attention of this ring rank's queries [B, Hq, L, D] (its chunks, `ring_layout`)
+    over the whole sequence, whose key/value blocks [B, Hkv, L, D] (Hq a multiple of Hkv)
+    the ring's `ring_size` ranks hold, within the documents of `cu_seqlens` (global, as
+    document attention reads them; None: each row one) and, when `window` > 0, the `window`
+    latest keys. Returns the
+    output [B, Hq, L, D] and its log-sum-exp [B, Hq, L] (fp32), which the backward reads."""
     _check_shapes(query, key)
     group, rank = _ring(ring_size)
     plan = _plan(query, cu_seqlens, window, ring_size)

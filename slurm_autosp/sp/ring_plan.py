@@ -37,7 +37,7 @@ _WINDOW_SLICE = (64, 512)
 @dataclass(frozen=True)
 class Piece:
     """Queries [q_start, q_start + q_len) of local row `row` over keys [k_start, k_start +
-    k_len) of the visiting block's row (offsets within the 2c local tokens), under flash's
+    k_len) of the visiting block's row (offsets within a rank's local tokens), under flash's
     window (left, right), aligned at the ends: (-1, 0) causal, (-1, -1) every key."""
 
     row: int
@@ -64,7 +64,7 @@ class Piece:
 @dataclass(frozen=True)
 class Round:
     """Pieces run in one kernel call: one rule, no query row twice. The token indices are into
-    the B x 2c local tokens laid end to end (row-major), a slice where they are one run;
+    the B x L local tokens laid end to end (row-major), a slice where they are one run;
     `cu_q`/`cu_k` the pieces' cumulative lengths, as the varlen kernel reads them."""
 
     pieces: tuple[Piece, ...]
