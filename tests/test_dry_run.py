@@ -84,6 +84,7 @@ def test_a_step_no_slurm_signal_delay_can_cover_is_refused_naming_what_shortens_
         "cluster.nodes=8",
         "parallel.sp_size=64",
         "cluster.host_memory_gb=4096",  # 8 nodes of 2 TB cannot hold its offloaded activations
+        "cluster.gpu_memory_gb=141",  # nor 80 GB GPUs the ring's buffers (H200s)
         "dry_run=true",
         f"run.output_root={tmp_path}",
     )

@@ -28,12 +28,12 @@ bf16, 4 in fp32) and `world` ranks:
   int32, at most one entry per token of the whole sequence (a document per token) plus one;
 - communication: the all-to-all send/receive/concatenate buffers of the largest all-to-all
   (over the Ulysses group: the layer is traced at the Ulysses size);
-- ring attention (`parallel.ring_size` > 1 only): the key/value blocks in flight during one
-  layer's attention, a send and a receive buffer of K and of V (forward, and again when
-  backward passes them round), and in backward also a send and a receive buffer of dK and dV,
-  which travel with the blocks accumulating in fp32; a block is the rank's key/value heads
-  (after the Ulysses all-to-all, repeated to one a rank when fewer) over its ring block of
-  Ulysses x local tokens;
+- ring attention (`parallel.ring_size` > 1 only): what one layer's ring attention holds at its
+  peak, in backward: K and V of this rank's block, the visiting one and the next; dK and dV in
+  fp32 of this rank's block, the visiting block's share, the previous share in flight and the
+  share received; the token-major copies of the queries, output and output gradient and the
+  fp32 query gradient (`ring_blocks_per_token`); a block is the rank's key/value heads (after
+  the Ulysses all-to-all, repeated to one a rank when fewer) over Ulysses x local tokens;
 - recompute working buffers: what one layer's backward recomputes, plus a gradient in and
   out of its largest tensor;
 - what the traced graph cannot see, each named: the attention backward kernel's own buffers
