@@ -30,6 +30,8 @@ boundaries are read on the host once per call (a copy back of B x documents int3
 the CUDA kernel has not run on a GPU.
 """
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -133,6 +135,34 @@ def _plan(
     return ring_plan(ring_size, local, documents, window, cu_seqlens is not None)
 
 
+def _visits(
+    plan: RingPlan, rank: int, kv: torch.Tensor, group: dist.ProcessGroup
+) -> Iterator[tuple[int, tuple[Round, ...], torch.Tensor | None]]:
+    """(step, what this rank computes against the visiting block, the block or None where this
+    rank only sends at that step) for each step at which it sends or receives. The first
+    exchange is issued at once, so it travels while the caller computes its own block; each
+    next one before a step's block is handed out, so it travels while that step computes."""
+    sources, destinations = plan.sources(rank), plan.destinations(rank)
+    steps = sorted(set(sources) | set(destinations))
+
+    def start(step: int) -> tuple[torch.Tensor | None, list]:
+        send = kv if step in destinations else None
+        return _exchange(send, kv if step in sources else None, step, group, _KV_TAG)
+
+    pending = start(steps[0]) if steps else (None, [])
+
+    def visits() -> Iterator[tuple[int, tuple[Round, ...], torch.Tensor | None]]:
+        nonlocal pending
+        for at, step in enumerate(steps):
+            visiting, requests = pending
+            _wait(requests)
+            if at + 1 < len(steps):
+                pending = start(steps[at + 1])
+            yield step, plan.rounds[rank][(rank - step) % plan.ring_size], visiting
+
+    return visits()
+
+
 def _attend(
     rounds: tuple[Round, ...],
     query: torch.Tensor,
@@ -208,39 +238,21 @@ def ring_attention(
     over the whole sequence, whose key/value blocks [B, Hkv, L, D] (Hq a multiple of Hkv)
     the ring's `ring_size` ranks hold, within the documents of `cu_seqlens` (global, as
     document attention reads them; None: each row one) and, when `window` > 0, the `window`
-    latest keys. Returns the
-    output [B, Hq, L, D] and its log-sum-exp [B, Hq, L] (fp32), which the backward reads."""
+    latest keys. Returns the output [B, Hq, L, D] and its log-sum-exp [B, Hq, L] (fp32),
+    which the backward reads."""
     _check_shapes(query, key)
     group, rank = _ring(ring_size)
     plan = _plan(query, cu_seqlens, window, ring_size)
     communication_counts.ring_forwards += 1
     batch = query.shape[0]
     queries, kv = _tokens(query), torch.stack([_tokens(key), _tokens(value)])
-    steps = sorted(set(plan.sources(rank)) | set(plan.destinations(rank)))
-    exchanges = {}
-
-    def start(step: int) -> None:
-        exchanges[step] = _exchange(
-            kv if step in plan.destinations(rank) else None,
-            kv if step in plan.sources(rank) else None,
-            step,
-            group,
-            _KV_TAG,
-        )
-
-    if steps:  # the first block travels while the own one is computed
-        start(steps[0])
+    visits = _visits(plan, rank, kv, group)  # the first block travels from here
     output = queries.new_zeros(queries.shape, dtype=torch.float32)
     lse = queries.new_full(queries.shape[:2], float("-inf"), dtype=torch.float32)
     _attend(plan.rounds[rank][rank], queries, kv, output, lse, scale)
-    for at, step in enumerate(steps):
-        visiting, requests = exchanges.pop(step)
-        _wait(requests)
-        if at + 1 < len(steps):
-            start(steps[at + 1])
+    for _, rounds, visiting in visits:
         if visiting is not None:
-            source = plan.rounds[rank][(rank - step) % ring_size]
-            _attend(source, queries, visiting, output, lse, scale)
+            _attend(rounds, queries, visiting, output, lse, scale)
     return _untokens(output, batch, query.dtype), _untokens(lse, batch, torch.float32)
 
 
@@ -282,43 +294,20 @@ def ring_attention_backward(
     batch = query.shape[0]
     kv = torch.stack([_tokens(key), _tokens(value)])
     saved = (_tokens(grad_output), _tokens(query), _tokens(output), _tokens(logsumexp))
-    sources, destinations = plan.sources(rank), plan.destinations(rank)
-    steps = sorted(set(sources) | set(destinations))
-    exchanges = {}
-
-    def start(step: int) -> None:
-        exchanges[step] = _exchange(
-            kv if step in destinations else None,
-            kv if step in sources else None,
-            step,
-            group,
-            _KV_TAG,
-        )
-
-    if steps:
-        start(steps[0])
+    visits = _visits(plan, rank, kv, group)
     grad_q = saved[1].new_zeros(saved[1].shape, dtype=torch.float32)
     grad_kv = kv.new_zeros(kv.shape, dtype=torch.float32)  # this rank's block's, all shares
     _attend_backward(plan.rounds[rank][rank], saved, kv, grad_q, grad_kv, scale)
     returning: tuple[torch.Tensor | None, list, torch.Tensor | None] = (None, [], None)
-    for at, step in enumerate(steps):
-        visiting, requests = exchanges.pop(step)
-        _wait(requests)
-        if at + 1 < len(steps):
-            start(steps[at + 1])
+    for step, rounds, visiting in visits:
         share = None
         if visiting is not None:
             share = torch.zeros_like(grad_kv)
-            source = plan.rounds[rank][(rank - step) % ring_size]
-            _attend_backward(source, saved, visiting, grad_q, share, scale)
+            _attend_backward(rounds, saved, visiting, grad_q, share, scale)
         _add_returned(grad_kv, returning)  # the previous step's shares, in flight meanwhile
+        sent_to = step in plan.destinations(rank)  # those it sent its block return shares
         received, requests = _exchange(
-            share,
-            grad_kv if step in destinations else None,
-            step,
-            group,
-            _GRAD_TAG,
-            backwards=True,
+            share, grad_kv if sent_to else None, step, group, _GRAD_TAG, backwards=True
         )
         returning = (received, requests, share)
     _add_returned(grad_kv, returning)

@@ -82,6 +82,11 @@ def _flash_rule(round_: Round) -> tuple[bool, int, int]:
     return (left, right) == (-1, 0), left, right
 
 
+def _sequences(round_: Round, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The flash varlen kernel's cum_seq_q, cum_seq_k, max_q, max_k for the round."""
+    return round_.cu_q.to(device), round_.cu_k.to(device), round_.max_q, round_.max_k
+
+
 def varlen_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, round_: Round, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,10 +99,7 @@ def varlen_forward(
             query,
             key,
             value,
-            round_.cu_q.to(query.device),
-            round_.cu_k.to(query.device),
-            round_.max_q,
-            round_.max_k,
+            *_sequences(round_, query.device),
             0.0,
             causal,
             False,
@@ -146,10 +148,7 @@ def varlen_backward(
             value,
             output,
             lse.transpose(0, 1).contiguous(),
-            round_.cu_q.to(query.device),
-            round_.cu_k.to(query.device),
-            round_.max_q,
-            round_.max_k,
+            *_sequences(round_, query.device),
             0.0,
             causal,
             torch.zeros(2, dtype=torch.uint64, device=query.device),  # no dropout
