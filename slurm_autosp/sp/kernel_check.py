@@ -1,6 +1,8 @@
-"""How exact document attention's kernel is on a device: against the op's CPU kernel in fp32
-on the same inputs, for packed documents, a window within them and a window over whole rows,
-forward and backward, with grouped KV heads and two rows.
+"""How exact the attention kernels of packed documents and windows are on a device: against
+their CPU kernels in fp32 on the same inputs, forward and backward, with grouped KV heads and
+two rows. Document attention (Ulysses) for packed documents, a window within them and a window
+over whole rows; ring attention's rounds (`varlen_kernel`) of a ring of 2 within the documents
+and within the window, each piece one sequence under flash's (left, right) rule.
 
 On a GPU this checks the flash varlen kernel, which nothing else runs on numbers before a
 job does (tests check only its shapes, on a fake device); with `device="cpu"` it checks the
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from slurm_autosp.sp.document_attention import document_attention
+from slurm_autosp.sp.ring_plan import Round, ring_plan
+from slurm_autosp.sp.varlen_kernel import varlen_backward, varlen_forward
 
 OUTPUT_BOUND = 2e-2
 GRADIENT_BOUND = 4e-2
@@ -56,12 +60,15 @@ class _Case:
     name: str
     documents: bool
     window: int
+    ring: bool = False  # ring attention's rounds, a ring of 2, instead of document attention
 
 
 _CASES = (
     _Case("packed documents", documents=True, window=0),
     _Case("window within documents", documents=True, window=_WINDOW),
     _Case("window over whole rows", documents=False, window=_WINDOW),
+    _Case("ring rounds within documents", documents=True, window=0, ring=True),
+    _Case("ring rounds within a window", documents=True, window=_WINDOW, ring=True),
 )
 CASES = tuple(case.name for case in _CASES)
 
@@ -92,6 +99,36 @@ def _attention(
     return [t.detach().float().cpu() for t in (output, *grads)]
 
 
+def _ring_rounds(case: _Case) -> list[Round]:
+    """Every round of a ring of 2 over `_DOCUMENTS`' rows: each rank's, against each block."""
+    documents = []
+    for row, lengths in enumerate(_DOCUMENTS):
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        documents += [(row, end - n, end) for n, end in zip(lengths, ends, strict=True)]
+    plan = ring_plan(2, _SEQ // 2, tuple(documents), case.window, True)
+    return [r for rank in plan.rounds for source in rank for r in source]
+
+
+def _ring_attention(
+    inputs: list[torch.Tensor], case: _Case, device: torch.device, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """The rounds' outputs and gradients (each round's own attention) over a rank's tokens (the
+    first half of each row), on `device` in `dtype`, concatenated, on the CPU in fp32."""
+    tokens = [t[:, :, : _SEQ // 2].transpose(1, 2).flatten(0, 1) for t in inputs]
+    query, key, value, grad_output = (t.to(device, dtype) for t in tokens)
+    results: list[list[torch.Tensor]] = [[], [], [], []]
+    for round_ in _ring_rounds(case):
+        q_index, k_index = (
+            i if isinstance(i, slice) else i.to(device) for i in (round_.q_index, round_.k_index)
+        )
+        q, k, v, g = query[q_index], key[k_index], value[k_index], grad_output[q_index]
+        output, lse = varlen_forward(q, k, v, round_, _HEAD_DIM**-0.5)
+        grads = varlen_backward(g, q, k, v, output, lse, round_, _HEAD_DIM**-0.5)
+        for held, t in zip(results, (output, *grads), strict=True):
+            held.append(t.detach().float().cpu().flatten())
+    return [torch.cat(held) for held in results]
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
@@ -110,8 +147,9 @@ def check_document_kernel(
     ]
     results = []
     for case in _CASES:
-        got = _attention(inputs, case, device, dtype)
-        want = _attention(inputs, case, torch.device("cpu"), torch.float32)
+        attention = _ring_attention if case.ring else _attention
+        got = attention(inputs, case, device, dtype)
+        want = attention(inputs, case, torch.device("cpu"), torch.float32)
         errors = [_relative_error(g, w) for g, w in zip(got, want, strict=True)]
         results.append(KernelCheck(case.name, str(device), str(dtype), *errors))
     return results

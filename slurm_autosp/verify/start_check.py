@@ -134,9 +134,11 @@ def _options(cfg: JobConfig, dims: ParallelDims) -> tuple[VerifyOptions, torch.d
 
 
 def _document_kernel_used(dims: ParallelDims, options: VerifyOptions) -> bool:
-    """A GPU job whose attention runs the document kernel (flash varlen): the check's options
-    carry the job's windows and documents."""
-    return dims.device.type == "cuda" and bool(options.window or options.documents)
+    """A GPU job whose attention runs the flash varlen kernel: documents or windows (the check's
+    options carry the job's), or a ring (its rounds run it whatever the pattern)."""
+    return dims.device.type == "cuda" and bool(
+        options.window or options.documents or dims.ring_size > 1
+    )
 
 
 def _compared(

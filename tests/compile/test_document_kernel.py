@@ -5,6 +5,7 @@ op's fake declares (inductor compiles against the fake and asserts it at run tim
 flash ops with the window, scale and sequences the CPU kernel applies, and never waits for
 the GPU. Its numbers are checked by kernel_check, on a GPU; here that check runs on CPU."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -13,6 +14,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slurm_autosp.sp.kernel_check as kernel_check
+import slurm_autosp.sp.varlen_kernel as varlen_kernel
 from slurm_autosp.compat.torch_api import (
     FakeTensorMode,
     flash_attention_backward,
@@ -179,6 +181,8 @@ def test_kernel_check_on_cpu_passes_bf16_and_measures_its_rounding():
         "packed documents",
         "window within documents",
         "window over whole rows",
+        "ring rounds within documents",
+        "ring rounds within a window",
     ]
     for check in checks:
         errors = (check.output, check.grad_query, check.grad_key, check.grad_value)
@@ -200,4 +204,27 @@ def test_kernel_check_fails_a_kernel_whose_window_is_one_key_too_wide(monkeypatc
         "packed documents": True,
         "window within documents": False,
         "window over whole rows": False,
+        "ring rounds within documents": True,
+        "ring rounds within a window": True,
+    }
+
+
+def test_kernel_check_fails_ring_rounds_whose_window_is_one_key_too_wide(monkeypatch):
+    """A flash rule read one key wider on the left, the smallest mistake a ring kernel could
+    make: only the windowed rounds err."""
+    mask = varlen_kernel._mask
+
+    def one_key_too_wide(piece, dtype):
+        if dtype != torch.float32 and piece.left >= 0:  # the kernel under test, not the reference
+            piece = dataclasses.replace(piece, left=piece.left + 1)
+        return mask(piece, dtype)
+
+    monkeypatch.setattr(varlen_kernel, "_mask", one_key_too_wide)
+    passed = {c.case: c.passed for c in check_document_kernel("cpu")}
+    assert passed == {
+        "packed documents": True,
+        "window within documents": True,
+        "window over whole rows": True,
+        "ring rounds within documents": True,
+        "ring rounds within a window": False,
     }
