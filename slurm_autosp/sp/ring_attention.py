@@ -40,7 +40,8 @@ from slurm_autosp.sp.document_attention import check_window, document_spans
 from slurm_autosp.sp.ring_plan import RingPlan, Round, ring_plan
 from slurm_autosp.sp.varlen_kernel import varlen_backward, varlen_forward
 
-_KV_TAG, _GRAD_TAG = 0, 1  # P2P tags: the K/V blocks and their gradients, matched apart on gloo
+# P2P tags of the K/V blocks and their gradients: gloo matches by them, NCCL by order (`_visits`)
+_KV_TAG, _GRAD_TAG = 0, 1
 
 
 class RingAttentionError(RuntimeError):
@@ -139,11 +140,15 @@ def _visits(
     plan: RingPlan, rank: int, kv: torch.Tensor, group: dist.ProcessGroup
 ) -> Iterator[tuple[int, tuple[Round, ...], torch.Tensor | None]]:
     """(step, what this rank computes against the visiting block, the block or None where this
-    rank only sends at that step) for each step at which it sends or receives. The first
-    exchange is issued at once, so it travels while the caller computes its own block; each
-    next one before a step's block is handed out, so it travels while that step computes."""
+    rank receives none at that step) for every step 1 .. R-1. The first exchange is issued at
+    once, so it travels while the caller computes its own block; each next one before a step's
+    block is handed out, so it travels while that step computes.
+
+    Every rank walks every step, exchanging nothing where its plan skips one, so every rank
+    issues its exchanges in the same global order (the backward's gradient returns between
+    them): NCCL matches a pair's sends and receives by their order alone, not by tag."""
     sources, destinations = plan.sources(rank), plan.destinations(rank)
-    steps = sorted(set(sources) | set(destinations))
+    steps = range(1, plan.ring_size)
 
     def start(step: int) -> tuple[torch.Tensor | None, list]:
         send = kv if step in destinations else None
@@ -153,11 +158,11 @@ def _visits(
 
     def visits() -> Iterator[tuple[int, tuple[Round, ...], torch.Tensor | None]]:
         nonlocal pending
-        for at, step in enumerate(steps):
+        for step in steps:
             visiting, requests = pending
             _wait(requests)
-            if at + 1 < len(steps):
-                pending = start(steps[at + 1])
+            if step + 1 < plan.ring_size:
+                pending = start(step + 1)
             yield step, plan.rounds[rank][(rank - step) % plan.ring_size], visiting
 
     return visits()

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from sp_cases import register_sp_groups, tiny_model, ulysses_and_ring_groups
 
+import slurm_autosp.sp.ring_attention as ring_module
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing
@@ -59,11 +60,14 @@ def ring_op_against_full_attention(
     dtype: torch.dtype = torch.float32,
     lengths: list[list[int]] | None = None,
     window: int = 0,
+    tags_by_order: bool = False,
 ) -> dict[str, float]:
     """The ring op over the world as one ring (zigzag shards of a sequence of 2 x world chunks),
     forward and backward in `dtype`, against float64 causal attention over the whole sequence
     of the same (rounded) inputs, within the documents of `lengths` (per row; None: a row is
-    one) and the `window`; each figure max |x - x_ref| / max |x_ref| over this rank's rows."""
+    one) and the `window`; each figure max |x - x_ref| / max |x_ref| over this rank's rows.
+    `tags_by_order` gives the gradients' sends the blocks' tag: gloo then matches a pair's
+    messages by their order alone, as NCCL does."""
     ring = dist.get_world_size()
     batch, heads, dim = 2, 4, 8
     seq = 2 * ring * chunk
@@ -81,9 +85,14 @@ def ring_op_against_full_attention(
     held = sp_token_positions(seq, dist.get_rank(), ring, ring, cu_seqlens)
     local = [t[:, :, held].clone().requires_grad_() for t in (q, k, v)]
     ulysses_group, ring_group = ulysses_and_ring_groups(1, ring)
-    with sp_group_context(ulysses_group, ring_group):
-        out, lse = ring_attention(*local, scale, ring, cu_seqlens, window)
-        out.backward(grad_out[:, :, held])
+    grad_tag = ring_module._GRAD_TAG
+    try:
+        ring_module._GRAD_TAG = ring_module._KV_TAG if tags_by_order else grad_tag
+        with sp_group_context(ulysses_group, ring_group):
+            out, lse = ring_attention(*local, scale, ring, cu_seqlens, window)
+            out.backward(grad_out[:, :, held])
+    finally:
+        ring_module._GRAD_TAG = grad_tag
 
     def error(x: torch.Tensor, ref: torch.Tensor) -> float:
         return float((x.detach().double() - ref.detach()).abs().max() / ref.detach().abs().max())
