@@ -26,14 +26,16 @@ involve some ranks only: NCCL allows that once the ring group's communicator exi
 `cluster.distributed` ensures by binding each rank's device at init (eager communicators).
 
 The kernel is per device (`varlen_kernel`), the code around it one. On CUDA the document
-boundaries are read on the host once per call (a copy back of B x documents int32 values);
-the CUDA kernel has not run on a GPU.
+boundaries are read back to the host once per boundaries tensor (the first layer's call waits
+for the GPU; the others, forward and backward, find them read); the CUDA kernel has not run on
+a GPU.
 """
 
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from slurm_autosp.sp.all_to_all import communication_counts, current_ring_group
 from slurm_autosp.sp.document_attention import check_window, document_spans
@@ -126,13 +128,32 @@ def _on(index: Index, device: torch.device) -> Index:
     return index if isinstance(index, slice) else index.to(device)
 
 
+# the documents read from each boundaries tensor, with the tensor's version when read: every
+# layer's call, forward and backward, passes the same tensor, which is read back once
+_READ_BOUNDARIES = WeakTensorKeyDictionary()
+
+
+def _documents(
+    cu_seqlens: torch.Tensor | None, batch: int, seq: int
+) -> tuple[tuple[int, int, int], ...]:
+    """(row, start, end) of every document; from a CUDA tensor read back to the host (a wait
+    for the GPU) the first time that tensor is seen, not in every layer."""
+    if cu_seqlens is None:
+        return tuple(document_spans(None, batch, seq))
+    read = _READ_BOUNDARIES.get(cu_seqlens)
+    if read is None or read[0] != (cu_seqlens._version, batch, seq):
+        read = ((cu_seqlens._version, batch, seq), tuple(document_spans(cu_seqlens, batch, seq)))
+        _READ_BOUNDARIES[cu_seqlens] = read
+    return read[1]
+
+
 def _plan(
     query: torch.Tensor, cu_seqlens: torch.Tensor | None, window: int, ring_size: int
 ) -> RingPlan:
     """The ring's plan for these queries: the documents of the whole rows (R x local tokens)."""
     check_window(window)
     batch, _, local, _ = query.shape
-    documents = tuple(document_spans(cu_seqlens, batch, local * ring_size))
+    documents = _documents(cu_seqlens, batch, local * ring_size)
     return ring_plan(ring_size, local, documents, window, cu_seqlens is not None)
 
 

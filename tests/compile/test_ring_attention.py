@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from train_cases import engine_steps, grad_accum_step
 
+import slurm_autosp.sp.ring_attention as ring_module
 from slurm_autosp.compat.torch_api import (
     FakeTensorMode,
     flash_attention_backward,
@@ -27,6 +28,7 @@ from slurm_autosp.compile import AutoSPBackend, rewrite_sdpa_for_sp
 from slurm_autosp.compile.activation_checkpointing import node_flops
 from slurm_autosp.compile.backend import HeadLayout
 from slurm_autosp.sp import IGNORE_INDEX, prepare_sp_inputs, sp_token_positions
+from slurm_autosp.sp.document_attention import document_spans
 from slurm_autosp.sp.kernel_check import GRADIENT_BOUND, OUTPUT_BOUND
 from slurm_autosp.sp.ring_attention import ring_attention
 from slurm_autosp.sp.ring_layout import chunk_layout
@@ -245,6 +247,25 @@ def test_packed_rows_are_dealt_out_to_within_5_percent_of_the_mean_work(ring, se
     work = ring_plan(ring, seq // ring, documents, 0, True)
     pairs = [work.pairs(rank) for rank in range(ring)]
     assert max(pairs) <= 1.05 * sum(pairs) / ring, pairs
+
+
+def test_the_boundaries_are_read_once_per_tensor_not_per_layer(monkeypatch):
+    """Every layer's ring call gets the same boundaries tensor: read back (on a GPU, a wait) the
+    first time only, and again once the tensor is changed in place."""
+    reads = []
+
+    def counted(cu_seqlens, batch, seq):
+        reads.append(cu_seqlens)
+        return document_spans(cu_seqlens, batch, seq)
+
+    monkeypatch.setattr(ring_module, "document_spans", counted)
+    cu_seqlens = torch.tensor([0, 6, 16], dtype=torch.int32)
+    first = ring_module._documents(cu_seqlens, 1, 16)
+    assert ring_module._documents(cu_seqlens, 1, 16) == first == ((0, 0, 6), (0, 6, 16))
+    assert len(reads) == 1
+    cu_seqlens[1] = 9
+    assert ring_module._documents(cu_seqlens, 1, 16) == ((0, 0, 9), (0, 9, 16))
+    assert len(reads) == 2
 
 
 # ------------------------------------------------------------------ the plan
