@@ -118,9 +118,7 @@ def _ring_attention(
     query, key, value, grad_output = (t.to(device, dtype) for t in tokens)
     results: list[list[torch.Tensor]] = [[], [], [], []]
     for round_ in _ring_rounds(case):
-        q_index, k_index = (
-            i if isinstance(i, slice) else i.to(device) for i in (round_.q_index, round_.k_index)
-        )
+        q_index, k_index, _, _ = round_.on(device)
         q, k, v, g = query[q_index], key[k_index], value[k_index], grad_output[q_index]
         output, lse = varlen_forward(q, k, v, round_, _HEAD_DIM**-0.5)
         grads = varlen_backward(g, q, k, v, output, lse, round_, _HEAD_DIM**-0.5)

@@ -39,7 +39,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from slurm_autosp.sp.all_to_all import communication_counts, current_ring_group
 from slurm_autosp.sp.document_attention import check_window, document_spans
-from slurm_autosp.sp.ring_plan import RingPlan, Round, ring_plan
+from slurm_autosp.sp.ring_plan import Index, RingPlan, Round, ring_plan
 from slurm_autosp.sp.varlen_kernel import varlen_backward, varlen_forward
 
 # P2P tags of the K/V blocks and their gradients: gloo matches by them, NCCL by order (`_visits`)
@@ -117,15 +117,8 @@ def _untokens(tokens: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Ten
     return unflat.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
-Index = slice | torch.Tensor  # a run of tokens (a view), or the tokens gathered
-
-
 def _take(tensor: torch.Tensor, index: Index) -> torch.Tensor:
     return tensor[index] if isinstance(index, slice) else tensor.index_select(0, index)
-
-
-def _on(index: Index, device: torch.device) -> Index:
-    return index if isinstance(index, slice) else index.to(device)
 
 
 # the documents read from each boundaries tensor, with the tensor's version when read: every
@@ -200,7 +193,7 @@ def _attend(
     """Fold the rounds' attention of `query` [T, Hq, D] over the block `kv` [2, T, Hkv, D] into
     the running fp32 `output` [T, Hq, D] and log-sum-exp `lse` [T, Hq], in place."""
     for round_ in rounds:
-        q_index, k_index = _on(round_.q_index, query.device), _on(round_.k_index, query.device)
+        q_index, k_index, _, _ = round_.on(query.device)
         block, block_lse = varlen_forward(
             _take(query, q_index), _take(kv[0], k_index), _take(kv[1], k_index), round_, scale
         )
@@ -228,7 +221,7 @@ def _attend_backward(
     `grad_kv` [2, T, Hkv, D] (fp32), from `saved`: grad_output, query, output, log-sum-exp."""
     grad_output, query, output, lse = saved
     for round_ in rounds:
-        q_index, k_index = _on(round_.q_index, query.device), _on(round_.k_index, query.device)
+        q_index, k_index, _, _ = round_.on(query.device)
         part_q, part_k, part_v = varlen_backward(
             _take(grad_output, q_index),
             _take(query, q_index),

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -61,6 +62,16 @@ class Piece:
         return int((high - low + 1).clamp(min=0).sum())
 
 
+Index = slice | torch.Tensor  # a run of local tokens (read as a view), or the tokens gathered
+
+
+class RoundTensors(NamedTuple):
+    q_index: Index
+    k_index: Index
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
 @dataclass(frozen=True)
 class Round:
     """Pieces run in one kernel call: one rule, no query row twice. The token indices are into
@@ -68,16 +79,31 @@ class Round:
     `cu_q`/`cu_k` the pieces' cumulative lengths, as the varlen kernel reads them."""
 
     pieces: tuple[Piece, ...]
-    q_index: slice | torch.Tensor
-    k_index: slice | torch.Tensor
+    q_index: Index
+    k_index: Index
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    # the tensors above copied to a device, by device: the first layer's call copies (a copy
+    # from pageable host memory waits for the stream), every later one of the micro-batch reuses
+    _on_device: dict[torch.device, RoundTensors] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def rule(self) -> tuple[int, int]:
         return self.pieces[0].rule
+
+    def on(self, device: torch.device) -> RoundTensors:
+        """The round's indices and cumulative lengths on `device`, copied there once."""
+        if device not in self._on_device:
+            q_index, k_index = (
+                i if isinstance(i, slice) else i.to(device) for i in (self.q_index, self.k_index)
+            )
+            cu_q, cu_k = self.cu_q.to(device), self.cu_k.to(device)
+            self._on_device[device] = RoundTensors(q_index, k_index, cu_q, cu_k)
+        return self._on_device[device]
 
 
 def _windowed(

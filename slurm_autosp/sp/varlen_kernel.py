@@ -84,7 +84,8 @@ def _flash_rule(round_: Round) -> tuple[bool, int, int]:
 
 def _sequences(round_: Round, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The flash varlen kernel's cum_seq_q, cum_seq_k, max_q, max_k for the round."""
-    return round_.cu_q.to(device), round_.cu_k.to(device), round_.max_q, round_.max_k
+    _, _, cu_q, cu_k = round_.on(device)
+    return cu_q, cu_k, round_.max_q, round_.max_k
 
 
 def varlen_forward(
