@@ -34,6 +34,67 @@ flash_attention_forward = torch.ops.aten._flash_attention_forward.default
 #  is_causal, rng_state, unused, *, scale, window_size_left, window_size_right) -> (dq, dk, dv)
 flash_attention_backward = torch.ops.aten._flash_attention_backward.default
 
+
+def flash_varlen_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sequences: tuple[torch.Tensor, torch.Tensor, int, int],
+    causal: bool,
+    window: tuple[int, int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash's varlen forward without dropout, as torch.nn.attention.varlen calls it:
+    `sequences` (cum_seq_q, cum_seq_k, max_q, max_k), `window` (left, right). Returns the output
+    [T, Hq, D] and its log-sum-exp [Hq, T] (fp32)."""
+    output, lse, *_ = flash_attention_forward(
+        query,
+        key,
+        value,
+        *sequences,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+        window_size_left=window[0],
+        window_size_right=window[1],
+    )
+    return output, lse
+
+
+def flash_varlen_backward(
+    grad_output: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    sequences: tuple[torch.Tensor, torch.Tensor, int, int],
+    causal: bool,
+    window: tuple[int, int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flash's varlen backward of `flash_varlen_forward`'s call, from its output and
+    log-sum-exp [Hq, T]: the gradients of query, key and value."""
+    grad_q, grad_k, grad_v = flash_attention_backward(
+        grad_output,
+        query,
+        key,
+        value,
+        output,
+        lse,
+        *sequences,
+        0.0,
+        causal,
+        torch.zeros(2, dtype=torch.uint64, device=query.device),  # no dropout: varlen_attn's
+        torch.empty(0, device=query.device),
+        scale=scale,
+        window_size_left=window[0],
+        window_size_right=window[1],
+    )
+    return grad_q, grad_k, grad_v
+
+
 __all__ = [
     "CustomGraphPass",
     "FakeTensorMode",
@@ -45,6 +106,8 @@ __all__ = [
     "flash_attention_backward",
     "flash_attention_forward",
     "flash_refusal",
+    "flash_varlen_backward",
+    "flash_varlen_forward",
     "inductor_config",
     "inductor_default_cache_dir",
     "maybe_mark_dynamic",

@@ -37,9 +37,9 @@ from itertools import pairwise
 import torch
 
 from slurm_autosp.compat.torch_api import (
-    flash_attention_backward,
-    flash_attention_forward,
     flash_refusal,
+    flash_varlen_backward,
+    flash_varlen_forward,
 )
 
 aten = torch.ops.aten
@@ -47,6 +47,12 @@ aten = torch.ops.aten
 # bounds the mask (chunk x (chunk + window - 1)) for long windows, the lower one the number of
 # kernel calls for short ones; either way the work stays linear in the document's length.
 _MIN_CHUNK, _MAX_CHUNK = 64, 512
+
+
+def window_chunk(window: int) -> int:
+    """How many queries of a windowed document one kernel call takes (ring attention's window
+    slices too)."""
+    return min(max(window, _MIN_CHUNK), _MAX_CHUNK)
 
 
 class DocumentAttentionError(RuntimeError):
@@ -133,7 +139,7 @@ def _pieces(documents: list[tuple[int, int, int]], window: int) -> Iterator[_Pie
         if not window or end - start <= window:
             yield _Piece(row, start, end, start)
             continue
-        chunk = min(max(window, _MIN_CHUNK), _MAX_CHUNK)
+        chunk = window_chunk(window)
         for q_start in range(start, end, chunk):
             k_start = max(start, q_start - window + 1)
             yield _Piece(row, q_start, min(q_start + chunk, end), k_start, window)
@@ -389,20 +395,14 @@ def varlen_forward(
     _check_flash(query)
     sequences, longest = _varlen_sequences(query, cu_seqlens, max_length)
     left, causal = _flash_window(window)
-    output, lse, *_ = flash_attention_forward(
+    output, lse = flash_varlen_forward(
         _packed(query),
         _packed(key),
         _packed(value),
-        sequences,
-        sequences,
-        longest,
-        longest,
-        0.0,
+        (sequences, sequences, longest, longest),
         causal,
-        False,
-        scale=scale,
-        window_size_left=left,
-        window_size_right=0,
+        (left, 0),
+        scale,
     )
     batch, _, seq, _ = query.shape
     # [Hq, B * S] as flash writes it, [B, Hq, S] as the fake declares it (a small copy)
@@ -428,24 +428,17 @@ def varlen_backward(
     sequences, longest = _varlen_sequences(query, cu_seqlens, max_length)
     left, causal = _flash_window(window)
     batch, heads = query.shape[:2]
-    grads = flash_attention_backward(
+    grads = flash_varlen_backward(
         _packed(grad_output),
         _packed(query),
         _packed(key),
         _packed(value),
         _packed(output),
         _contiguous(logsumexp.transpose(0, 1).reshape(heads, -1)),  # as the forward wrote it
-        sequences,
-        sequences,
-        longest,
-        longest,
-        0.0,
+        (sequences, sequences, longest, longest),
         causal,
-        torch.zeros(2, dtype=torch.uint64, device=query.device),  # no dropout: varlen_attn's
-        torch.empty(0, device=query.device),
-        scale=scale,
-        window_size_left=left,
-        window_size_right=0,
+        (left, 0),
+        scale,
     )
     grad_q, grad_k, grad_v = (_unpacked(grad, batch) for grad in grads)
     return grad_q, grad_k, grad_v

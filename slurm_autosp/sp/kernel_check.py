@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slurm_autosp.sp.document_attention import document_attention
+from slurm_autosp.sp.document_attention import document_attention, document_spans
 from slurm_autosp.sp.ring_plan import Round, ring_plan
 from slurm_autosp.sp.varlen_kernel import varlen_backward, varlen_forward
 
@@ -101,11 +101,8 @@ def _attention(
 
 def _ring_rounds(case: _Case) -> list[Round]:
     """Every round of a ring of 2 over `_DOCUMENTS`' rows: each rank's, against each block."""
-    documents = []
-    for row, lengths in enumerate(_DOCUMENTS):
-        ends = torch.tensor(lengths).cumsum(0).tolist()
-        documents += [(row, end - n, end) for n, end in zip(lengths, ends, strict=True)]
-    plan = ring_plan(2, _SEQ // 2, tuple(documents), case.window, True)
+    documents = tuple(document_spans(_boundaries()[0], _BATCH, _SEQ))
+    plan = ring_plan(2, _SEQ // 2, documents, case.window, True)
     return [r for rank in plan.rounds for source in rank for r in source]
 
 

@@ -318,15 +318,15 @@ def ring_attention_backward(
     grad_kv = kv.new_zeros(kv.shape, dtype=torch.float32)  # this rank's block's, all shares
     _attend_backward(plan.rounds[rank][rank], saved, kv, grad_q, grad_kv, scale)
     returning: tuple[torch.Tensor | None, list, torch.Tensor | None] = (None, [], None)
+    sent_to = plan.destinations(rank)  # the ranks it sent its block return their shares
     for step, rounds, visiting in visits:
         share = None
         if visiting is not None:
             share = torch.zeros_like(grad_kv)
             _attend_backward(rounds, saved, visiting, grad_q, share, scale)
         _add_returned(grad_kv, returning)  # the previous step's shares, in flight meanwhile
-        sent_to = step in plan.destinations(rank)  # those it sent its block return shares
         received, requests = _exchange(
-            share, grad_kv if sent_to else None, step, group, _GRAD_TAG, backwards=True
+            share, grad_kv if step in sent_to else None, step, group, _GRAD_TAG, backwards=True
         )
         returning = (received, requests, share)
     _add_returned(grad_kv, returning)

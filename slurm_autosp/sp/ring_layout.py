@@ -13,6 +13,7 @@ derive the layout from the same global boundaries, so they agree without a word 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,12 +57,14 @@ def _chunk_work(documents: tuple[tuple[int, int, int], ...], seq: int, count: in
     return keys.view(count, -1).sum(dim=1).tolist()
 
 
+@functools.lru_cache(maxsize=16)
 def chunk_layout(
     ring_size: int, seq: int, documents: tuple[tuple[int, int, int], ...] | None
 ) -> ChunkLayout:
     """The layout of rows of `seq` tokens (a multiple of `chunks_per_row`) over a ring:
     the zigzag without document boundaries, else the work-balanced deal of
-    `BALANCED_CHUNKS` times as many chunks. `documents` are (row, start, end) of every row."""
+    `BALANCED_CHUNKS` times as many chunks. `documents` are (row, start, end) of every row.
+    Kept: the micro-batch's shards and its ring calls ask for the same one."""
     if documents is None:
         return _zigzag(ring_size, seq)
     count = chunks_per_row(ring_size, packed=True)

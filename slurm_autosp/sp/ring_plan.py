@@ -8,8 +8,8 @@ of W tokens, less than W behind. So the plan cuts each pair of (query chunk, key
 documents they share into pieces, each a query range over a key range with one rule: a chunk
 over itself is causal, a chunk over an earlier one attends to all of it, a chunk over a later
 one to none of it; under a window a piece keeps only the queries that reach a key and the keys
-a query reaches, in query slices of at most `_WINDOW_SLICE` tokens, so no piece is wider than
-its window needs.
+a query reaches, in query slices as document attention cuts them (`window_chunk`), so no piece
+is wider than its window needs.
 
 A piece is one sequence of flash attention's varlen kernel, its rule flash's window: keys j of
 query i with i + (k_len - q_len) - left <= j <= i + (k_len - q_len) + right (aligned at the
@@ -29,10 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from slurm_autosp.sp.document_attention import window_chunk
 from slurm_autosp.sp.ring_layout import ChunkLayout, chunk_layout
-
-# query tokens per slice of a windowed piece: as document attention cuts its windowed documents
-_WINDOW_SLICE = (64, 512)
 
 
 @dataclass(frozen=True)
@@ -112,8 +110,7 @@ def _windowed(
     """(q_start, q_end, k_start, k_end, left, right) in global positions of the slices of queries
     `q_range` over keys `k_range` (no key after the last query) within a window: each query
     keeps keys q - W + 1 ... q, and every slice's queries reach at least one of its keys."""
-    low, high = _WINDOW_SLICE
-    step = min(max(window, low), high)
+    step = window_chunk(window)
     for q_start in range(q_range[0], q_range[1], step):
         k_end = min(k_range[1], q_start + step)
         q_end = min(q_start + step, q_range[1], k_end + window - 1)

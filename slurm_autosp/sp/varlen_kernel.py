@@ -16,9 +16,9 @@ from itertools import accumulate, pairwise
 import torch
 
 from slurm_autosp.compat.torch_api import (
-    flash_attention_backward,
-    flash_attention_forward,
     flash_refusal,
+    flash_varlen_backward,
+    flash_varlen_forward,
 )
 from slurm_autosp.sp.ring_plan import Piece, Round
 
@@ -77,9 +77,9 @@ def _tokens_first(heads: torch.Tensor) -> torch.Tensor:
     return heads[0].transpose(0, 1)
 
 
-def _flash_rule(round_: Round) -> tuple[bool, int, int]:
-    left, right = round_.rule
-    return (left, right) == (-1, 0), left, right
+def _flash_rule(round_: Round) -> tuple[bool, tuple[int, int]]:
+    """(is_causal, (window_size_left, window_size_right)) of the round's pieces for flash."""
+    return round_.rule == (-1, 0), round_.rule
 
 
 def _sequences(round_: Round, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -95,18 +95,9 @@ def varlen_forward(
     piece by piece: the output [Tq, Hq, D] and its log-sum-exp [Tq, Hq] (fp32)."""
     if query.device.type == "cuda":
         check_flash(query)
-        causal, left, right = _flash_rule(round_)
-        output, lse, *_ = flash_attention_forward(
-            query,
-            key,
-            value,
-            *_sequences(round_, query.device),
-            0.0,
-            causal,
-            False,
-            scale=scale,
-            window_size_left=left,
-            window_size_right=right,
+        causal, window = _flash_rule(round_)
+        output, lse = flash_varlen_forward(
+            query, key, value, _sequences(round_, query.device), causal, window, scale
         )
         return output, lse.transpose(0, 1)  # flash writes it [Hq, Tq]
     output = torch.empty_like(query)
@@ -141,24 +132,19 @@ def varlen_backward(
     whole attention's `output` and log-sum-exp `lse` [Tq, Hq] for its queries: each piece's
     exact share of the whole's."""
     if query.device.type == "cuda":
-        causal, left, right = _flash_rule(round_)
-        grads = flash_attention_backward(
+        causal, window = _flash_rule(round_)
+        return flash_varlen_backward(
             grad_output,
             query,
             key,
             value,
             output,
-            lse.transpose(0, 1).contiguous(),
-            *_sequences(round_, query.device),
-            0.0,
+            lse.transpose(0, 1).contiguous(),  # as flash wrote it
+            _sequences(round_, query.device),
             causal,
-            torch.zeros(2, dtype=torch.uint64, device=query.device),  # no dropout
-            torch.empty(0, device=query.device),
-            scale=scale,
-            window_size_left=left,
-            window_size_right=right,
+            window,
+            scale,
         )
-        return grads[0], grads[1], grads[2]
     grad_q, grad_k, grad_v = (torch.zeros_like(t) for t in (query, key, value))
     for piece, (queries, keys) in zip(round_.pieces, _spans(round_), strict=True):
         mask, causal = _mask(piece, query.dtype)
