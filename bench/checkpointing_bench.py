@@ -187,9 +187,9 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
 
     from slurm_autosp.compile import AutoSPBackend, compile_model
     from slurm_autosp.compile.activation_checkpointing import is_quadratic
-    from slurm_autosp.sp import loss_scale, prepare_sp_inputs
+    from slurm_autosp.run_step import run_module_step
+    from slurm_autosp.sp import prepare_sp_inputs
     from slurm_autosp.sp.offload import ActivationOffload
-    from slurm_autosp.sp.step import SPStep, step_label_count
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -212,19 +212,10 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
     )
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
     shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP)
-    count = step_label_count([shard], torch.device("cpu"))
     local = shard.input_ids.shape[1]
 
     saved_bytes = DecoderSavedBytes(model)
-    sp_step = SPStep(
-        model,
-        torch.Tensor.backward,
-        loss_scale(dist.get_world_size(), 1),
-        SP,
-        micro_batches=1,
-        chunk_tokens=CHUNK,
-        saving=offload.saving if offload else saved_bytes.counting,
-    )
+    saving = offload.saving if offload else saved_bytes.counting
     a2a = {"count": 0, "backward": False}
     original_a2a = dist.all_to_all_single
 
@@ -256,7 +247,10 @@ def run_policy(policy: str, seq: int, steps: int, rank: int):
                 a2a["count"] = 0
                 dist.barrier()
                 start = time.perf_counter()
-                loss = sp_step.run(shard, count, phases).loss
+                step_losses = run_module_step(
+                    model, [shard], SP, chunk_tokens=CHUNK, saving=saving, phases=phases
+                )
+                loss = step_losses.micro_batches[0].loss
                 if step:
                     times.append(time.perf_counter() - start)
                     rss = {"forward_delta": marks["after"] - marks["before"]}

@@ -33,7 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common import REPO, bench_parser
 
@@ -87,6 +89,24 @@ def deepspeed_engine(model, extra_config: dict):
     return engine
 
 
+@dataclass(frozen=True)
+class Unstepped:
+    """The raw DeepSpeed engine as a step runs it, with the factor for its average over the
+    world; its optimizer step is left to the bench, which reads the reduced gradients first."""
+
+    engine: Any
+    loss_scale: float
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.engine(**kwargs)
+
+    def backward(self, loss: Any) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        pass
+
+
 def setup_ours(layers: int, input_ids, device):
     """Returns (engine, compile, step, how rank losses combine): `step()` runs forward and
     backward and returns this rank's loss, its summed token loss over the global label count
@@ -94,21 +114,20 @@ def setup_ours(layers: int, input_ids, device):
     import torch.distributed as dist
 
     from slurm_autosp.compile import AutoSPBackend, compile_model
+    from slurm_autosp.run_step import run_engine_step
     from slurm_autosp.sp import loss_scale, prepare_sp_inputs, set_sp_group
-    from slurm_autosp.sp.step import SPStep, step_label_count
 
     world, rank = dist.get_world_size(), dist.get_rank()
     engine = deepspeed_engine(tiny_llama(layers, device), {})
     shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP)
-    count = step_label_count([shard], device)
     set_sp_group(dist.group.WORLD)
-    sp_step = SPStep(engine, engine.backward, loss_scale(world, grad_accum=1), SP, micro_batches=1)
+    unstepped = Unstepped(engine, loss_scale(world, grad_accum=1))
 
     def compile_():
         compile_model(engine.module, AutoSPBackend(SP), per_layer=True)
 
     def step():
-        return sp_step.run(shard, count).loss.detach()
+        return run_engine_step(unstepped, [shard], SP, 1).micro_batches[0].loss.detach()
 
     return engine, compile_, step, "sum"
 

@@ -52,8 +52,8 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
     from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing, ModelConfig
     from slurm_autosp.model import build_model
-    from slurm_autosp.sp import loss_scale, prepare_sp_inputs
-    from slurm_autosp.sp.step import SPStep, step_label_count
+    from slurm_autosp.run_step import run_module_step
+    from slurm_autosp.sp import prepare_sp_inputs
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(num_hidden_layers=LAYERS, extra={"use_cache": False}))
@@ -71,19 +71,9 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
     packed = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=SP, document_ids=document_ids)
     assert packed.cu_seqlens is not None and len(packed.cu_seqlens) == documents + 1
     modes = {"sdpa": plain, "op, 1 document": one_document, f"op, {documents} documents": packed}
-    counts = {name: step_label_count([shard], torch.device("cpu")) for name, shard in modes.items()}
     local = plain.input_ids.shape[1]
 
     saved = DecoderSavedBytes(model)
-    sp_step = SPStep(
-        model,
-        torch.Tensor.backward,
-        loss_scale(SP, 1),
-        SP,
-        micro_batches=1,
-        chunk_tokens=CHUNK,
-        saving=saved.counting,
-    )
     results = {name: {"times": [], "saved": 0, "loss": None, "grads": None} for name in modes}
     for step in range(steps + 1):  # step 0 compiles and warms up
         for name in modes:
@@ -91,7 +81,10 @@ def run_modes(seq: int, documents: int, steps: int, rank: int) -> list[dict]:
             saved.clear()
             dist.barrier()
             start = time.perf_counter()
-            loss = sp_step.run(modes[name], counts[name]).loss
+            step_losses = run_module_step(
+                model, [modes[name]], SP, chunk_tokens=CHUNK, saving=saved.counting
+            )
+            loss = step_losses.micro_batches[0].loss
             elapsed = time.perf_counter() - start
             result = results[name]
             if step:

@@ -47,18 +47,17 @@ def run_split(ulysses: int, ring: int, windowed: bool, seq: int, steps: int, ran
     import torch.distributed as dist
     from saved_bytes import DecoderSavedBytes
 
-    from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
+    from slurm_autosp.cluster.parallel_dims import contiguous_parallel_dims
     from slurm_autosp.compile import AutoSPBackend, compile_model
     from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
     from slurm_autosp.config import ActivationCheckpointing, ModelConfig
     from slurm_autosp.model import build_model
+    from slurm_autosp.run_step import run_module_step
     from slurm_autosp.sp import (
         communication_counts,
-        loss_scale,
         prepare_sp_inputs,
         set_sp_groups,
     )
-    from slurm_autosp.sp.step import SPStep, step_label_count
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -67,20 +66,11 @@ def run_split(ulysses: int, ring: int, windowed: bool, seq: int, steps: int, ran
     model = build_model(ModelConfig(num_hidden_layers=LAYERS, **(window if windowed else plain)))
     spec = ActivationCheckpointSpec(ActivationCheckpointing.sac, budget=0.0)
     compile_model(model, AutoSPBackend(WORLD, spec, ring), per_layer=True, dynamic=False)
-    groups = build_process_groups(ParallelLayout.contiguous(WORLD, WORLD, ring))
-    set_sp_groups(groups.ulysses, groups.ring)
+    dims = contiguous_parallel_dims(WORLD, ring, torch.device("cpu"))
+    set_sp_groups(dims.ulysses_group, dims.ring_group)
     input_ids = torch.randint(1, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
     shard = prepare_sp_inputs(input_ids, sp_rank=rank, sp_size=WORLD, ring_size=ring)
-    count = step_label_count([shard], torch.device("cpu"))
     saved_bytes = DecoderSavedBytes(model)
-    sp_step = SPStep(
-        model,
-        torch.Tensor.backward,
-        loss_scale(WORLD, 1),
-        WORLD,
-        micro_batches=1,
-        saving=saved_bytes.counting,
-    )
     times, sent = [], 0
     for step in range(steps + 1):  # the first compiles
         model.zero_grad(set_to_none=True)
@@ -88,7 +78,8 @@ def run_split(ulysses: int, ring: int, windowed: bool, seq: int, steps: int, ran
         communication_counts.reset()
         dist.barrier()
         start = time.perf_counter()
-        loss = sp_step.run(shard, count).loss
+        loss = run_module_step(model, [shard], WORLD, saving=saved_bytes.counting)
+        loss = loss.micro_batches[0].loss
         if step:
             times.append(time.perf_counter() - start)
             sent = communication_counts.all_to_all_bytes + communication_counts.ring_bytes

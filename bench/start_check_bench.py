@@ -26,8 +26,9 @@ from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import DocumentBoundaries, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.model import build_model
-from slurm_autosp.sp import loss_scale, set_sp_groups
-from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count
+from slurm_autosp.run_step import run_module_step
+from slurm_autosp.sp import set_sp_groups
+from slurm_autosp.sp.step import shard_for_rank
 from slurm_autosp.verify import make_batch, shrink_model_config, verify_seq_len
 from slurm_autosp.verify.start_check import _options, run_start_check
 
@@ -48,12 +49,10 @@ def _baseline(cfg, dims: ParallelDims) -> None:
     seq_len = verify_seq_len(dims.sp_size, options)
     batch = make_batch(options.rows, seq_len, model_cfg.vocab_size, options.seed)
     shard = shard_for_rank(dims, **batch)
-    count = step_label_count([shard], dims.device)
     model = build_model(model_cfg)
     compile_model(model, AutoSPBackend(dims.sp_size), per_layer=cfg.compile.per_layer)
     set_sp_groups(dims.ulysses_group, dims.ring_group)
-    scale = loss_scale(dims.world_size, grad_accum=1)
-    SPStep(model, torch.Tensor.backward, scale, dims.sp_size, dims.dp_size).run(shard, count)
+    run_module_step(model, [shard], dims.sp_size, dims.dp_size)
 
 
 def _rank_main(rank: int, init_file: str, world_size: int, out: str) -> None:

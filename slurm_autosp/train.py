@@ -36,9 +36,10 @@ from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
 from slurm_autosp.metrics.outside_allocator import record_outside_allocator
+from slurm_autosp.run_step import run_engine_step
 from slurm_autosp.sp import set_sp_groups
 from slurm_autosp.sp.offload import ActivationOffload
-from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count
+from slurm_autosp.sp.step import shard_for_rank
 from slurm_autosp.verify.start_check import run_start_check
 
 log = logging.getLogger(__name__)
@@ -247,21 +248,17 @@ def optimizer_step(
             micro_batch(source, cfg, step, m, dims.dp_rank) for m in range(cfg.train.grad_accum)
         ]
         batches = [shard_for_rank(dims, s.input_ids, s.labels, s.document_ids) for s in samples]
-        num_items = step_label_count(batches, dims.device)
-    sp_step = SPStep(
+    losses = run_engine_step(
         engine,
-        engine.backward,
-        engine.loss_scale,
+        batches,
         dims.sp_size,
-        micro_batches=dims.dp_size * cfg.train.grad_accum,
+        dims.dp_size,
         chunk_tokens=cfg.compile.loss_chunk_tokens,
         saving=offload.saving if offload else nullcontext,
+        phases=phases,
     )
     step_loss = torch.zeros((), device=dims.device)
-    for batch in batches:
-        loss = sp_step.run(batch, num_items, phases).loss
-        with phases("optimizer"):
-            engine.step()
-        step_loss += loss.detach()
+    for micro in losses.micro_batches:
+        step_loss += micro.loss.detach()
     dist.all_reduce(step_loss)
     return step_loss.item()

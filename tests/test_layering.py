@@ -1,6 +1,6 @@
 """The dependency order holds, one floor a package where packages depend on each other:
 config -> cluster -> run lifecycle -> SP runtime -> compiler -> data and model -> training
-state -> engines -> memory plan -> admission -> evaluation and verify -> train -> launch -> the probe
+state -> engines -> the step runner -> memory plan -> admission -> evaluation and verify -> train -> launch -> the probe
 -> the GPU check -> the commands -> the names they are run by (`python -m slurm_autosp.submit`,
 each package's __main__). No module imports one of a later layer, or another package of its own layer, at
 the top or inside a function: no two packages import each other."""
@@ -20,6 +20,7 @@ LAYERS = [
     {"data", "model", "optim", "metrics"},
     {"checkpoint"},
     {"engine"},
+    {"run_step"},
     {"memory_plan"},
     {"admission"},
     {"evaluate", "verify"},

@@ -6,8 +6,8 @@ blocks point to point between neighbours, so they may span domains; DP groups (o
 all-reduce per step) span domains over the scale-out network. Within an SP group, position p
 has ring index p // U and Ulysses index p % U: Ulysses group i is positions [i*U, (i+1)*U),
 ring group u is positions {u, U+u, 2U+u, ...}. `derive_parallel_layout` decides the groups from
-the topology; `build_process_groups` is the one place that turns them into torch.distributed
-groups.
+the topology; `mesh_ranks` lays them out as a (dp, ring, ulysses) device mesh, which
+`cluster.parallel_dims.device_mesh` turns into torch.distributed groups.
 """
 
 from __future__ import annotations
@@ -15,13 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import TYPE_CHECKING, NamedTuple
 
 from slurm_autosp.cluster.topology import ClusterTopology
 from slurm_autosp.heads import choices_text, divisors
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 
 class LayoutError(ValueError):
@@ -138,6 +134,14 @@ class ParallelLayout:
         order (neighbours hold adjacent blocks of the sequence), SP group by SP group."""
         u = self.ulysses_size
         return tuple(g[i::u] for g in self.sp_groups for i in range(u))
+
+    @property
+    def mesh_ranks(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """The ranks as a (dp, ring, ulysses) mesh: [d][r][u] is Ulysses rank u of ring rank r
+        of SP group d, so the mesh's rows along each dimension are the DP, ring and Ulysses
+        groups."""
+        u, r = self.ulysses_size, self.ring_size
+        return tuple(tuple(tuple(g[i * u : (i + 1) * u]) for i in range(r)) for g in self.sp_groups)
 
     def sp_group_of(self, rank: int) -> tuple[int, ...]:
         """The ranks that share `rank`'s sequence (its SP group)."""
@@ -275,39 +279,3 @@ def _domain_sizes_text(sizes: tuple[int, ...]) -> str:
         f"{count} domain{'s' if count > 1 else ''} of {size} GPU{'s' if size > 1 else ''}"
         for size, count in sorted(counts.items(), reverse=True)
     )
-
-
-class ProcessGroups(NamedTuple):
-    """One rank's torch.distributed groups. With ring_size 1 the Ulysses group is the SP group
-    (no second communicator for the same ranks) and there is no ring group (None)."""
-
-    sp: ProcessGroup
-    dp: ProcessGroup
-    ulysses: ProcessGroup
-    ring: ProcessGroup | None
-
-
-def build_process_groups(layout: ParallelLayout) -> ProcessGroups:
-    """Create every SP, DP, Ulysses and ring group; return this rank's.
-
-    torch.distributed requires every rank to call new_group for every group, in the same
-    order, even for groups it is not in: so all ranks walk the same lists, in the same order.
-    """
-    import torch.distributed as dist
-
-    if dist.get_world_size() != layout.world_size:
-        raise LayoutError(
-            f"torch.distributed has world_size {dist.get_world_size()} but the layout was derived "
-            f"for {layout.world_size} ranks; derive it from the job's topology"
-        )
-    rank = dist.get_rank()
-    kinds = [("sp", layout.sp_groups), ("dp", layout.dp_groups)]
-    if layout.ring_size > 1:
-        kinds += [("ulysses", layout.ulysses_groups), ("ring", layout.ring_groups)]
-    mine = {}
-    for kind, groups in kinds:
-        for ranks in groups:
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                mine[kind] = group
-    return ProcessGroups(mine["sp"], mine["dp"], mine.get("ulysses", mine["sp"]), mine.get("ring"))

@@ -2,7 +2,9 @@
 its device and its process groups, in one value built once at job start. Everything a rank
 does by its place (which shard of a sequence it keeps, which samples it reads, which group it
 talks to) reads it from here, so no two readers can disagree on it. The job-wide
-`ParallelLayout` stays the rank-free value that submit derives before any rank exists."""
+`ParallelLayout` stays the rank-free value that submit derives before any rank exists; its
+groups become torch.distributed groups here, as the dimensions of one (dp, ring, ulysses)
+device mesh."""
 
 from __future__ import annotations
 
@@ -13,13 +15,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from slurm_autosp.cluster.distributed import init_distributed
-from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
+from slurm_autosp.cluster.layout import LayoutError, ParallelLayout
 from slurm_autosp.cluster.placement import layout_for, layout_summary, verify_topology
+from slurm_autosp.compat.torch_api import flatten_mesh
 from slurm_autosp.config import JobConfig
 
 log = logging.getLogger(__name__)
+
+MESH_DIMS = ("dp", "ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class ParallelDims:
     local_rank: int  # among the ranks of its node: the one that probes the node's GPUs is 0
     device: torch.device
     layout: ParallelLayout
+    mesh: DeviceMesh  # the layout's ranks by (dp, ring, ulysses): the groups below are its
     sp_group: ProcessGroup  # the ranks sharing this rank's sequences
     dp_group: ProcessGroup  # the ranks holding the same shard: the gradient reduction
     # the ranks of this rank's all-to-alls: its SP group's slice inside one NVLink domain (the
@@ -82,22 +89,42 @@ class ParallelDims:
         return self.layout.ring_rank(self.rank)
 
 
+def device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
+    """`layout`'s ranks as a (dp, ring, ulysses) device mesh over the world this process has
+    joined (`ParallelLayout.mesh_ranks`). Every rank calls it: it creates every group of every
+    dimension, one NCCL split a dimension once the world's group is bound to a device. A
+    dimension that spans the world gets a group of its own rather than the world's default
+    one, so an SP all-to-all never waits in the queue of the world's collectives (FSDP2's)."""
+    if dist.get_world_size() != layout.world_size:
+        raise LayoutError(
+            f"torch.distributed has world_size {dist.get_world_size()} but the layout was derived "
+            f"for {layout.world_size} ranks; derive it from the job's topology"
+        )
+    own_groups = ((dist.get_backend(), None),) * len(MESH_DIMS)
+    return DeviceMesh(
+        device_type,
+        torch.tensor(layout.mesh_ranks),
+        mesh_dim_names=MESH_DIMS,
+        backend_override=own_groups,
+    )
+
+
 def parallel_dims_for(
     layout: ParallelLayout, local_rank: int, device: torch.device
 ) -> ParallelDims:
     """This rank's dims in `layout`, over the process group it has joined: the one way dims are
-    built, the layout's SP, DP, Ulysses and ring groups created here. Every rank of the group
-    calls it (each builds every group)."""
-    groups = build_process_groups(layout)
+    built, the layout's SP, DP, Ulysses and ring groups the dimensions of its device mesh. Every
+    rank of the group calls it (each builds every group). With ring_size 1 the Ulysses group is
+    the SP group (no second communicator for the same ranks) and there is no ring group."""
+    mesh = device_mesh(layout, device.type)
+    ulysses = mesh.get_group("ulysses")
+    if layout.ring_size == 1:
+        sp, ring = ulysses, None
+    else:
+        sp = flatten_mesh(mesh["ring", "ulysses"], "sp", dist.get_backend()).get_group()
+        ring = mesh.get_group("ring")
     return ParallelDims(
-        dist.get_rank(),
-        local_rank,
-        device,
-        layout,
-        groups.sp,
-        groups.dp,
-        groups.ulysses,
-        groups.ring,
+        dist.get_rank(), local_rank, device, layout, mesh, sp, mesh.get_group("dp"), ulysses, ring
     )
 
 

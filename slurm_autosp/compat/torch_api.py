@@ -1,7 +1,8 @@
 """torch's private names that slurm_autosp uses: the compiler's, the plan's layer tracing and
 the CUDA kernel of document attention (the flash varlen forward and backward that
 torch.nn.attention.varlen calls, with its arguments), and the reset of DTensor's sharding
-caches, which outlive the process groups of their meshes; the hook in a module's call that
+caches, which outlive the process groups of their meshes, and the flattening of a device
+mesh's dimensions into one (as torchtitan does: no public name yet); the hook in a module's call that
 runs outside its compiled frame; and a DTensor made over a host copy of its shard."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.cuda._pin_memory_utils import pin_memory as register_pinned
 from torch.cuda._pin_memory_utils import unpin_memory as unregister_pinned
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear_sharding_prop_cache
 
@@ -108,6 +110,7 @@ __all__ = [
     "flash_refusal",
     "flash_varlen_backward",
     "flash_varlen_forward",
+    "flatten_mesh",
     "inductor_config",
     "inductor_default_cache_dir",
     "maybe_mark_dynamic",
@@ -130,6 +133,12 @@ def flash_refusal(query: torch.Tensor) -> tuple[str, bool]:
     if head_dim % 8 or head_dim > 256:
         return f"takes head dimensions that are multiples of 8 up to 256, not {head_dim}", False
     return "", False
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str, backend: str) -> DeviceMesh:
+    """`mesh`'s dimensions as one named `name`, over a group of its own on `backend` (not the
+    world's default group where it spans the world)."""
+    return mesh._flatten(name, backend_override=backend)
 
 
 def inductor_default_cache_dir() -> str:

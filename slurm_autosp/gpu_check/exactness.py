@@ -28,9 +28,9 @@ from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSp
 from slurm_autosp.config import ActivationCheckpointing, ModelConfig
 from slurm_autosp.model import build_model
 from slurm_autosp.probe.kernels import FAIL, PASS, KernelCheck
-from slurm_autosp.sp import loss_scale, prepare_sp_inputs
+from slurm_autosp.run_step import run_module_step
+from slurm_autosp.sp import prepare_sp_inputs
 from slurm_autosp.sp.offload import ActivationOffload
-from slurm_autosp.sp.step import SPStep
 from slurm_autosp.verify.ranks import full_fp32
 
 FACTOR = 2.0
@@ -79,16 +79,9 @@ def _step(
     model: torch.nn.Module, input_ids: torch.Tensor, offload: ActivationOffload | None = None
 ) -> _Step:
     batch = prepare_sp_inputs(input_ids, sp_rank=0, sp_size=1)
-    # one rank, no process group needed: its own label count; one device's factor (1)
-    sp_step = SPStep(
-        model,
-        torch.Tensor.backward,
-        loss_scale(world_size=1, grad_accum=1),
-        sp_size=1,
-        micro_batches=1,
-        saving=offload.saving if offload else nullcontext,
-    )
-    loss = sp_step.run(batch, batch.valid_labels).loss
+    saving = offload.saving if offload else nullcontext
+    (step,) = run_module_step(model, [batch], sp_size=1, saving=saving).micro_batches
+    loss = step.loss
     grads = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
     return _Step(float(loss.detach()), grads)
 

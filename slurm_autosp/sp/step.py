@@ -1,9 +1,11 @@
 """One sequence-parallel step, written once: each micro-batch sharded for this rank, the step's
 count of valid labels over the world, and each micro-batch's loss (an MoE's router share
 included) times the factor that undoes the engine's gradient reduction, then backward.
-Training, evaluation, verify, the GPU probe and the benches all run these, so the arithmetic
-that makes SP equal one device (verify's exactness, the equivalence tests) lives in one place;
-what differs between callers (the engine's backward and factor, timing, offload) is passed in."""
+Training, verify, the GPU check and the benches run it through `slurm_autosp.run_step` (which
+pairs a model with its backward and factor), evaluation shards with `shard_for_rank`, so the
+arithmetic that makes SP equal one device (verify's exactness, the equivalence tests) lives in
+one place; what differs between callers (the engine's backward and factor, timing, offload) is
+passed in."""
 
 from __future__ import annotations
 
@@ -41,13 +43,16 @@ def shard_for_rank(
 
 def step_label_count(batches: Sequence[SPBatch], device: torch.device) -> torch.Tensor:
     """The step's loss normaliser: the valid labels of these micro-batches summed over every
-    rank of the world (one all-reduce), at least 1 so a step without labels divides by 1."""
+    rank of the world (one all-reduce; a process outside any group is a world of one), at least
+    1 so a step without labels divides by 1."""
     count = torch.tensor(sum(b.valid_labels for b in batches), device=device)
-    dist.all_reduce(count)
+    if dist.is_initialized():
+        dist.all_reduce(count)
     return count.clamp(min=1)
 
 
-def _untimed(name: str) -> AbstractContextManager[None]:
+def untimed(name: str) -> AbstractContextManager[None]:
+    """Phases nobody times (a step outside the training loop)."""
     return nullcontext()
 
 
@@ -58,6 +63,14 @@ class MicroBatchLoss:
 
     loss: torch.Tensor
     logits: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class StepLosses:
+    """A step's micro-batch losses in order, and the label count over the world they share."""
+
+    micro_batches: list[MicroBatchLoss]
+    num_items: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -86,7 +99,7 @@ class SPStep:
         self,
         batch: SPBatch,
         num_items: torch.Tensor | int,
-        phases: Callable[[str], AbstractContextManager[None]] = _untimed,
+        phases: Callable[[str], AbstractContextManager[None]] = untimed,
     ) -> MicroBatchLoss:
         """Forward and backward of one micro-batch, the step's label count `num_items`
         (`step_label_count`); `phases` times "forward" and "backward" (metrics.Phases)."""
@@ -102,3 +115,21 @@ class SPStep:
         with phases("backward"):
             self.backward(loss * self.loss_scale)
         return MicroBatchLoss(loss, logits)
+
+    def step(
+        self,
+        batches: Sequence[SPBatch],
+        after_each: Callable[[], object] | None = None,
+        phases: Callable[[str], AbstractContextManager[None]] = untimed,
+    ) -> StepLosses:
+        """Every micro-batch of a step: their label count over the world (`step_label_count`),
+        then each one's forward and backward, and `after_each` after it if given (timed as
+        "optimizer": an engine's step, which updates the weights at the accumulation boundary)."""
+        num_items = step_label_count(batches, batches[0].input_ids.device)
+        losses = []
+        for batch in batches:
+            losses.append(self.run(batch, num_items, phases))
+            if after_each is not None:
+                with phases("optimizer"):
+                    after_each()
+        return StepLosses(losses, num_items)

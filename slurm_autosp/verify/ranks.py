@@ -17,9 +17,10 @@ from slurm_autosp.cluster.parallel_dims import ParallelDims, contiguous_parallel
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import CompileConfig, JobConfig, ModelConfig
 from slurm_autosp.model import build_model
-from slurm_autosp.sp import IGNORE_INDEX, loss_scale, set_sp_groups, sp_token_positions
+from slurm_autosp.run_step import run_module_step
+from slurm_autosp.sp import IGNORE_INDEX, set_sp_groups, sp_token_positions
 from slurm_autosp.sp.inputs import padded_length
-from slurm_autosp.sp.step import SPStep, shard_for_rank, step_label_count
+from slurm_autosp.sp.step import shard_for_rank
 from slurm_autosp.verify.options import (
     Inject,
     VerifyOptions,
@@ -196,21 +197,14 @@ def compare_sp_step(
         shard = dataclasses.replace(
             shard, shift_labels=buggy, valid_labels=int((buggy != -100).sum())
         )
-    count = step_label_count([shard], dims.device)
 
     backend = AutoSPBackend(sp_size, ring_size=ring_size, codegen=options.codegen)
     compile_model(model, backend, per_layer=cfg.compile.per_layer)
     set_sp_groups(dims.ulysses_group, dims.ring_group)
-    sp_step = SPStep(
-        model,
-        torch.Tensor.backward,
-        loss_scale(world_size, grad_accum=1),
-        sp_size,
-        micro_batches=dims.dp_size,
-        keep_logits=True,  # unchunked: its logits give the per-token losses
-    )
-    step = sp_step.run(shard, count)
-    sp_loss, logits = step.loss, step.logits
+    # unchunked, logits kept: they give the per-token losses
+    step = run_module_step(model, [shard], sp_size, dims.dp_size, keep_logits=True)
+    (micro,), count = step.micro_batches, step.num_items
+    sp_loss, logits = micro.loss, micro.logits
     assert logits is not None
     backend.require_sdpa_found()
 

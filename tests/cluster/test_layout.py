@@ -11,12 +11,12 @@ import torch.multiprocessing as mp
 from slurm_autosp.cluster.layout import (
     LayoutError,
     ParallelLayout,
-    build_process_groups,
     derive_parallel_layout,
 )
-from slurm_autosp.cluster.parallel_dims import parallel_dims_for
+from slurm_autosp.cluster.parallel_dims import device_mesh, parallel_dims_for
 from slurm_autosp.cluster.placement import expected_topology, layout_for, layout_summary
 from slurm_autosp.cluster.topology import ClusterTopology, NodeTopology, topology_from_profile
+from slurm_autosp.compat.torch_api import flatten_mesh
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.heads import auto_ring_size
 
@@ -335,8 +335,9 @@ def _groups_worker(rank: int, world: int, init_file: str, results) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=2)
-    sp_group, dp_group, ulysses_group, ring_group = build_process_groups(layout)
-    assert ulysses_group is sp_group and ring_group is None  # ring_size 1
+    dims = parallel_dims_for(layout, rank % 2, torch.device("cpu"))
+    sp_group, dp_group = dims.sp_group, dims.dp_group
+    assert dims.ulysses_group is sp_group and dims.ring_group is None  # ring_size 1
     value = torch.tensor([float(rank)])
     dist.all_reduce(value, group=sp_group)
     members = torch.tensor([float(rank)])
@@ -400,7 +401,49 @@ def test_ring_process_groups_reduce_within_ulysses_and_ring_groups(tmp_path):
     }
 
 
-def test_build_process_groups_refuses_a_layout_for_another_world(monkeypatch):
+def _interleaved_worker(rank: int, world: int, init_file: str, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # NVLink domains {0, 2} and {1, 3}: the SP group in domain order, not rank order
+    layout = ParallelLayout.from_sp_groups(((0, 2, 1, 3),), ring_size=2)
+    dims = parallel_dims_for(layout, rank, torch.device("cpu"))
+    world_group = flatten_mesh(dims.mesh, "world", "gloo").get_group()
+    results[rank] = (
+        dims.mesh.mesh.tolist(),
+        dims.mesh.mesh_dim_names,
+        tuple(
+            tuple(dist.get_process_group_ranks(g))
+            for g in (dims.sp_group, dims.dp_group, dims.ulysses_group, dims.ring_group)
+        ),
+        dims.sp_group is dist.group.WORLD,
+        # why FSDP2 shards over the world in rank order, not over this mesh flattened: the
+        # flattening's coordinates follow the layout, its group's ranks follow the world
+        (flatten_mesh(dims.mesh, "world", "gloo").get_coordinate(), dist.get_rank(world_group)),
+    )
+    dist.destroy_process_group()
+
+
+def test_the_device_mesh_holds_an_interleaved_layout_and_its_groups_are_the_layouts(tmp_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    init_file = str(tmp_path / "rendezvous")
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_interleaved_worker, args=(4, init_file, results), nprocs=4, join=True)
+        got = dict(results)
+    mesh = [[[0, 2], [1, 3]]]  # [dp][ring][ulysses]
+    ulysses = {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)}
+    ring = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
+    flat_coordinate = {0: 0, 1: 2, 2: 1, 3: 3}  # rank 2 is the flattening's coordinate 1
+    for rank in range(4):
+        # the SP group spans the world, yet is a communicator of its own, not the default group
+        groups = ((0, 1, 2, 3), (rank,), ulysses[rank], ring[rank])
+        flat = ((flat_coordinate[rank],), rank)
+        assert got[rank] == (mesh, ("dp", "ring", "ulysses"), groups, False, flat)
+
+
+def test_the_device_mesh_refuses_a_layout_for_another_world(monkeypatch):
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
@@ -409,4 +452,4 @@ def test_build_process_groups_refuses_a_layout_for_another_world(monkeypatch):
         LayoutError,
         match="torch.distributed has world_size 8 but the layout was derived for 4 ranks",
     ):
-        build_process_groups(layout)
+        device_mesh(layout, "cpu")

@@ -16,7 +16,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from slurm_autosp.cluster.layout import ParallelLayout, build_process_groups
+from slurm_autosp.cluster.layout import ParallelLayout
+from slurm_autosp.cluster.parallel_dims import parallel_dims_for
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing
@@ -94,14 +95,14 @@ def contiguous_sp_group(sp_size: int) -> dist.ProcessGroup:
 
 def ulysses_and_ring_groups(ulysses: int, ring: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's Ulysses and ring groups over contiguous SP groups of ulysses x ring ranks, as
-    a job's layout places them (build_process_groups: rank r of an SP group is Ulysses member
+    a job's layout places them (parallel_dims_for: rank r of an SP group is Ulysses member
     r % ulysses of ring rank r // ulysses); built once per split, every rank building every group."""
     if (ulysses, ring) not in _ring_groups:
         world, sp = dist.get_world_size(), ulysses * ring
         layout = ParallelLayout.contiguous(world, sp, ring)
-        groups = build_process_groups(layout)
-        assert groups.ring is not None
-        _ring_groups[(ulysses, ring)] = (groups.ulysses, groups.ring)
+        dims = parallel_dims_for(layout, dist.get_rank(), torch.device("cpu"))
+        assert dims.ring_group is not None
+        _ring_groups[(ulysses, ring)] = (dims.ulysses_group, dims.ring_group)
     return _ring_groups[(ulysses, ring)]
 
 
