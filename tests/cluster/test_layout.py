@@ -329,37 +329,52 @@ def test_an_explicit_ring_too_small_for_the_domain_is_refused_naming_both_keys()
 # ----------------------------------------------------------------- torch.distributed groups
 
 
-def _groups_worker(rank: int, world: int, init_file: str, results) -> None:
-    import torch
+def _rank_main(rank: int, world: int, init_file: str, case, results) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=2)
-    dims = parallel_dims_for(layout, rank % 2, torch.device("cpu"))
-    sp_group, dp_group = dims.sp_group, dims.dp_group
-    assert dims.ulysses_group is sp_group and dims.ring_group is None  # ring_size 1
-    value = torch.tensor([float(rank)])
-    dist.all_reduce(value, group=sp_group)
-    members = torch.tensor([float(rank)])
-    dist.all_reduce(members, group=dp_group)
-    results[rank] = (
-        value.item(),
-        members.item(),
-        dist.get_world_size(sp_group),
-        dist.get_world_size(dp_group),
-    )
-    dist.destroy_process_group()
+    try:
+        results[rank] = case(rank)
+    finally:
+        dist.destroy_process_group()
 
 
-def test_process_groups_reduce_within_sp_and_dp_groups(tmp_path):
+def _on_four_ranks(case, tmp_path) -> dict:
+    """`case(rank)` on each of 4 spawned gloo ranks, by rank."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_file = str(tmp_path / "rendezvous")  # a file, not a port another process could take
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_groups_worker, args=(4, init_file, results), nprocs=4, join=True)
-        got = dict(results)
+        mp.spawn(_rank_main, args=(4, init_file, case, results), nprocs=4, join=True)
+        return dict(results)
+
+
+def _sums_over(rank: int, groups) -> tuple[float, ...]:
+    import torch
+    import torch.distributed as dist
+
+    sums = []
+    for group in groups:
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value, group=group)
+        sums.append(value.item())
+    return tuple(sums)
+
+
+def _sp_and_dp_groups(rank: int):
+    import torch
+    import torch.distributed as dist
+
+    layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=2)
+    dims = parallel_dims_for(layout, rank % 2, torch.device("cpu"))
+    assert dims.ulysses_group is dims.sp_group and dims.ring_group is None  # ring_size 1
+    sizes = (dist.get_world_size(dims.sp_group), dist.get_world_size(dims.dp_group))
+    return _sums_over(rank, (dims.sp_group, dims.dp_group)) + sizes
+
+
+def test_process_groups_reduce_within_sp_and_dp_groups(tmp_path):
     # sp_groups (0,1),(2,3); dp_groups (0,2),(1,3)
-    assert got == {
+    assert _on_four_ranks(_sp_and_dp_groups, tmp_path) == {
         0: (1.0, 2.0, 2, 2),
         1: (1.0, 4.0, 2, 2),
         2: (5.0, 2.0, 2, 2),
@@ -367,33 +382,19 @@ def test_process_groups_reduce_within_sp_and_dp_groups(tmp_path):
     }
 
 
-def _ring_groups_worker(rank: int, world: int, init_file: str, results) -> None:
+def _ring_groups(rank: int):
     import torch
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     layout = derive_parallel_layout(topology_from_profile(2, 2, 2), sp_size=4, ring_size=2)
     dims = parallel_dims_for(layout, rank % 2, torch.device("cpu"))
     assert (dims.ulysses_size, dims.ring_size) == (2, 2)
     assert (dims.ring_rank, dims.ulysses_rank) == (rank // 2, rank % 2)
-    sums = []
-    for group in (dims.sp_group, dims.dp_group, dims.ulysses_group, dims.ring_group):
-        value = torch.tensor([float(rank)])
-        dist.all_reduce(value, group=group)
-        sums.append(value.item())
-    results[rank] = tuple(sums)
-    dist.destroy_process_group()
+    return _sums_over(rank, (dims.sp_group, dims.dp_group, dims.ulysses_group, dims.ring_group))
 
 
 def test_ring_process_groups_reduce_within_ulysses_and_ring_groups(tmp_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    init_file = str(tmp_path / "rendezvous")
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_ring_groups_worker, args=(4, init_file, results), nprocs=4, join=True)
-        got = dict(results)
     # one SP group (0-3), DP of one; Ulysses (0,1),(2,3) on each node; rings (0,2),(1,3)
-    assert got == {
+    assert _on_four_ranks(_ring_groups, tmp_path) == {
         0: (6.0, 0.0, 1.0, 2.0),
         1: (6.0, 1.0, 1.0, 4.0),
         2: (6.0, 2.0, 5.0, 2.0),
@@ -401,16 +402,17 @@ def test_ring_process_groups_reduce_within_ulysses_and_ring_groups(tmp_path):
     }
 
 
-def _interleaved_worker(rank: int, world: int, init_file: str, results) -> None:
+def _interleaved_groups(rank: int):
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     # NVLink domains {0, 2} and {1, 3}: the SP group in domain order, not rank order
     layout = ParallelLayout.from_sp_groups(((0, 2, 1, 3),), ring_size=2)
     dims = parallel_dims_for(layout, rank, torch.device("cpu"))
-    world_group = flatten_mesh(dims.mesh, "world", "gloo").get_group()
-    results[rank] = (
+    # why FSDP2 shards over the world in rank order, not over this mesh flattened: the
+    # flattening's coordinates follow the layout, its group's ranks follow the world
+    flat = flatten_mesh(dims.mesh, "world", "gloo")
+    return (
         dims.mesh.mesh.tolist(),
         dims.mesh.mesh_dim_names,
         tuple(
@@ -418,20 +420,12 @@ def _interleaved_worker(rank: int, world: int, init_file: str, results) -> None:
             for g in (dims.sp_group, dims.dp_group, dims.ulysses_group, dims.ring_group)
         ),
         dims.sp_group is dist.group.WORLD,
-        # why FSDP2 shards over the world in rank order, not over this mesh flattened: the
-        # flattening's coordinates follow the layout, its group's ranks follow the world
-        (flatten_mesh(dims.mesh, "world", "gloo").get_coordinate(), dist.get_rank(world_group)),
+        (flat.get_coordinate(), dist.get_rank(flat.get_group())),
     )
-    dist.destroy_process_group()
 
 
 def test_the_device_mesh_holds_an_interleaved_layout_and_its_groups_are_the_layouts(tmp_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    init_file = str(tmp_path / "rendezvous")
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_interleaved_worker, args=(4, init_file, results), nprocs=4, join=True)
-        got = dict(results)
+    got = _on_four_ranks(_interleaved_groups, tmp_path)
     mesh = [[[0, 2], [1, 3]]]  # [dp][ring][ulysses]
     ulysses = {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)}
     ring = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
