@@ -19,9 +19,7 @@ from torch import nn
 
 from slurm_autosp.sp.inputs import SPBatch
 from slurm_autosp.sp.loss import loss_scale
-from slurm_autosp.sp.step import SPStep, StepLosses, untimed
-
-Timer = Callable[[str], AbstractContextManager[None]]
+from slurm_autosp.sp.step import PhaseTimer, SPStep, StepLosses, untimed
 
 
 class StepEngine(Protocol):
@@ -45,7 +43,7 @@ def run_engine_step(
     *,
     chunk_tokens: int = 0,
     saving: Callable[[], AbstractContextManager[object]] = nullcontext,
-    phases: Timer = untimed,
+    phases: PhaseTimer = untimed,
 ) -> StepLosses:
     """One optimizer step of `batches` (this rank's shards of the step's micro-batches, one DP
     replica of `dp_size`) under `engine`; `chunk_tokens` cuts the loss, `saving` wraps each
@@ -71,7 +69,7 @@ def run_module_step(
     chunk_tokens: int = 0,
     keep_logits: bool = False,
     saving: Callable[[], AbstractContextManager[object]] = nullcontext,
-    phases: Timer = untimed,
+    phases: PhaseTimer = untimed,
 ) -> StepLosses:
     """Forward and backward of `batches` through a bare module over a world of sp_size x
     dp_size ranks; each rank's gradients stay its own, their average over the world is one

@@ -51,6 +51,9 @@ def step_label_count(batches: Sequence[SPBatch], device: torch.device) -> torch.
     return count.clamp(min=1)
 
 
+PhaseTimer = Callable[[str], AbstractContextManager[None]]  # `with phases("forward"): ...`
+
+
 def untimed(name: str) -> AbstractContextManager[None]:
     """Phases nobody times (a step outside the training loop)."""
     return nullcontext()
@@ -99,7 +102,7 @@ class SPStep:
         self,
         batch: SPBatch,
         num_items: torch.Tensor | int,
-        phases: Callable[[str], AbstractContextManager[None]] = untimed,
+        phases: PhaseTimer = untimed,
     ) -> MicroBatchLoss:
         """Forward and backward of one micro-batch, the step's label count `num_items`
         (`step_label_count`); `phases` times "forward" and "backward" (metrics.Phases)."""
@@ -120,7 +123,7 @@ class SPStep:
         self,
         batches: Sequence[SPBatch],
         after_each: Callable[[], object] | None = None,
-        phases: Callable[[str], AbstractContextManager[None]] = untimed,
+        phases: PhaseTimer = untimed,
     ) -> StepLosses:
         """Every micro-batch of a step: their label count over the world (`step_label_count`),
         then each one's forward and backward, and `after_each` after it if given (timed as
