@@ -68,14 +68,7 @@ TILE = 256  # tokens per tile for the tiled rows
 def tiny_llama_config():
     from slurm_autosp.config import ModelConfig
 
-    return ModelConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    return ModelConfig(num_hidden_layers=LAYERS)  # the config's default Llama
 
 
 def _spec(policy: str):

@@ -48,20 +48,14 @@ VOCAB = 256
 
 
 def tiny_llama(layers: int, device):
+    """The config's default model (a Llama of 64 hidden, 4 heads, 2 KV heads), `layers` deep."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slurm_autosp.config import ModelConfig
+    from slurm_autosp.model import build_model
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).to(device)
+    return build_model(ModelConfig(num_hidden_layers=layers, vocab_size=VOCAB)).to(device)
 
 
 def reference_step(layers: int, input_ids, device):

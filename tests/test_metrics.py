@@ -19,33 +19,22 @@ from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_autosp.commands.summary import summarize
-from slurm_autosp.config import TraceConfig, load_config
+from slurm_autosp.config import ModelConfig, TraceConfig, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.metrics import StepTracer
 from slurm_autosp.metrics.flops import count_flops, peak_tflops
 from slurm_autosp.metrics.plot import PEAK, PEAK_MARK, PHASE_COLORS, memory_trace_figure
 from slurm_autosp.metrics.rank_memory import MemoryReader, MemoryTimeline, MemoryTrace
-from slurm_autosp.model import build_skeleton
+from slurm_autosp.model import build_model, build_skeleton
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_llama(layers=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """The config's default model (a Llama of 64 hidden, 4 heads, 2 KV heads, vocab 256)."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config)
+    return build_model(ModelConfig(num_hidden_layers=layers, extra={"use_cache": False}))
 
 
 def test_flop_count_is_six_n_per_token_plus_causal_attention():
@@ -301,9 +290,9 @@ TRACED_WITHOUT_MATPLOTLIB = textwrap.dedent(
     import logging
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from slurm_autosp.config import load_config
+    from slurm_autosp.config import ModelConfig, load_config
     from slurm_autosp.metrics import StepTracer
+    from slurm_autosp.model import build_model
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     root = sys.argv[1]
@@ -312,13 +301,7 @@ TRACED_WITHOUT_MATPLOTLIB = textwrap.dedent(
         [f"run.output_root={root}", "run.name=unit", "trace.memory_steps=[1,2]", "train.steps=2"]
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
-            use_cache=False,
-        )
-    )
+    model = build_model(ModelConfig(num_hidden_layers=1, extra={"use_cache": False}))
     tracer = StepTracer(cfg, 0, 1, torch.device("cpu"), model, first_step=0, layout="1 rank")
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     for step in (1, 2):
