@@ -4,7 +4,7 @@ reduces the gradients.
 
 A training engine reduces them itself: its `backward`, its `loss_scale`, and its `step` after
 every micro-batch (the optimizer steps at the accumulation boundary). A bare module (verify, the
-GPU check, the benches) keeps each rank's gradients for its caller, who averages them over the
+GPU check, most benches) keeps each rank's gradients for its caller, who averages them over the
 world: its factor is the world's (`loss_scale(world, 1)`), so the average is one device's
 gradient of the whole step."""
 

@@ -96,6 +96,16 @@ class ParallelLayout:
                 f"(dp_groups[0] = {list(expected_dp[0][:8])}), got dp_groups[0] = {got}"
             )
         object.__setattr__(self, "_sp_slot", tuple(slot))
+        for kind, groups in (("Ulysses", self.ulysses_groups), ("ring", self.ring_groups)):
+            unordered = next((g for g in groups if list(g) != sorted(g)), None)
+            if unordered is not None:
+                raise LayoutError(
+                    f"the {kind} group {list(unordered)} is not in rank order: torch numbers a "
+                    "group's ranks in ascending order, so its ranks' places in it would not be "
+                    f"their places in the sequence (SP groups {_groups_text(self.sp_groups)}); "
+                    "the NVLink domains interleave in rank order so that no Ulysses x ring split "
+                    "of this size keeps both in order: choose another ring_size (1: no ring)"
+                )
 
     @classmethod
     def from_sp_groups(
@@ -267,8 +277,19 @@ def derive_parallel_layout(
             "Choose one of them, or set parallel.allow_cross_domain=true to accept the slower layout."
         )
     order = [rank for domain in topology.nvlink_domains for rank in domain]
-    sp_groups = tuple(tuple(order[start : start + sp_size]) for start in range(0, world, sp_size))
+    sp_groups = tuple(
+        _in_rank_order(order[start : start + sp_size], ulysses)
+        for start in range(0, world, sp_size)
+    )
     return ParallelLayout.from_sp_groups(sp_groups, cross_domain=not fits, ring_size=ring_size)
+
+
+def _in_rank_order(ranks: list[int], ulysses: int) -> tuple[int, ...]:
+    """An SP group's ranks placed as torch numbers its groups: each Ulysses slice ascending,
+    the slices by their first rank (so each ring group ascends wherever some order of the
+    slices lets it; ParallelLayout refuses the rest)."""
+    slices = sorted(sorted(ranks[i : i + ulysses]) for i in range(0, len(ranks), ulysses))
+    return tuple(rank for part in slices for rank in part)
 
 
 def _domain_sizes_text(sizes: tuple[int, ...]) -> str:

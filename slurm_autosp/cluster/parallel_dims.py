@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from slurm_autosp.cluster.distributed import init_distributed
 from slurm_autosp.cluster.layout import LayoutError, ParallelLayout
 from slurm_autosp.cluster.placement import layout_for, layout_summary, verify_topology
-from slurm_autosp.compat.torch_api import flatten_mesh
+from slurm_autosp.compat.torch_api import GroupOptions, flatten_mesh, new_group_options
 from slurm_autosp.config import JobConfig
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class ParallelDims:
     local_rank: int  # among the ranks of its node: the one that probes the node's GPUs is 0
     device: torch.device
     layout: ParallelLayout
-    mesh: DeviceMesh  # the layout's ranks by (dp, ring, ulysses): the groups below are its
+    mesh: DeviceMesh  # the layout's ranks by (dp, ring, ulysses), whose groups are those below
     sp_group: ProcessGroup  # the ranks sharing this rank's sequences
     dp_group: ProcessGroup  # the ranks holding the same shard: the gradient reduction
     # the ranks of this rank's all-to-alls: its SP group's slice inside one NVLink domain (the
@@ -89,39 +89,45 @@ class ParallelDims:
         return self.layout.ring_rank(self.rank)
 
 
-def device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
+def device_mesh(layout: ParallelLayout, device: torch.device) -> DeviceMesh:
     """`layout`'s ranks as a (dp, ring, ulysses) device mesh over the world this process has
     joined (`ParallelLayout.mesh_ranks`). Every rank calls it: it creates every group of every
-    dimension, one NCCL split a dimension once the world's group is bound to a device. A
-    dimension that spans the world gets a group of its own rather than the world's default
-    one, so an SP all-to-all never waits in the queue of the world's collectives (FSDP2's)."""
+    dimension, one NCCL split a dimension once the world's group is bound to a device, each
+    with the world's timeout. A dimension that spans the world gets a group of its own rather
+    than the world's default one, so an SP all-to-all never waits in the queue of the world's
+    collectives (FSDP2's)."""
     if dist.get_world_size() != layout.world_size:
         raise LayoutError(
             f"torch.distributed has world_size {dist.get_world_size()} but the layout was derived "
             f"for {layout.world_size} ranks; derive it from the job's topology"
         )
-    own_groups = ((dist.get_backend(), None),) * len(MESH_DIMS)
     return DeviceMesh(
-        device_type,
+        device.type,
         torch.tensor(layout.mesh_ranks),
         mesh_dim_names=MESH_DIMS,
-        backend_override=own_groups,
+        backend_override=(_own_group(device),) * len(MESH_DIMS),
     )
+
+
+def _own_group(device: torch.device) -> tuple[str, GroupOptions]:
+    """(backend, options) of a group of its own on the world's backend, with its timeout."""
+    return dist.get_backend(), new_group_options(device)
 
 
 def parallel_dims_for(
     layout: ParallelLayout, local_rank: int, device: torch.device
 ) -> ParallelDims:
     """This rank's dims in `layout`, over the process group it has joined: the one way dims are
-    built, the layout's SP, DP, Ulysses and ring groups the dimensions of its device mesh. Every
-    rank of the group calls it (each builds every group). With ring_size 1 the Ulysses group is
-    the SP group (no second communicator for the same ranks) and there is no ring group."""
-    mesh = device_mesh(layout, device.type)
+    built. The DP, ring and Ulysses groups are the dimensions of the layout's device mesh, the
+    SP group its (ring, ulysses) flattening. Every rank of the group calls it (each builds
+    every group). With ring_size 1 the Ulysses group is the SP group (no second communicator
+    for the same ranks) and there is no ring group."""
+    mesh = device_mesh(layout, device)
     ulysses = mesh.get_group("ulysses")
     if layout.ring_size == 1:
         sp, ring = ulysses, None
     else:
-        sp = flatten_mesh(mesh["ring", "ulysses"], "sp", dist.get_backend()).get_group()
+        sp = flatten_mesh(mesh["ring", "ulysses"], "sp", _own_group(device)).get_group()
         ring = mesh.get_group("ring")
     return ParallelDims(
         dist.get_rank(), local_rank, device, layout, mesh, sp, mesh.get_group("dp"), ulysses, ring

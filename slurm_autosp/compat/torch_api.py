@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._dynamo import config as dynamo_config
 from torch._dynamo import maybe_mark_dynamic
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -27,6 +29,8 @@ from torch.cuda._pin_memory_utils import unpin_memory as unregister_pinned
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear_sharding_prop_cache
+
+GroupOptions = _C10dBackend.Options  # a process group's backend options (its timeout among them)
 
 # (query, key, value [T, H, D], cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
 #  return_debug_mask, *, scale, window_size_left, window_size_right, ...)
@@ -100,6 +104,7 @@ def flash_varlen_backward(
 __all__ = [
     "CustomGraphPass",
     "FakeTensorMode",
+    "GroupOptions",
     "aot_module_simplified",
     "clear_sharding_prop_cache",
     "compile_fx",
@@ -111,6 +116,7 @@ __all__ = [
     "flash_varlen_backward",
     "flash_varlen_forward",
     "flatten_mesh",
+    "new_group_options",
     "inductor_config",
     "inductor_default_cache_dir",
     "maybe_mark_dynamic",
@@ -135,10 +141,26 @@ def flash_refusal(query: torch.Tensor) -> tuple[str, bool]:
     return "", False
 
 
-def flatten_mesh(mesh: DeviceMesh, name: str, backend: str) -> DeviceMesh:
-    """`mesh`'s dimensions as one named `name`, over a group of its own on `backend` (not the
-    world's default group where it spans the world)."""
-    return mesh._flatten(name, backend_override=backend)
+def flatten_mesh(mesh: DeviceMesh, name: str, group: tuple[str, GroupOptions]) -> DeviceMesh:
+    """`mesh`'s dimensions as one named `name`, over a group of its own made with `group`'s
+    (backend, options) (not the world's default group where it spans the world)."""
+    return mesh._flatten(name, backend_override=group)
+
+
+def new_group_options(device: torch.device) -> GroupOptions:
+    """Options for a new group on the world's backend that carry the world's timeout: torch
+    gives a new group its backend's default timeout (10 minutes for NCCL), not the one the
+    world was given. Read by DeviceMesh as each group's timeout."""
+    world = dist.group.WORLD._get_backend(device)  # type: ignore[union-attr]
+    options: GroupOptions
+    if device.type == "cuda":
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl.is_high_priority_stream = False  # as torch's own default for a new group
+        options = nccl
+    else:
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = world.options._timeout
+    return options
 
 
 def inductor_default_cache_dir() -> str:

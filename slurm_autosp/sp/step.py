@@ -125,10 +125,12 @@ class SPStep:
         after_each: Callable[[], object] | None = None,
         phases: PhaseTimer = untimed,
     ) -> StepLosses:
-        """Every micro-batch of a step: their label count over the world (`step_label_count`),
-        then each one's forward and backward, and `after_each` after it if given (timed as
-        "optimizer": an engine's step, which updates the weights at the accumulation boundary)."""
-        num_items = step_label_count(batches, batches[0].input_ids.device)
+        """Every micro-batch of a step: their label count over the world (`step_label_count`,
+        timed as "data": it waits for the slowest rank's batch), then each one's forward and
+        backward, and `after_each` after it if given (timed as "optimizer": an engine's step,
+        which updates the weights at the accumulation boundary)."""
+        with phases("data"):
+            num_items = step_label_count(batches, batches[0].input_ids.device)
         losses = []
         for batch in batches:
             losses.append(self.run(batch, num_items, phases))

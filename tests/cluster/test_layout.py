@@ -1,11 +1,13 @@
 """cluster.layout: SP groups (Ulysses groups inside NVLink domains, rings across them), DP
 across them, and the groups torch builds."""
 
+import datetime
 import math
 import os
 import sys
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from slurm_autosp.cluster.layout import (
@@ -326,17 +328,46 @@ def test_an_explicit_ring_too_small_for_the_domain_is_refused_naming_both_keys()
     )
 
 
+def test_groups_of_domains_listed_out_of_rank_order_are_placed_in_rank_order():
+    # the link matrix may list a node's domains in any order: the ring must still ascend, as
+    # torch numbers a group's ranks (ascending), so a rank's place in it is its place in the ring
+    node = NodeTopology("pcie-1", "nvidia", 4, ((1, 3), (0, 2)))
+    layout = derive_parallel_layout(ClusterTopology((node,)), sp_size=4, ring_size=2)
+    assert layout.sp_groups == ((0, 2, 1, 3),)
+    assert layout.ulysses_groups == ((0, 2), (1, 3))
+    assert layout.ring_groups == ((0, 1), (2, 3))
+
+
+def test_domains_that_interleave_past_any_rank_order_are_refused_naming_the_group():
+    # NVLink pairs {0, 3} and {1, 2}: whichever pair comes first, one ring pairs 3 with 2
+    node = NodeTopology("pcie-1", "nvidia", 4, ((0, 3), (1, 2)))
+    with pytest.raises(LayoutError) as refused:
+        derive_parallel_layout(ClusterTopology((node,)), sp_size=4, ring_size=2)
+    assert str(refused.value).startswith(
+        "the ring group [3, 2] is not in rank order: torch numbers a group's ranks in ascending "
+        "order"
+    )
+    assert str(refused.value).endswith("choose another ring_size (1: no ring)")
+    # without a ring each pair is one Ulysses group, in order
+    assert derive_parallel_layout(ClusterTopology((node,)), sp_size=2).sp_groups == ((0, 3), (1, 2))
+
+
 # ----------------------------------------------------------------- torch.distributed groups
 
 
 def _rank_main(rank: int, world: int, init_file: str, case, results) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT
+    )
     try:
         results[rank] = case(rank)
     finally:
         dist.destroy_process_group()
+
+
+TIMEOUT = datetime.timedelta(minutes=7)  # not a backend's default
 
 
 def _on_four_ranks(case, tmp_path) -> dict:
@@ -411,15 +442,15 @@ def _interleaved_groups(rank: int):
     dims = parallel_dims_for(layout, rank, torch.device("cpu"))
     # why FSDP2 shards over the world in rank order, not over this mesh flattened: the
     # flattening's coordinates follow the layout, its group's ranks follow the world
-    flat = flatten_mesh(dims.mesh, "world", "gloo")
+    flat = flatten_mesh(dims.mesh, "world", ("gloo", None))
+    groups = (dims.sp_group, dims.dp_group, dims.ulysses_group, dims.ring_group)
     return (
         dims.mesh.mesh.tolist(),
         dims.mesh.mesh_dim_names,
-        tuple(
-            tuple(dist.get_process_group_ranks(g))
-            for g in (dims.sp_group, dims.dp_group, dims.ulysses_group, dims.ring_group)
-        ),
+        tuple(tuple(dist.get_process_group_ranks(g)) for g in groups),
         dims.sp_group is dist.group.WORLD,
+        # every group waits as long as the world was told to, not its backend's default
+        {g._get_backend(torch.device("cpu")).options._timeout for g in groups},
         (flat.get_coordinate(), dist.get_rank(flat.get_group())),
     )
 
@@ -434,7 +465,8 @@ def test_the_device_mesh_holds_an_interleaved_layout_and_its_groups_are_the_layo
         # the SP group spans the world, yet is a communicator of its own, not the default group
         groups = ((0, 1, 2, 3), (rank,), ulysses[rank], ring[rank])
         flat = ((flat_coordinate[rank],), rank)
-        assert got[rank] == (mesh, ("dp", "ring", "ulysses"), groups, False, flat)
+        expected = (mesh, ("dp", "ring", "ulysses"), groups, False, {TIMEOUT}, flat)
+        assert got[rank] == expected
 
 
 def test_the_device_mesh_refuses_a_layout_for_another_world(monkeypatch):
@@ -446,4 +478,4 @@ def test_the_device_mesh_refuses_a_layout_for_another_world(monkeypatch):
         LayoutError,
         match="torch.distributed has world_size 8 but the layout was derived for 4 ranks",
     ):
-        device_mesh(layout, "cpu")
+        device_mesh(layout, torch.device("cpu"))
