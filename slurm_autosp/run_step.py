@@ -47,7 +47,8 @@ def run_engine_step(
 ) -> StepLosses:
     """One optimizer step of `batches` (this rank's shards of the step's micro-batches, one DP
     replica of `dp_size`) under `engine`; `chunk_tokens` cuts the loss, `saving` wraps each
-    forward (activation offload), `phases` times forward, backward and optimizer."""
+    forward (activation offload), `phases` times the label count (as "data"), forward, backward
+    and optimizer."""
     sp_step = SPStep(
         engine,
         engine.backward,

@@ -103,8 +103,13 @@ class ParallelLayout:
                     f"the {kind} group {list(unordered)} is not in rank order: torch numbers a "
                     "group's ranks in ascending order, so its ranks' places in it would not be "
                     f"their places in the sequence (SP groups {_groups_text(self.sp_groups)}); "
-                    "the NVLink domains interleave in rank order so that no Ulysses x ring split "
-                    "of this size keeps both in order: choose another ring_size (1: no ring)"
+                    + (
+                        "the NVLink domains interleave in rank order so that no Ulysses x ring "
+                        "split of this size keeps both in order: choose another ring_size "
+                        "(1: no ring)"
+                        if self.ring_size > 1
+                        else "list each SP group's ranks in ascending order"
+                    )
                 )
 
     @classmethod

@@ -105,12 +105,13 @@ def device_mesh(layout: ParallelLayout, device: torch.device) -> DeviceMesh:
         device.type,
         torch.tensor(layout.mesh_ranks),
         mesh_dim_names=MESH_DIMS,
-        backend_override=(_own_group(device),) * len(MESH_DIMS),
+        backend_override=tuple(_own_group(device) for _ in MESH_DIMS),
     )
 
 
 def _own_group(device: torch.device) -> tuple[str, GroupOptions]:
-    """(backend, options) of a group of its own on the world's backend, with its timeout."""
+    """(backend, options) of a group of its own on the world's backend, with its timeout; new
+    options for each group, as torch writes a group's name and ranks into the ones it is given."""
     return dist.get_backend(), new_group_options(device)
 
 

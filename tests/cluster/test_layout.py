@@ -350,6 +350,10 @@ def test_domains_that_interleave_past_any_rank_order_are_refused_naming_the_grou
     assert str(refused.value).endswith("choose another ring_size (1: no ring)")
     # without a ring each pair is one Ulysses group, in order
     assert derive_parallel_layout(ClusterTopology((node,)), sp_size=2).sp_groups == ((0, 3), (1, 2))
+    with pytest.raises(LayoutError) as listed:  # given out of order without a ring
+        ParallelLayout.from_sp_groups(((1, 0), (2, 3)))
+    assert str(listed.value).startswith("the Ulysses group [1, 0] is not in rank order")
+    assert str(listed.value).endswith("list each SP group's ranks in ascending order")
 
 
 # ----------------------------------------------------------------- torch.distributed groups
