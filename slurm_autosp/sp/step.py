@@ -43,11 +43,9 @@ def shard_for_rank(
 
 def step_label_count(batches: Sequence[SPBatch], device: torch.device) -> torch.Tensor:
     """The step's loss normaliser: the valid labels of these micro-batches summed over every
-    rank of the world (one all-reduce; a process outside any group is a world of one), at least
-    1 so a step without labels divides by 1."""
+    rank of the world (one all-reduce), at least 1 so a step without labels divides by 1."""
     count = torch.tensor(sum(b.valid_labels for b in batches), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(count)
+    dist.all_reduce(count)
     return count.clamp(min=1)
 
 
