@@ -16,6 +16,7 @@ writer process cannot join.
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 from collections import OrderedDict
@@ -151,10 +152,13 @@ class StagingBuffer:
         return memory
 
     def close(self) -> None:
-        """Unmap the buffer (its file is removed with the staging directory)."""
+        """Unmap the buffer (its file is removed with the staging directory). A failed
+        background write leaves views of it in reference cycles (its exception's frames); they
+        are collected here, so the node's memory is freed now, not at some later collection."""
         if self._memory is not None and self._pinned:
             unregister_pinned(self._memory.data_ptr())
         self._memory, self._pinned = None, False
+        gc.collect()
 
 
 @dataclass(frozen=True)
