@@ -1,6 +1,7 @@
 """Stops inside a step: every rank leaves it at the same decoder-layer boundary, forward or
 backward, two boundaries after the signal at most, whichever rank got it; a step nobody stops
-passes every boundary and is untouched. On a real tiny Llama, eager and per-layer compiled."""
+passes every boundary and is untouched; a real USR2 stops a backward run as on CUDA (on another
+thread, the main thread waiting in C++). On a real tiny Llama, eager and per-layer compiled."""
 
 import pytest
 
@@ -43,3 +44,14 @@ def test_one_ranks_signal_stops_every_rank_at_the_same_boundary(dist_pools, stop
     assert len({o.boundaries for o in outcomes}) == 1
     assert outcomes[0].forward_layers == outcomes[1].forward_layers
     assert outcomes[0].layers_with_grads == outcomes[1].layers_with_grads
+
+
+def test_usr2_in_a_backward_on_another_thread_stops_every_rank_two_boundaries_on(dist_pools):
+    # as on CUDA, where autograd's device threads run the backward and the main thread waits
+    # in C++: rank 1's signal comes inside layer 3's backward, layer 2's output gradient (the
+    # next boundary) starts the agreement with it, layer 1's finds it, on both ranks
+    outcomes = dist_pools(2).run("layer_stop_cases:usr2_in_a_backward_run_as_on_cuda", 1)
+    for outcome in outcomes:
+        assert outcome.interrupted, "the stop came after the step"
+        assert outcome.boundaries == LAYERS + 3
+        assert outcome.layers_with_grads == [2, 3]

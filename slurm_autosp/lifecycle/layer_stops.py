@@ -7,7 +7,9 @@ starts an all-reduce (MAX) of its stop flag there and, at the next boundary, wai
 previous one's result, by then long done. That result is the same on every rank, so all raise
 `StepInterrupted` at the same boundary, at most two boundaries after the signal, and no rank is
 left waiting in a collective the others never join. The agreement runs on a gloo group of its
-own: on GPU ranks it never waits for the device.
+own: on GPU ranks it never waits for the device. On CUDA the backward's boundaries run on
+autograd's device threads while the main thread waits in C++, where Python runs no signal
+handler; `StopRequest.requested` sees a signal there all the same (lifecycle/signals.py).
 
 An optimizer step has no boundary: a stop lands before the update or after it, never inside.
 So a step left this way leaves the parameters and optimizer state of the step before; its
