@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import oom_model
@@ -20,6 +21,7 @@ import yaml
 from in_process import run_command
 
 from slurm_autosp.compile import tiling
+from slurm_autosp.config import JobConfig
 from slurm_autosp.gpu_check.budget import Budget
 from slurm_autosp.gpu_check.check import OUTPUT, Sections, one_rank
 from slurm_autosp.gpu_check.exactness import TINY_SHAPE, check_rewrites
@@ -36,8 +38,10 @@ from slurm_autosp.gpu_check.measure import (
 )
 from slurm_autosp.gpu_check.rows import OUT_OF_TIME, Row
 from slurm_autosp.gpu_check.search import longest_fitting
+from slurm_autosp.memory_plan import build_plan, plan_verdict, training_choices
+from slurm_autosp.memory_plan.terms import GB
 from slurm_autosp.probe import kernels
-from slurm_autosp.probe.prediction import PlanPrediction
+from slurm_autosp.probe.prediction import PlanPrediction, predict_memory
 from slurm_autosp.probe.steps import OutOfMemory, StepMeasurement
 from slurm_autosp.sp.kernel_check import CASES
 
@@ -354,20 +358,46 @@ def _measured(peak_gb: float, oom: bool = False) -> StepMeasurement:
 
 def test_the_plan_row_on_a_gpu_holds_the_peak_to_ten_percent_and_names_the_plans_fit():
     """The row's arithmetic, on the numbers a GPU would give (none is here)."""
-    plan = PlanPrediction("none", {}, 0.0, 0.0, subtotal=40e9, total=44e9)
+    plan = PlanPrediction(
+        "none", {}, 0.0, 1e9, subtotal=40e9, allocator_total=44e9, outside=0.9e9, fits=True
+    )
     gpu = 80e9
     within = plan_row("none", 32768, _measured(42.0), plan, gpu)
-    assert (within.measured, within.result) == ("42.00 GB (+5.0%)", "within 10%")
-    assert within.detail.endswith("plan with margin 44.00 GB of the GPU's 80.00 GB: fits")
+    assert (within.measured, within.result, within.fits) == ("42.00 GB (+5.0%)", "within 10%", True)
+    assert within.detail.endswith(
+        "plan with margin 44.00 GB and 900.00 MB outside the allocator, of the GPU's 80.00 GB: fits"
+    )
     assert plan_row("none", 32768, _measured(46.0), plan, gpu).result == "off by +15.0%"
     oom = plan_row("none", 131072, _measured(79.5, oom=True), plan, gpu)
     assert (oom.measured, oom.result) == (">= 79.50 GB", "ran out of memory")
-    assert (
-        "plan with margin 44.00 GB of the GPU's 80.00 GB: fits; out of memory at step 1"
-        in oom.detail
-    )
+    assert "of the GPU's 80.00 GB: fits; out of memory at step 1" in oom.detail
+    assert plan_row("none", 32768, _measured(0.5), plan, gpu_bytes=0.0).fits is None  # CPU
     step = step_row("none", 32768, _measured(42.0), world=1)
     assert step.measured == "1.000 s, 32,768 tokens/s, 400 TFLOP/s, MFU 40.4%"
+
+
+def test_gpu_checks_json_fits_equals_the_plans_verdict_for_the_same_configuration(tmp_path):
+    """The policy `none` at 32,768 tokens on a GPU whose memory lies between what the plan's
+    allocator reserves and that plus the memory outside the allocator (the CUDA context, NCCL's
+    buffers): submit refuses the job, and the GPU check's row says the same, in its JSON and
+    its table. A plan for a GPU of that size stands in for the GPU (none is here)."""
+
+    def on_a_gpu_of(memory_gb: float) -> JobConfig:
+        target = Target(torch.device("cuda"), "nvidia", memory_gb, compiled=True, out=tmp_path)
+        return check_config(GPU_SCALE, target, "none", 32768)
+
+    traced = build_plan(on_a_gpu_of(80.0)).configured  # its terms: the same on any GPU
+    between = traced.allocator_total + sum(traced.outside.values()) / 2
+    cfg = on_a_gpu_of(between / GB)
+    plan = build_plan(cfg)
+    assert plan.configured.allocator_total < plan.gpu_bytes < plan.configured.total
+    submit = plan_verdict(cfg)
+    assert not submit.fits and "the job does not fit its GPUs" in submit.reason
+    row = plan_row(
+        "none", 32768, _measured(40.0), predict_memory(cfg, training_choices(cfg)), plan.gpu_bytes
+    )
+    assert row.detail.endswith(": does not fit"), row.detail
+    assert asdict(row)["fits"] is submit.fits
 
 
 def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_run(

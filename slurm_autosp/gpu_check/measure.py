@@ -121,15 +121,20 @@ def plan_row(
     gpu_bytes: float,
 ) -> Row:
     """GPU (`gpu_bytes` > 0): the allocated peak against every term of the plan (no margin), as
-    the probe judges it, and whether the plan with its margin said the step fits. CPU: the
-    resident peak above the steps' start against the step's transient terms, reported only (RSS
-    counts the allocator's slack)."""
+    the probe judges it, and whether the step fits as the plan's verdict says (its `fits`, the
+    one submit refuses a job by: memory outside the allocator included). CPU: the resident peak
+    above the steps' start against the step's transient terms, reported only (RSS counts the
+    allocator's slack); no GPU to fit, so no `fits`."""
     case = f"{policy} @ {length:,}"
     if prediction is None:
         return Row("plan vs peak", case, "no plan", _gb(m.peak_bytes), "-")
     on_gpu = gpu_bytes > 0
-    fits = "fits" if prediction.total <= gpu_bytes else "does not fit"
-    said = f"plan with margin {_gb(prediction.total)} of the GPU's {_gb(gpu_bytes)}: {fits}"
+    fits = prediction.fits if on_gpu else None
+    said = (
+        f"plan with margin {_gb(prediction.allocator_total)} and {_gb(prediction.outside)} "
+        f"outside the allocator, of the GPU's {_gb(gpu_bytes)}: "
+        + ("fits" if prediction.fits else "does not fit")
+    )
     planned = prediction.subtotal if on_gpu else prediction.transient
     measured = m.peak_bytes if on_gpu else m.peak_bytes - m.start_bytes
     error = measured / planned - 1
@@ -142,6 +147,7 @@ def plan_row(
             f">= {_gb(measured)}",
             "ran out of memory",
             detail=f"{said}; {m.oom.describe()}" if on_gpu else m.oom.describe(),
+            fits=fits,
         )
     if not on_gpu:
         return Row(
@@ -155,6 +161,7 @@ def plan_row(
         f"{_gb(measured)} ({error:+.1%})",
         f"within {PLAN_GOAL:.0%}" if within else f"off by {error:+.1%}",
         detail=f"reserved peak {_gb(m.peak_reserved_bytes)}; {said}",
+        fits=fits,
     )
 
 

@@ -25,6 +25,8 @@ class Row:
     result: str
     correctness: bool = False  # a correctness row must pass (or be refused) for exit 0
     detail: str = ""  # how it was measured: a line under the row
+    # plan vs peak on a GPU: whether the step fits, the plan's verdict (as submit decides it)
+    fits: bool | None = None
 
     @property
     def failed(self) -> bool:

@@ -176,7 +176,7 @@ def memory_rows(
             MemoryRow(
                 "peak reserved",
                 max(s.peak_reserved_bytes for s in steps),
-                prediction.total,
+                prediction.allocator_total,
                 False,
                 "max_memory_reserved vs the plan's total with margin" + lower,
             )

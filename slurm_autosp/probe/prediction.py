@@ -26,7 +26,9 @@ class PlanPrediction:
     transient: float  # what one step allocates and frees: held, one logits chunk, the
     # all-to-all buffers and the recompute working set (no state, no ZeRO-1 buckets)
     subtotal: float  # every term, no margin
-    total: float  # what the allocator reserves: with the plan's fragmentation margin
+    allocator_total: float  # what the allocator reserves: with the plan's fragmentation margin
+    outside: float  # what the GPU holds outside the allocator: the CUDA context, NCCL's buffers
+    fits: bool  # the plan's verdict on this rung (PolicyMemory.fits, as submit decides it)
 
 
 def predict_memory(cfg: JobConfig, choices: TrainingChoices) -> PlanPrediction | None:
@@ -57,5 +59,12 @@ def predict_memory(cfg: JobConfig, choices: TrainingChoices) -> PlanPrediction |
         + t["attention_backward"]
     )
     return PlanPrediction(
-        memory.label, dict(t), held, transient, memory.subtotal, memory.allocator_total
+        memory.label,
+        dict(t),
+        held,
+        transient,
+        memory.subtotal,
+        memory.allocator_total,
+        sum(memory.outside.values()),
+        memory.fits(plan.gpu_bytes),
     )
