@@ -21,24 +21,17 @@ RENDEZVOUS_PORTS = range(20000, 32768)
 
 def init_distributed(use_gpus: bool, timeout_min: float) -> tuple[int, torch.device]:
     """Join the job's process group: NCCL (RCCL on ROCm builds) on GPUs, gloo on CPU; return
-    this rank's local rank and device (its rank is torch.distributed's from here on).
+    this rank's node-local rank and device (its rank is torch.distributed's from here on).
 
     The rendezvous is the job's first host on `rendezvous_port`, so every rank of a job, and
     no other job, meets there.
     """
-    os.environ["MASTER_PORT"] = str(rendezvous_port(JobEnvironment().job_id))
-    env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    env, device = export_rank_environment(torch.cuda.device_count() if use_gpus else None)
     if use_gpus:
-        index = rank_device_index(env.local_rank, env.local_world_size, torch.cuda.device_count())
-        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
     try:
         dist.init_process_group(
-            backend,
+            "nccl" if use_gpus else "gloo",
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(minutes=timeout_min),
@@ -52,8 +45,29 @@ def init_distributed(use_gpus: bool, timeout_min: float) -> tuple[int, torch.dev
             "already in use by another process; set cluster.env.MASTER_PORT to a free port "
             f"(e.g. one in {RENDEZVOUS_PORTS.start}-{RENDEZVOUS_PORTS.stop - 1}) and resubmit"
         ) from e
-    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
     return env.local_rank, device
+
+
+def export_rank_environment(
+    gpus_visible: int | None,
+) -> tuple[TorchDistributedEnvironment, torch.device]:
+    """This rank's place in the job, from submitit (on SLURM and for local processes alike),
+    exported for torch.distributed, and its device, decided once: the GPU rank_device_index
+    picks among `gpus_visible` (None: a CPU rank).
+
+    LOCAL_RANK is set to that GPU's index, not left the node-local rank submitit exports:
+    DeepSpeed's engine takes LOCAL_RANK for its device (set_device(LOCAL_RANK) and
+    cuda:LOCAL_RANK), as does torch's DeviceMesh where no device is set: local rank 3 shown
+    only its own GPU would ask for cuda:3, which it does not have. The node-local rank stays in
+    the returned environment, for what needs it (which rank of a node probes the node's GPUs).
+    """
+    os.environ["MASTER_PORT"] = str(rendezvous_port(JobEnvironment().job_id))
+    env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    if gpus_visible is None:
+        return env, torch.device("cpu")
+    index = rank_device_index(env.local_rank, env.local_world_size, gpus_visible)
+    os.environ["LOCAL_RANK"] = str(index)
+    return env, torch.device("cuda", index)
 
 
 def rank_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
