@@ -25,7 +25,9 @@ bf16/fp16 only. It needs the longest document's length as a host int, `max_lengt
 from `cu_seqlens` would wait for the GPU in every layer, so `prepare_sp_inputs` computes it once
 per micro-batch (and the CPU kernel checks it against the boundaries). The CUDA kernel has never
 run on a GPU: its shapes, strides and dtypes are checked against the fakes on a fake CUDA device
-(tests/compile/test_document_kernel.py), its numbers by `kernel_check` on a GPU. Every [B, H,
+(tests/compile/test_document_kernel.py), the arguments it builds run through a CPU model of
+flash's contract against exact attention (tests/flash_contract.py), and its numbers are
+checked by `kernel_check` on a GPU. Every [B, H,
 S, D] tensor the op returns is laid out token by token ([B, S, H, D] transposed), as the varlen
 kernel writes it, so on CUDA they are views, not copies; other devices are refused by name.
 """
@@ -391,8 +393,21 @@ def varlen_forward(
     window: int = 0,
     max_length: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`document_attention` on CUDA: one flash varlen call over the whole batch."""
+    """`document_attention` on CUDA: what flash computes refused by name, then `flash_forward`."""
     _check_flash(query)
+    return flash_forward(query, key, value, cu_seqlens, scale, window, max_length)
+
+
+def flash_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    scale: float,
+    window: int = 0,
+    max_length: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One flash varlen call over the whole batch, with the arguments CUDA gets."""
     sequences, longest = _varlen_sequences(query, cu_seqlens, max_length)
     left, causal = _flash_window(window)
     output, lse = flash_varlen_forward(

@@ -1,12 +1,16 @@
 """How exact the attention kernels of packed documents and windows are on a device: against
 their CPU kernels in fp32 on the same inputs, forward and backward, with grouped KV heads and
 two rows. Document attention (Ulysses) for packed documents, a window within them and a window
-over whole rows; ring attention's rounds (`varlen_kernel`) of a ring of 2 within the documents
-and within the window, each piece one sequence under flash's (left, right) rule.
+over whole rows; ring attention's rounds (`varlen_kernel`) within documents and within a
+window, each piece one sequence under flash's (left, right) rule, and two layouts that meet
+flash's own rules about its arguments (tests/flash_contract.py models them): rounds whose
+queries lie further past their keys than the round's longest key run, and rounds of single
+queries over grouped KV heads.
 
 On a GPU this checks the flash varlen kernel, which nothing else runs on numbers before a
-job does (tests check only its shapes, on a fake device); with `device="cpu"` it checks the
-CPU kernel in bf16, a self-check of the reference path that runs anywhere.
+job does (tests check its shapes on a fake device, and its arguments through a CPU model of
+its contract); with `device="cpu"` it checks the CPU kernel in bf16, a self-check of the
+reference path that runs anywhere.
 
 The inputs are drawn in fp32 and rounded to `dtype`; the reference sees those rounded values
 in fp32, so what is measured is the kernel's own arithmetic. Each error is the largest
@@ -57,25 +61,41 @@ class KernelCheck:
 
 @dataclass(frozen=True)
 class _Case:
+    """Two rows of documents of these lengths (None: each row one), a window (0: none); under
+    a ring of `ring` ranks ring attention's rounds, else document attention."""
+
     name: str
-    documents: bool
+    documents: tuple[tuple[int, ...], ...] | None
     window: int
-    ring: bool = False  # ring attention's rounds, a ring of 2, instead of document attention
+    ring: int = 1
 
 
 _CASES = (
-    _Case("packed documents", documents=True, window=0),
-    _Case("window within documents", documents=True, window=_WINDOW),
-    _Case("window over whole rows", documents=False, window=_WINDOW),
-    _Case("ring rounds within documents", documents=True, window=0, ring=True),
-    _Case("ring rounds within a window", documents=True, window=_WINDOW, ring=True),
+    _Case("packed documents", _DOCUMENTS, window=0),
+    _Case("window within documents", _DOCUMENTS, window=_WINDOW),
+    _Case("window over whole rows", None, window=_WINDOW),
+    _Case("ring rounds within documents", _DOCUMENTS, window=0, ring=2),
+    _Case("ring rounds within a window", _DOCUMENTS, window=_WINDOW, ring=2),
+    _Case(
+        "ring rounds past a short key run",
+        ((98, 23, 46, 89), (8, 17, 29, 71, 89, 15, 27)),
+        window=69,
+        ring=2,
+    ),
+    _Case(
+        "ring rounds of single queries",
+        ((101, 63, 42, 50), (96, 35, 90, 23, 11, 1)),
+        window=0,
+        ring=8,
+    ),
 )
 CASES = tuple(case.name for case in _CASES)
 
 
-def _boundaries() -> tuple[torch.Tensor, int]:
-    """cu_seqlens (int32) of `_DOCUMENTS`' rows laid end to end, and the longest document."""
-    lengths = [length for row in _DOCUMENTS for length in row]
+def _boundaries(case: _Case) -> tuple[torch.Tensor, int]:
+    """cu_seqlens (int32) of the case's rows laid end to end, and the longest document."""
+    assert case.documents is not None
+    lengths = [length for row in case.documents for length in row]
     starts = torch.tensor([0, *lengths]).cumsum(0)
     return starts.to(torch.int32), max(lengths)
 
@@ -87,7 +107,7 @@ def _attention(
     computed on `device` in `dtype`, returned on the CPU in fp32."""
     query, key, value, grad_output = (t.to(device, dtype) for t in inputs)
     leaves = [t.requires_grad_() for t in (query, key, value)]
-    cu_seqlens, longest = _boundaries() if case.documents else (None, 0)
+    cu_seqlens, longest = _boundaries(case) if case.documents else (None, 0)
     output, _ = document_attention(
         *leaves,
         None if cu_seqlens is None else cu_seqlens.to(device),
@@ -100,9 +120,9 @@ def _attention(
 
 
 def _ring_rounds(case: _Case) -> list[Round]:
-    """Every round of a ring of 2 over `_DOCUMENTS`' rows: each rank's, against each block."""
-    documents = tuple(document_spans(_boundaries()[0], _BATCH, _SEQ))
-    plan = ring_plan(2, _SEQ // 2, documents, case.window, True)
+    """Every round of the case's ring: each rank's, against each block."""
+    documents = tuple(document_spans(_boundaries(case)[0], _BATCH, _SEQ))
+    plan = ring_plan(case.ring, _SEQ // case.ring, documents, case.window, True)
     return [r for rank in plan.rounds for source in rank for r in source]
 
 
@@ -110,8 +130,8 @@ def _ring_attention(
     inputs: list[torch.Tensor], case: _Case, device: torch.device, dtype: torch.dtype
 ) -> list[torch.Tensor]:
     """The rounds' outputs and gradients (each round's own attention) over a rank's tokens (the
-    first half of each row), on `device` in `dtype`, concatenated, on the CPU in fp32."""
-    tokens = [t[:, :, : _SEQ // 2].transpose(1, 2).flatten(0, 1) for t in inputs]
+    first 1/ring of each row), on `device` in `dtype`, concatenated, on the CPU in fp32."""
+    tokens = [t[:, :, : _SEQ // case.ring].transpose(1, 2).flatten(0, 1) for t in inputs]
     query, key, value, grad_output = (t.to(device, dtype) for t in tokens)
     results: list[list[torch.Tensor]] = [[], [], [], []]
     for round_ in _ring_rounds(case):
@@ -142,7 +162,7 @@ def check_document_kernel(
     ]
     results = []
     for case in _CASES:
-        attention = _ring_attention if case.ring else _attention
+        attention = _ring_attention if case.ring > 1 else _attention
         got = attention(inputs, case, device, dtype)
         want = attention(inputs, case, torch.device("cpu"), torch.float32)
         errors = [_relative_error(g, w) for g, w in zip(got, want, strict=True)]

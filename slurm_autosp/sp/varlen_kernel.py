@@ -6,7 +6,9 @@ heads, dim], their cumulative lengths as its sequences, their rule as its window
 heads as they are, bf16/fp16 only. On CPU the same sequences run one at a time through torch's
 flash kernel for CPU, each with the mask flash's rule gives (none where the rule is plain
 causal or every key): so the CPU tests check the arithmetic CUDA runs, all but the kernel.
-The CUDA kernel has not run on a GPU; its shapes and arguments are checked on a fake CUDA device.
+The CUDA kernel has not run on a GPU: its shapes are checked on a fake CUDA device, and the
+arguments `flash_forward` and `flash_backward` build run through a CPU model of the kernel's
+contract (tests/flash_contract.py) against exact attention.
 """
 
 from __future__ import annotations
@@ -83,9 +85,55 @@ def _flash_rule(round_: Round) -> tuple[bool, tuple[int, int]]:
 
 
 def _sequences(round_: Round, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """The flash varlen kernel's cum_seq_q, cum_seq_k, max_q, max_k for the round."""
+    """The flash varlen kernel's cum_seq_q, cum_seq_k, max_seqlen_q, max_seqlen_k for the round.
+
+    Flash reads the maxima as rules too, not only as the sizes of its grid. A window side that
+    reaches max_seqlen_k is dropped and then bounded by it (flash_api.cpp: `window_size_right =
+    -1`, then set_params_fprop's `window_size_right = seqlen_k`), which cuts the keys of a piece
+    whose last query lies further than that past its last key; and max_seqlen_q == 1 with
+    grouped KV heads and no window swaps heads into queries (the decoding branch). So max_k
+    exceeds both sides of the round's window and max_q is at least 2: a sequence shorter than
+    either only leaves blocks of the grid idle."""
     _, _, cu_q, cu_k = round_.on(device)
-    return cu_q, cu_k, round_.max_q, round_.max_k
+    left, right = round_.rule
+    return cu_q, cu_k, max(round_.max_q, 2), max(round_.max_k, left + 1, right + 1)
+
+
+def flash_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, round_: Round, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`varlen_forward` on CUDA: one flash varlen call over the round's pieces."""
+    causal, window = _flash_rule(round_)
+    output, lse = flash_varlen_forward(
+        query, key, value, _sequences(round_, query.device), causal, window, scale
+    )
+    return output, lse.transpose(0, 1)  # flash writes it [Hq, Tq]
+
+
+def flash_backward(
+    grad_output: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    lse: torch.Tensor,
+    round_: Round,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`varlen_backward` on CUDA: flash's varlen backward of `flash_forward`'s call."""
+    causal, window = _flash_rule(round_)
+    return flash_varlen_backward(
+        grad_output,
+        query,
+        key,
+        value,
+        output,
+        lse.transpose(0, 1).contiguous(),  # as flash wrote it
+        _sequences(round_, query.device),
+        causal,
+        window,
+        scale,
+    )
 
 
 def varlen_forward(
@@ -95,11 +143,7 @@ def varlen_forward(
     piece by piece: the output [Tq, Hq, D] and its log-sum-exp [Tq, Hq] (fp32)."""
     if query.device.type == "cuda":
         check_flash(query)
-        causal, window = _flash_rule(round_)
-        output, lse = flash_varlen_forward(
-            query, key, value, _sequences(round_, query.device), causal, window, scale
-        )
-        return output, lse.transpose(0, 1)  # flash writes it [Hq, Tq]
+        return flash_forward(query, key, value, round_, scale)
     output = torch.empty_like(query)
     lse = query.new_empty(query.shape[:2], dtype=torch.float32)
     for piece, (queries, keys) in zip(round_.pieces, _spans(round_), strict=True):
@@ -132,19 +176,7 @@ def varlen_backward(
     whole attention's `output` and log-sum-exp `lse` [Tq, Hq] for its queries: each piece's
     exact share of the whole's."""
     if query.device.type == "cuda":
-        causal, window = _flash_rule(round_)
-        return flash_varlen_backward(
-            grad_output,
-            query,
-            key,
-            value,
-            output,
-            lse.transpose(0, 1).contiguous(),  # as flash wrote it
-            _sequences(round_, query.device),
-            causal,
-            window,
-            scale,
-        )
+        return flash_backward(grad_output, query, key, value, output, lse, round_, scale)
     grad_q, grad_k, grad_v = (torch.zeros_like(t) for t in (query, key, value))
     for piece, (queries, keys) in zip(round_.pieces, _spans(round_), strict=True):
         mask, causal = _mask(piece, query.dtype)

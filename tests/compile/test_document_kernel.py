@@ -183,6 +183,8 @@ def test_kernel_check_on_cpu_passes_bf16_and_measures_its_rounding():
         "window over whole rows",
         "ring rounds within documents",
         "ring rounds within a window",
+        "ring rounds past a short key run",
+        "ring rounds of single queries",
     ]
     for check in checks:
         errors = (check.output, check.grad_query, check.grad_key, check.grad_value)
@@ -206,6 +208,8 @@ def test_kernel_check_fails_a_kernel_whose_window_is_one_key_too_wide(monkeypatc
         "window over whole rows": False,
         "ring rounds within documents": True,
         "ring rounds within a window": True,
+        "ring rounds past a short key run": True,
+        "ring rounds of single queries": True,
     }
 
 
@@ -227,4 +231,6 @@ def test_kernel_check_fails_ring_rounds_whose_window_is_one_key_too_wide(monkeyp
         "window over whole rows": True,
         "ring rounds within documents": True,
         "ring rounds within a window": False,
+        "ring rounds past a short key run": False,
+        "ring rounds of single queries": True,
     }

@@ -127,9 +127,10 @@ class FlashCalls(TorchDispatchMode):
 def test_cuda_kernel_runs_each_round_as_one_flash_varlen_call_on_a_fake_cuda_device():
     """Every round of a ring rank's plan (own block causal, earlier blocks whole, windows as
     flash's (left, right)), on fake CUDA tensors (torch's meta kernels give the shapes; nothing
-    runs): one flash varlen call each way with the round's cumulative lengths, longest pieces,
-    rule and scale, no dropout; the output and fp32 log-sum-exp of its queries, gradients with
-    the KV heads as they came; fp32 and head dimensions flash does not take refused by name."""
+    runs): one flash varlen call each way with the round's cumulative lengths, maxima flash
+    reads no other rule from, rule and scale, no dropout; the output and fp32 log-sum-exp of
+    its queries, gradients with the KV heads as they came; fp32 and head dimensions flash does
+    not take refused by name. tests/compile/test_flash_contract.py checks their numbers."""
     plan = ring_plan(2, 16, ((0, 0, 5), (0, 5, 32), (1, 0, 32)), 6, True)
     rounds = [r for source in plan.rounds[1] for r in source]
     assert {r.rule for r in rounds} >= {(5, 0)}  # the own block, causal within the window
@@ -163,7 +164,9 @@ def test_cuda_kernel_runs_each_round_as_one_flash_varlen_call_on_a_fake_cuda_dev
             assert kwargs["scale"] == 0.125 and args[at + 4] == 0.0
             assert args[at + 5] is (round_.rule == (-1, 0))
             assert (kwargs["window_size_left"], kwargs["window_size_right"]) == (left, right)
-            assert args[at + 2 : at + 4] == (round_.max_q, round_.max_k)
+            max_q, max_k = args[at + 2 : at + 4]  # the grid's sizes, and flash's rule's bounds
+            assert max_q >= max(round_.max_q, 2) and max_k >= round_.max_k
+            assert max_k > max(left, right), "a side reaching max_seqlen_k is dropped"
             assert args[at].shape == args[at + 1].shape == (len(round_.pieces) + 1,)
 
 
