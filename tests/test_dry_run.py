@@ -32,7 +32,7 @@ def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
         "#SBATCH --requeue",
     ):
         assert line in out
-    assert "TORCH_NCCL_AVOID_RECORD_STREAMS=1" in out and "NCCL_IB_TIMEOUT=" in out
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE=2000" in out and "NCCL_IB_TIMEOUT=" in out
     assert "ParallelLayout(world_size 64 = sp 8 x dp 8" in out
     assert "hidden_size: 8192" in out
     assert "nothing submitted" in out

@@ -29,14 +29,10 @@ class EnvSetting:
     aliases: tuple[str, ...] = ()
 
 
-# Set for NCCL and RCCL alike (PyTorch drives both through ProcessGroupNCCL).
+# Set for NCCL and RCCL alike (PyTorch drives both through ProcessGroupNCCL). Not
+# TORCH_NCCL_AVOID_RECORD_STREAMS: every supported torch (2.11 on) keeps a collective's tensors
+# alive without record_stream anyway, and warns at start that the variable is deprecated.
 _GPU_COLLECTIVES = (
-    EnvSetting(
-        "TORCH_NCCL_AVOID_RECORD_STREAMS",
-        "1",
-        "free collective buffers when the op completes instead of through record_stream, "
-        "which holds memory longer and raises the peak (torchtitan sets it)",
-    ),
     EnvSetting(
         "TORCH_NCCL_TRACE_BUFFER_SIZE",
         "2000",
