@@ -256,3 +256,27 @@ def test_a_later_start_of_the_same_job_fences_the_earlier_one(tmp_path):
         superseded(tmp_path, second)
         == f"{RunDir(tmp_path).lock} names job 42 (slurm on node3), not this job"
     )
+
+
+def test_a_job_whose_lock_is_gone_no_longer_holds_the_run(tmp_path):
+    """A job claims the lock before it writes; a lock removed since (by hand, or by another job
+    taking the run over) fences it, rather than reading as "nobody says otherwise"."""
+    job = RunLock("41", "slurm", "node1")
+    acquire_lock(tmp_path, job)
+    RunDir(tmp_path).lock.unlink()
+    assert superseded(tmp_path, job) == (
+        f"{RunDir(tmp_path).lock} is gone: this job no longer holds the run (the lock was "
+        "removed, or another job is taking the run over)"
+    )
+
+
+def test_an_earlier_start_ending_leaves_the_later_starts_lock(tmp_path):
+    """SLURM requeued job 41 while its first start still ran: the first start finishing (or
+    failing) must not unlock the run under the start that trains it now."""
+    first, second = RunLock("41", "slurm", "node1", 0), RunLock("41", "slurm", "node2", 1)
+    acquire_lock(tmp_path, first)
+    acquire_lock(tmp_path, second)
+    release_lock(tmp_path, first)
+    assert read_lock(tmp_path) == second
+    release_lock(tmp_path, second)
+    assert read_lock(tmp_path) is None

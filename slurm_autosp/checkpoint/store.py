@@ -14,6 +14,12 @@ removes it), and retention deletes a checkpoint only once `keep` newer ones are 
 (verified at resume or written by this job). A checkpoint that cannot be read (an I/O or
 permission error) is not damaged: the job stops naming the file, rather than resume from an
 older checkpoint or from step 0.
+
+Two starts of one job can live at once (lifecycle/lock.py): the earlier, superseded one must
+change nothing the later one reads. So rank 0 asks the fence immediately before each change
+(making a save's directory, the manifest, each rename, moving `latest`, each deletion), and
+never moves `latest` back: a commit stops when `latest` names a checkpoint at its step or later,
+which holds even where a fence check races the takeover.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import os
 import random
 import shutil
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -112,9 +119,9 @@ class CheckpointStore:
         remove_damaged: bool = False,
         fence: Callable[[], str] = lambda: "",
     ):
-        """`fence`, asked by rank 0 before a save begins, commits or is removed: why this job
-        may no longer write the run (another start of it holds the run's lock); empty while
-        it may."""
+        """`fence`, asked by rank 0 immediately before each change to the checkpoints: why
+        this job may no longer write the run (another start of it holds the run's lock); empty
+        while it may."""
         if keep < 1:
             raise CheckpointError(
                 f"checkpoint.keep={keep}: at least the checkpoint just written must be kept"
@@ -133,20 +140,22 @@ class CheckpointStore:
     def check_writable(self) -> None:
         """Fail before training, not at the first save an hour later (submit checked it too,
         but the directory can change while the job waits in the queue)."""
-        problem = ""
-        if self.rank == 0:
-            problem = checkpoint_dir_problem(self.root)
-            if not problem:
-                self._remove_stale_partials()
-        problem = _broadcast(problem)
-        if problem:
-            raise CheckpointError(f"{problem}; choose a writable run.output_root on shared storage")
+        self._by_rank0(self._writable)
 
-    def _remove_stale_partials(self) -> None:
-        """Half-written saves of a killed job (the run lock means no other job writes here now)."""
-        for partial in self.root.glob(".step_*.partial"):
-            log.warning("removing %s, a save that never completed", partial)
-            shutil.rmtree(partial, ignore_errors=True)
+    def _writable(self) -> str:
+        problem = checkpoint_dir_problem(self.root)
+        if problem:
+            return f"{problem}; choose a writable run.output_root on shared storage"
+        return self._remove_stale_saves()
+
+    def _remove_stale_saves(self) -> str:
+        """Half-written saves of a killed job and its `latest` pointers never moved into place
+        (the run lock means no other job writes here now); why not, if fenced."""
+        for stale in [*self.root.glob(".step_*.partial"), *self.root.glob(f".{LATEST}*.tmp")]:
+            log.warning("removing %s, a save that never completed", stale)
+            if problem := self._remove_unless_fenced(stale):
+                return problem
+        return ""
 
     def save(self, engine: EngineState, state: TrainerState) -> Path:
         """Collective and synchronous: every rank writes its part straight to shared storage,
@@ -170,12 +179,22 @@ class CheckpointStore:
     def begin(self, state: TrainerState) -> tuple[Path, Path]:
         """Collective: rank 0 makes the save's empty `.partial` directory; returns `paths`."""
         partial, final = self.paths(state)
-        self._check_fence(f"not saving step {state.step}")
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        dist.barrier()
+        self._by_rank0(lambda: self._make_partial(partial, state.step))
         return partial, final
+
+    def _make_partial(self, partial: Path, step: int) -> str:
+        if problem := self._fenced(f"not saving step {step}"):
+            return problem
+        _remove(partial)
+        partial.mkdir(parents=True)
+        return ""
+
+    def _remove_unless_fenced(self, path: Path, what: str = "") -> str:
+        """Rank 0: remove `path`, or say why not (`what`: the removal's context)."""
+        if problem := self._fenced(f"{what}not removing {path}"):
+            return problem
+        _remove(path)
+        return ""
 
     def state_files(self, engine: EngineState, state: TrainerState) -> StateFiles:
         """Collective: this rank's part of the save, by path in the checkpoint: the engine's
@@ -190,61 +209,95 @@ class CheckpointStore:
         self, partial: Path, final: Path, records: dict[str, FileRecord], state: TrainerState
     ) -> Path:
         """Collective, once every rank's files are in `partial` with their `records`: rank 0
-        writes the manifest, renames the checkpoint into place and moves `latest`."""
-        self._check_fence(f"not committing step {state.step} ({partial} left as it is)")
-        if self.rank == 0:
-            write_manifest(partial, records, asdict(state))
-            self._commit(partial, final)
-        dist.barrier()
+        writes the manifest, renames the checkpoint into place and moves `latest`; every rank
+        raises CheckpointError where the fence or `latest` stopped it."""
+        self._by_rank0(lambda: self._commit(partial, final, records, state))
         return final
 
     def abandon(self, partial: Path) -> None:
         """Collective: a save that will not complete is removed; `latest` never saw it."""
-        self._check_fence(f"not removing {partial}")
-        if self.rank == 0:
-            if partial.is_dir() and not partial.is_symlink():
-                shutil.rmtree(partial, ignore_errors=True)
-            else:
-                partial.unlink(missing_ok=True)
-        dist.barrier()
+        self._by_rank0(lambda: self._remove_unless_fenced(partial))
 
-    def _check_fence(self, what: str) -> None:
-        """Collective: every rank stops, naming why, if this job may no longer write the run."""
-        problem = _broadcast(self.fence() if self.rank == 0 else "")
+    def _by_rank0(self, change: Callable[[], str]) -> None:
+        """Collective: rank 0 makes `change`, which returns why it stopped (empty: made); every
+        rank then raises that, so all stop together."""
+        problem = _broadcast(change() if self.rank == 0 else "")
         if problem:
-            raise CheckpointError(f"{what}: {problem}")
+            raise CheckpointError(problem)
 
-    def _commit(self, partial: Path, final: Path) -> None:
+    def _fenced(self, what: str) -> str:
+        """Rank 0, immediately before a change: `what` was not done and why, if fenced."""
+        problem = self.fence()
+        return f"{what}: {problem}" if problem else ""
+
+    def _refused(self, final: Path, what: str, *, renamed: bool) -> str:
+        """Rank 0, immediately before a commit's change: the fence's reason, or `latest` naming
+        a checkpoint after `final`, or `final` itself before this commit `renamed` its own into
+        place (another start of the job committed it: moving `latest` back, or that checkpoint
+        aside, would lose it)."""
+        if problem := self._fenced(what):
+            return problem
+        try:
+            named = (self.root / LATEST).read_text().strip()
+        except FileNotFoundError:
+            return ""
+        later = named > final.name or (named == final.name and not renamed)
+        if later and (self.root / named).is_dir():
+            return f"{what}: {LATEST} names {named}, not older than {final.name}"
+        return ""
+
+    def _commit(
+        self, partial: Path, final: Path, records: dict[str, FileRecord], state: TrainerState
+    ) -> str:
+        """Rank 0; returns why it stopped, empty once committed. Stopped before `latest` moves,
+        the checkpoint may be in place, complete but never named: retention removes it later."""
+        what = f"not committing step {state.step} ({partial} left as it is)"
+        if problem := self._refused(final, what, renamed=False):
+            return problem
+        write_manifest(partial, records, asdict(state))
         if final.exists():  # only if `latest` pointed below it: a checkpoint never verified
             _move_aside(final, ["a newer save of the same step replaced it"])
         rename_durably(partial, final, files=False)  # each file was forced as it was hashed
-        pointer = self.root / f".{LATEST}.tmp"
+        pointer = self.root / f".{LATEST}.{uuid.uuid4().hex}.tmp"  # another start's is its own
         pointer.write_text(final.name)
         with open(pointer) as f:
             os.fsync(f.fileno())
+        if problem := self._refused(final, f"not moving {LATEST} to {final.name}", renamed=True):
+            pointer.unlink()
+            return problem
         os.replace(pointer, self.root / LATEST)
         fsync_path(self.root)
         size = sum((final / n).stat().st_size for n in list_files(final))
         log.info("checkpoint %s saved (%.1f MiB)", final, size / 2**20)
         self._verified.add(final)
-        self._retain()
-        if self.remove_damaged:  # those this good save has gone past, never the others
-            for damaged in damaged_checkpoints(self.root):
-                if damaged_step(damaged) < damaged_step(final):
-                    log.info("removing %s (checkpoint.remove_damaged=true)", damaged)
-                    shutil.rmtree(damaged, ignore_errors=True)
+        return self._retain(final) or self._remove_damaged(final)
 
-    def _retain(self) -> None:
+    def _retain(self, final: Path) -> str:
         """Delete the checkpoints older than the `keep` newest known good ones; while fewer
-        are known good, delete nothing (an older checkpoint never verified may be all there is)."""
+        are known good, delete nothing (an older checkpoint never verified may be all there is).
+        Why it stopped, if fenced."""
         found = sorted(self.checkpoints(), reverse=True)
         good = [c for c in found if c in self._verified][: self.keep]
         if len(good) < self.keep:
-            return
+            return ""
         for old in found:
             if old.name < good[-1].name:
                 log.info("removing checkpoint %s (retention: checkpoint.keep=%d)", old, self.keep)
-                shutil.rmtree(old, ignore_errors=True)
+                if problem := self._remove_unless_fenced(old, f"{final.name} saved, but "):
+                    return problem
+        return ""
+
+    def _remove_damaged(self, final: Path) -> str:
+        """With checkpoint.remove_damaged, the damaged checkpoints `final` has gone past, never
+        the others. Why it stopped, if fenced."""
+        if not self.remove_damaged:
+            return ""
+        for damaged in damaged_checkpoints(self.root):
+            if damaged_step(damaged) < damaged_step(final):
+                log.info("removing %s (checkpoint.remove_damaged=true)", damaged)
+                if problem := self._remove_unless_fenced(damaged, f"{final.name} saved, but "):
+                    return problem
+        return ""
 
     def checkpoints(self) -> list[Path]:
         return checkpoints_newest_first(self.root)
@@ -430,6 +483,14 @@ def _unreadable(what: list[str]) -> str:
         "error, not a damaged checkpoint: the job stops rather than resume from an older "
         "checkpoint or from step 0. Fix the storage or the file's permissions and submit again"
     )
+
+
+def _remove(path: Path) -> None:
+    """Remove a save's directory, or whatever file or link is in its place."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _move_aside(checkpoint: Path, why: list[str]) -> Path:

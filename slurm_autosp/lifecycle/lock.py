@@ -12,7 +12,9 @@ lock anyway, for a user who knows the job is gone.
 SLURM may requeue a job whose node it lost while that node still runs it: two starts of one
 job id then live at once. The lock records the start that claimed it (SLURM_RESTART_COUNT);
 the later start claims it over the earlier one, and a start that finds itself superseded
-(`superseded`) writes no checkpoint and requeues nothing."""
+(`superseded`) writes no checkpoint, deletes none, requeues nothing and leaves the lock in
+place. A missing lock supersedes too: the job no longer holds the run (someone removed the
+lock, or another job is taking the run over)."""
 
 from __future__ import annotations
 
@@ -63,14 +65,18 @@ def this_job() -> RunLock:
 
 
 def superseded(run_dir: Path, job: RunLock) -> str:
-    """Why `job` may no longer write the run: the lock names another holder, or a later start
-    of the same job; empty while it holds the lock (or no lock is there to say otherwise)."""
+    """Why `job` may no longer write the run: no lock, or one naming another holder or a later
+    start of the same job; empty while it holds the lock. A job has claimed the lock before it
+    writes, so a missing one was removed since, or is mid-takeover by another job."""
     try:
         lock = read_lock(run_dir)
     except ConfigError as err:
         return str(err)
     if lock is None:
-        return ""
+        return (
+            f"{RunDir(run_dir).lock} is gone: this job no longer holds the run (the lock was "
+            "removed, or another job is taking the run over)"
+        )
     if not lock.same_holder(job):
         return f"{RunDir(run_dir).lock} names {lock.describe()}, not this job"
     if lock.restart > job.restart:
@@ -205,10 +211,11 @@ def _refusal(holder: RunLock, liveness: Liveness, why: str, what: str) -> str:
 
 
 def release_lock(run_dir: Path, holder: RunLock) -> None:
-    """Remove the lock if `holder` holds it."""
+    """Remove the lock if `holder` holds it: not when a later start of its job claimed it
+    since (the earlier start ending would leave the run unlocked under the later one)."""
     try:
         lock = read_lock(run_dir)
     except ConfigError:
         return
-    if lock is not None and lock.same_holder(holder):
+    if lock is not None and lock.same_holder(holder) and lock.restart <= holder.restart:
         RunDir(run_dir).lock.unlink(missing_ok=True)
