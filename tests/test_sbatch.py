@@ -7,9 +7,11 @@ import subprocess
 import time
 
 import pytest
+from in_process import run_command
 from slurm_helpers import REPO, job_state
 
-from slurm_autosp.config import ClusterConfig, load_config
+from slurm_autosp.commands.submit import main as submit_main
+from slurm_autosp.config import ClusterConfig, ConfigError, load_config
 from slurm_autosp.launch.executor import sbatch_script
 from slurm_autosp.lifecycle.lock import RunLock, acquire_lock, read_lock
 
@@ -47,6 +49,57 @@ def test_a_kill_on_bad_exit_of_the_users_own_wins():
     )
     srun = next(line for line in sbatch_script(cfg).splitlines() if line.startswith("srun "))
     assert " -K0 " in srun and "--kill-on-bad-exit" not in srun, srun
+
+
+def dry_run(tmp_path, *overrides):
+    return run_command(
+        submit_main,
+        "dry_run=true",
+        "cluster.backend=slurm",
+        f"run.output_root={tmp_path}",
+        *overrides,
+    )
+
+
+def test_sbatch_extra_cannot_replace_the_signal_a_jobs_stops_depend_on(tmp_path):
+    """`B:USR2@300` would signal the batch shell alone, never the ranks, while admission still
+    holds cluster.signal_delay_s to a stop and a save: refused before anything starts."""
+    refused = dry_run(tmp_path, "cluster.sbatch_extra.signal=B:USR2@300")
+    assert refused.returncode == 2, refused.stderr
+    assert (
+        "cluster.sbatch_extra.signal: the launcher sets #SBATCH --signal itself and the job "
+        "depends on it (every rank stops and saves on USR2"
+    ) in refused.stderr
+    assert "remove it and set cluster.signal_delay_s instead" in refused.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_an_unrelated_sbatch_extra_option_goes_into_the_script(tmp_path):
+    passed = dry_run(tmp_path, "cluster.sbatch_extra.constraint=a100")
+    assert passed.returncode == 0, passed.stderr
+    assert "#SBATCH --constraint=a100" in passed.stdout
+
+
+@pytest.mark.parametrize(
+    ("key", "option", "fix"),
+    [
+        ("time", "time", "cluster.time_min"),
+        ("no_requeue", "no-requeue", "cluster.max_requeues=0"),
+        ("ntasks-per-node", "ntasks-per-node", "cluster.gpus_per_node"),
+        ("open-mode", "open-mode", "let every start append"),
+        ("output", "output", "run.output_root and run.name"),
+        ("sig", "signal", "cluster.signal_delay_s"),  # sbatch reads --sig as --signal
+    ],
+)
+def test_each_option_the_launcher_sets_for_stops_and_logs_is_refused_naming_the_fix(
+    key, option, fix
+):
+    with pytest.raises(ConfigError) as err:
+        load_config([f"cluster.sbatch_extra.{key}=x"])
+    assert f"cluster.sbatch_extra.{key}: the launcher sets #SBATCH --{option} itself" in str(
+        err.value
+    )
+    assert fix in str(err.value)
 
 
 def test_resource_defaults_match_the_shipped_8_gpu_profile(generated):

@@ -41,6 +41,58 @@ ZERO_STAGES = (None, 1, 3)  # null: the memory plan chooses
 USER_PORTS = range(1024, 65536)  # what MASTER_PORT may be: no privileged port
 # sbatch --signal=USR2@<seconds>: Slurm keeps the time in 16 bits (job_desc_msg_t.warn_time)
 MAX_SIGNAL_DELAY_S = 65535
+# The #SBATCH options the launcher sets (launch/executor.py, submitit) that a job's stops,
+# requeues and logs depend on: cluster.sbatch_extra would replace them. Each with why, and
+# what to do instead.
+LAUNCHER_SBATCH_OPTIONS: dict[str, tuple[str, str]] = {
+    "signal": (
+        "every rank stops and saves on USR2, sent ahead of the time limit by the delay that "
+        "admission holds to a stop plus a save",
+        "set cluster.signal_delay_s instead",
+    ),
+    "time": ("the stop signal is sent ahead of this limit", "set cluster.time_min instead"),
+    "requeue": (
+        "rank 0 requeues the job after its stop save",
+        "set cluster.max_requeues instead (0: never requeued)",
+    ),
+    "no-requeue": (
+        "rank 0 requeues the job after its stop save",
+        "set cluster.max_requeues=0 instead",
+    ),
+    "nodes": (
+        "each rank checks the job's task count against the config",
+        "set cluster.nodes instead",
+    ),
+    "ntasks": (
+        "each rank checks the job's task count against the config",
+        "set cluster.nodes and cluster.gpus_per_node instead",
+    ),
+    "ntasks-per-node": (
+        "each rank checks the job's task count against the config",
+        "set cluster.gpus_per_node (cluster.tasks_per_node for CPU ranks) instead",
+    ),
+    "gpus-per-node": (
+        "the layout and the plan are made for it",
+        "set cluster.gpus_per_node instead",
+    ),
+    "gpus": (
+        "the layout and the plan are made for the GPUs of each node",
+        "set cluster.nodes and cluster.gpus_per_node instead",
+    ),
+    "open-mode": (
+        "a requeued start appends to the logs that status and --follow read",
+        "let every start append",
+    ),
+    "output": (
+        "status and --follow read the job's logs where submitit puts them",
+        "choose the run directory they go under with run.output_root and run.name",
+    ),
+    "error": (
+        "status and --follow read the job's logs where submitit puts them",
+        "choose the run directory they go under with run.output_root and run.name",
+    ),
+    "array": ("one job trains a run, requeued under one job id", "submit one job per run"),
+}
 
 
 def is_user_port(value: object) -> bool:
@@ -111,7 +163,27 @@ def _cluster_problems(c: ClusterConfig) -> list[str]:
         problems.append(
             f"cluster.nodes={c.nodes}: the local backend runs on one machine; set cluster.nodes=1"
         )
-    return problems
+    return problems + [
+        _replaced_option_problem(key, name)
+        for key in c.sbatch_extra
+        if (name := _launcher_option(key)) is not None
+    ]
+
+
+def _launcher_option(key: str) -> str | None:
+    """The launcher's option (LAUNCHER_SBATCH_OPTIONS) that a cluster.sbatch_extra key would
+    replace: rendered `#SBATCH --<key, _ as ->`, which sbatch also reads as any option it
+    abbreviates unambiguously (`--sig` is `--signal`)."""
+    flag = key.replace("_", "-")
+    return next((name for name in LAUNCHER_SBATCH_OPTIONS if flag and name.startswith(flag)), None)
+
+
+def _replaced_option_problem(key: str, name: str) -> str:
+    why, fix = LAUNCHER_SBATCH_OPTIONS[name]
+    return (
+        f"cluster.sbatch_extra.{key}: the launcher sets #SBATCH --{name} itself and the job "
+        f"depends on it ({why}); remove it and {fix}"
+    )
 
 
 def _model_problems(m: ModelConfig) -> list[str]:
