@@ -27,6 +27,7 @@ from slurm_autosp.checkpoint.store import (  # noqa: E402
     CheckpointError,
     CheckpointStore,
     TrainerState,
+    cuda_rng_state,
     damage_report,
     damaged_checkpoints,
     refuse_another_runs_checkpoint,
@@ -478,6 +479,18 @@ def test_rng_state_files_load_without_unpickling_code(tmp_path, engine):
     assert set(loaded) >= {"python", "numpy", "torch"}
     store.load_latest(engine, settings(engine.name))
     assert (random.random(), torch.rand(1).item()) == expected
+
+
+def test_a_gpu_rank_restores_the_cuda_generator_state_of_the_gpu_its_saver_drew_from():
+    """A rank saves its own GPU's CUDA generator state. Checkpoints written before hold every
+    visible GPU's (8 with --gpus-per-node=8), restored by index onto as many GPUs: an
+    IndexError where fewer are visible, another GPU's state where more."""
+    # as a GPU's generator states are: seed and offset, 16 bytes
+    every_gpu = [torch.tensor([seed, 0]).view(torch.uint8) for seed in range(8)]
+    assert cuda_rng_state(every_gpu[3], 3) is every_gpu[3]
+    assert cuda_rng_state(every_gpu, 3) is every_gpu[3]  # the saver's own GPU, device 3
+    assert cuda_rng_state(every_gpu[:1], 3) is every_gpu[0]  # it saw its own GPU only
+    assert cuda_rng_state(every_gpu, 0) is every_gpu[0]  # rank 0's, restored on another layout
 
 
 def test_keep_below_one_is_refused_by_the_store(tmp_path):

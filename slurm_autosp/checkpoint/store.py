@@ -323,7 +323,7 @@ class CheckpointStore:
             engine.load(candidate / ENGINE_TAG)
             rng_of = 0 if relaid else self.rank
             set_rng_state(
-                torch.load(candidate / "rng" / f"rank_{rng_of:05d}.pt", weights_only=True)
+                torch.load(candidate / "rng" / f"rank_{rng_of:05d}.pt", weights_only=True), relaid
             )
             self._verified.add(candidate)
             if self.rank == 0:
@@ -611,15 +611,29 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # the rank's own GPU's (the current device since the job started), the one generator
+        # it draws from: every visible GPU's would not restore where fewer are visible
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], relaid: bool = False) -> None:
+    """Restore what `rng_state` returned; `relaid`: rank 0's state, restored on another layout
+    (rank 0's GPU was its device 0: cluster.distributed.rank_device_index)."""
     version, mt, gauss = state["python"]
     random.setstate((version, tuple(mt), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saver_device = 0 if relaid else torch.cuda.current_device()
+        torch.cuda.set_rng_state(cuda_rng_state(state["cuda"], saver_device))
+
+
+def cuda_rng_state(saved: torch.Tensor | list[torch.Tensor], device: int) -> torch.Tensor:
+    """The CUDA generator state in a saved RNG state, the saving rank's GPU's (`device`: its
+    index). Checkpoints written before hold every visible GPU's: `device`'s entry, or the only
+    GPU's where the saver saw fewer."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    return saved[device] if device < len(saved) else saved[0]
