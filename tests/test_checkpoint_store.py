@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 from reference_run import prepared_dataset
+from saved_on_device import saved_on
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -112,6 +113,29 @@ def test_saved_checkpoint_restores_weights_and_trainer_state(tmp_path, engine):
     assert resumed == state(3, engine.name)
     assert all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
     assert (tmp_path / "latest").read_text() == "step_00000003"
+
+
+def test_a_checkpoint_a_gpu_saved_synchronously_resumes_on_the_host(tmp_path, engine):
+    """A synchronous save on a GPU recorded each tensor's device (fused AdamW's step lives on its
+    GPU), and the resume loaded the optimizer's and schedule's files without map_location: on
+    the GPU that wrote them, from every rank (here, without a GPU, not at all)."""
+    logits = engine(input_ids=torch.ones(1, 8, dtype=torch.long)).logits
+    engine.backward(logits.float().square().mean() * engine.loss_scale)
+    engine.step()
+    store = CheckpointStore(tmp_path, rank=0, world_size=1, keep=2)
+    before = params(engine)
+    checkpoint = store.save(engine, state(1, engine.name))
+    written = list_files(checkpoint)
+    for name in written:  # the engine's torch.save files (the RNG states are host tensors)
+        if name.startswith("engine/") and name.endswith(".pt"):
+            tree = torch.load(checkpoint / name, weights_only=True)
+            with saved_on("cuda:0"):
+                torch.save(tree, checkpoint / name)
+    manifest = read_manifest(checkpoint)
+    write_manifest(checkpoint, hash_files(checkpoint, written, fsync=False), manifest["meta"])
+    perturb(engine)
+    assert store.load_latest(engine, settings(engine.name)) == state(1, engine.name)
+    assert all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
 
 
 def test_a_fenced_job_saves_commits_and_removes_nothing(tmp_path, engine):

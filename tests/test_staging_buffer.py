@@ -7,6 +7,7 @@ import pickle
 from collections import OrderedDict
 
 import torch
+from saved_on_device import saved_on
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -66,6 +67,18 @@ def test_staged_trees_are_written_as_torch_save_writes_the_originals(tmp_path):
     assert torch.equal(transposed, torch.arange(8, 24.0).view(4, 4).t())
     assert isinstance(loaded["master"], nn.Parameter)
     assert torch.load(io.BytesIO(written["module.pt"]))._metadata == {"": {"version": 2}}
+
+
+def test_a_synchronous_save_of_a_gpus_tensors_writes_what_the_staged_one_writes(tmp_path):
+    """torch.save records a GPU tensor's device, where torch.load without map_location puts it
+    back: a synchronous save of GPU state wrote other bytes than the staged host copy, and every
+    rank that loaded them made a CUDA context on the GPU that wrote them."""
+    originals = StateFiles(trees())
+    with saved_on("cuda:0"):
+        originals.write(tmp_path)
+        assert b"cuda:0" in saved_bytes(originals.trees["pieces.pt"])
+    for name, tree in originals.trees.items():
+        assert (tmp_path / name).read_bytes() == saved_bytes(tree), name  # the staged save's
 
 
 def test_the_buffer_is_kept_between_saves_and_grows_when_a_save_needs_more(tmp_path):

@@ -5,12 +5,27 @@ distributed checkpoint, to a thread (checkpoint/background_write.py)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+_writing = threading.local()  # `on` while this thread's StateFiles.write runs torch.save
+
+
+def _host_location(storage: Any) -> str | None:
+    """The location torch.save records of a storage StateFiles.write saves: "cpu", where
+    torch.save copies a device storage to write it, one at a time, as the staged copy an
+    asynchronous save writes is. torch.save would record the device ("cuda:3"), where a load
+    without map_location puts the tensor back: on that GPU, from every rank that loads it."""
+    return "cpu" if getattr(_writing, "on", False) else None
+
+
+# priority 0: asked before torch's own taggers (cpu 10, cuda 20); None passes the storage on
+torch.serialization.register_package(0, _host_location, lambda storage, location: None)
 
 
 @dataclass
@@ -34,12 +49,17 @@ class StateFiles:
 
     def write(self, into: Path) -> None:
         """Write every file below `into`. torch.save writes to an open file, as the writer
-        process does (to a path it would name the archive inside after the file): an
-        asynchronous save writes the same bytes."""
-        for name, tree in self.trees.items():
-            (into / name).parent.mkdir(parents=True, exist_ok=True)
-            with open(into / name, "wb") as f:
-                torch.save(tree, f)
+        process does (to a path it would name the archive inside after the file), and records
+        every tensor as a host tensor (`_host_location`): an asynchronous save writes the same
+        bytes."""
+        _writing.on = True
+        try:
+            for name, tree in self.trees.items():
+                (into / name).parent.mkdir(parents=True, exist_ok=True)
+                with open(into / name, "wb") as f:
+                    torch.save(tree, f)
+        finally:
+            _writing.on = False
         for name, text in self.texts.items():
             (into / name).parent.mkdir(parents=True, exist_ok=True)
             (into / name).write_bytes(text.encode())

@@ -155,7 +155,9 @@ class FSDP2Engine:
         set_state_dict(  # dcp.load filled these dicts in place
             self.module, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state
         )
-        self.scheduler.load_state_dict(torch.load(path / SCHEDULE_FILE, weights_only=True))
+        self.scheduler.load_state_dict(
+            torch.load(path / SCHEDULE_FILE, weights_only=True, map_location="cpu")
+        )
         apply_hyperparameters(self.optimizer, self.scheduler, self._train, self._fused)
 
     def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:

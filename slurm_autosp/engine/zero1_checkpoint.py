@@ -126,7 +126,9 @@ def load(
                     f"(from {fragment.start} of the flattened parameter) this rank's optimizer "
                     "partition needs: it was written for another model"
                 )
-    saved = torch.load(path / OPTIMIZER_FILE, weights_only=True)
+    # on the host, whatever device a checkpoint of an older version recorded (a fused AdamW's
+    # step lives on its GPU): load_state_dict moves the state to its parameter's device
+    saved = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
     optimizer.load_state_dict(
         {
             "state": {i: {**saved["state"].get(i, {}), **s} for i, s in enumerate(states) if s},
@@ -135,7 +137,9 @@ def load(
     )
     partition.update_lp_params()
     _load_untrained(module, path / MODULE_FILE)
-    scheduler.load_state_dict(torch.load(path / SCHEDULE_FILE, weights_only=True))
+    scheduler.load_state_dict(
+        torch.load(path / SCHEDULE_FILE, weights_only=True, map_location="cpu")
+    )
 
 
 def is_saved(path: Path) -> bool:
