@@ -20,6 +20,7 @@ from test_checkpoint_store import (  # noqa: F401
 )
 
 from slurm_autosp.checkpoint.async_save import BUFFER_FILE, CheckpointSaves, staging_dir_for
+from slurm_autosp.checkpoint.background_write import host_writer
 from slurm_autosp.checkpoint.manifest import read_manifest
 from slurm_autosp.checkpoint.store import CheckpointError, CheckpointStore
 from slurm_autosp.engine import build_engine
@@ -109,6 +110,14 @@ def test_an_asynchronous_save_writes_the_bytes_a_synchronous_one_writes(saves, e
     if engine.name == "fsdp2":
         del records["engine/.metadata"], expected["engine/.metadata"]
     assert records == expected
+
+
+def test_the_background_write_reads_its_host_tensors_as_a_cpu_run_does(tmp_path):
+    """torch's writer picks its loader by CUDA being available and per_thread_copy_ahead > 0
+    (filesystem.py, _write_files_from_queue): the default copies ahead on the current stream,
+    GPU 0's on the writing thread. With none copied ahead it reads the staged host tensors
+    serially on a GPU too, the loader the FSDP2 saves above run on CPU."""
+    assert host_writer(tmp_path).per_thread_copy_ahead == 0
 
 
 def test_a_synchronous_save_abandons_a_save_still_being_written(saves, engine):  # noqa: F811

@@ -35,8 +35,17 @@ class BackgroundWrite:
 
     def _write(self, buffer: StagingBuffer, staged: dict[str, Any], into: Path) -> None:
         for name, state in buffer.views(staged).items():
-            dcp.save(state, checkpoint_id=str(into / name), process_group=self._group)
+            dcp.save(state, storage_writer=host_writer(into / name), process_group=self._group)
 
     def close(self) -> None:
         """Let the thread end once its write does (the process's exit waits for it)."""
         self._thread.shutdown(wait=False)
+
+
+def host_writer(path: Path) -> dcp.FileSystemWriter:
+    """dcp.save's writer for tensors already in host memory, which touches no GPU: by default,
+    where CUDA is available, it copies tensors ahead on the current stream and synchronizes it
+    (torch/distributed/checkpoint/filesystem.py: _OverlappingCpuLoader, unless
+    per_thread_copy_ahead is 0), and on this thread, never given a device, that is GPU 0's: a
+    CUDA context there from every rank, or a failure where GPUs are exclusive to a process."""
+    return dcp.FileSystemWriter(path, per_thread_copy_ahead=0)
