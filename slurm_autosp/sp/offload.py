@@ -44,6 +44,43 @@ class OffloadStats:
     peak_resident_bytes: int = 0
 
 
+@dataclass(frozen=True, eq=False)
+class _Version:
+    """A saved tensor's version when saved, checked when the backward reads it, as autograd
+    checks it without hooks (saved-tensor hooks turn its check off: saved_variable.cpp). On
+    CUDA a write after the save could otherwise reach the host copy, made later on the side
+    stream, silently. `base` is the tensor's base (or itself): every tensor that can write
+    into it keeps its base alive, and shares its version counter."""
+
+    base: weakref.ref[torch.Tensor]
+    version: int
+    what: str  # as autograd names a tensor: [torch.cuda.FloatTensor [2, 8]]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "_Version":
+        base = tensor if tensor._base is None else tensor._base
+        return cls(weakref.ref(base), tensor._version, f"[{tensor.type()} {list(tensor.shape)}]")
+
+    def check(self) -> None:
+        base = self.base()
+        if base is not None and base._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: {self.what} is at version {base._version}; expected version "
+                f"{self.version} instead. Activation offload saved it, whose hooks stand in for "
+                "autograd's own check: make that operation out of place (x = x.mul(2) for "
+                "x.mul_(2)), or clone the tensor before it"
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class _Kept:
+    """What autograd holds for a saved tensor left where it is."""
+
+    tensor: torch.Tensor
+    saved: _Version
+
+
 @dataclass(eq=False)
 class _Offloaded:
     """What autograd holds for one offloaded tensor: its host copy until fetched, then its device
@@ -51,6 +88,7 @@ class _Offloaded:
 
     nbytes: int
     host: torch.Tensor | None
+    saved: _Version
     device_copy: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
 
@@ -186,22 +224,26 @@ class _Session:
         # the next record the prefetch looks at; None before the backward
         self._cursor: int | None = None
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Offloaded:
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Kept | _Offloaded:
         if _is_parameter(tensor):
             return tensor
         if not self._offload.movable(tensor):
             self._offload.stats.kept_bytes += tensor.nbytes
-            return tensor
+            return _Kept(tensor, _Version.of(tensor))
+        saved = _Version.of(tensor)
         host = self._offload.to_host(tensor, self._host.empty_like(tensor))
-        record = _Offloaded(tensor.nbytes, host)
+        record = _Offloaded(tensor.nbytes, host, saved)
         self._records.append(record)
         self._on_host += 1
         self._packed_bytes += record.nbytes
         return record
 
-    def unpack(self, packed: torch.Tensor | _Offloaded) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor | _Kept | _Offloaded) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        packed.saved.check()
+        if isinstance(packed, _Kept):
+            return packed.tensor
         if packed.device_copy is None:
             self._fetch(packed)
         tensor, ready = packed.device_copy, packed.ready

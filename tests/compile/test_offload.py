@@ -70,6 +70,22 @@ def test_reading_offloaded_activations_twice_is_refused_with_a_clear_error():
         loss.backward()
 
 
+@pytest.mark.parametrize("min_bytes", [0, 1 << 20], ids=["offloaded", "kept"])
+def test_an_activation_written_in_place_after_it_was_saved_is_refused_as_autograd_refuses_it(
+    min_bytes,
+):
+    """Saved-tensor hooks turn autograd's check of a saved tensor's version off, and on CUDA the
+    copy to host runs later, on a side stream: the write could reach the backward silently."""
+    x = torch.randn(8, 64, requires_grad=True)
+    offload = ActivationOffload(torch.device("cpu"), layers=1, min_bytes=min_bytes)
+    with offload.saving():
+        y = x.exp()  # saves its output
+    y.mul_(2)
+    written = r"modified by an inplace operation: \[torch.FloatTensor \[8, 64\]\] is at version 1"
+    with pytest.raises(RuntimeError, match=written):
+        y.sum().backward()
+
+
 def assert_sp_offload_exact(results: list[dict]) -> None:
     """Within 1e-5 of the single-device reference; each rank moved exactly what its compiled
     forwards save besides parameters (min_bytes=0), and held at most about two layers of it."""
