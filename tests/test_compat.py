@@ -71,6 +71,7 @@ def test_torch_dynamo_and_inductor_settings_we_set_exist():
         ("torch._ops", "OpOverload"),
         ("torch._dynamo", "maybe_mark_dynamic"),  # compile.inputs: packed rows' document count
         ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),  # engine.fsdp2
+        ("torch.distributed.distributed_c10d", "_abort_process_group"),  # a failed rank's exit
     ],
 )
 def test_private_torch_names_still_exist(module, name):

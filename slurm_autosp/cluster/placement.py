@@ -8,6 +8,8 @@ profile against what each node detects: ranks then agree on the groups by constr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.distributed as dist
 
 from slurm_autosp.cluster.layout import (
@@ -15,6 +17,7 @@ from slurm_autosp.cluster.layout import (
     ParallelLayout,
     derive_parallel_layout,
 )
+from slurm_autosp.cluster.rank_failure import describe_failure
 from slurm_autosp.cluster.topology import (
     ClusterTopology,
     NodeTopology,
@@ -86,7 +89,7 @@ def layout_summary(cluster: ClusterConfig, layout: ParallelLayout) -> str:
     )
 
 
-def check_detected_topology(cluster: ClusterConfig, reports: list[NodeTopology | None]) -> None:
+def check_detected_topology(cluster: ClusterConfig, reports: Sequence[NodeTopology | None]) -> None:
     """Compare what each node found (one report per node, others None) with the profile."""
     nodes = tuple(r for r in reports if r is not None)
     if not cluster.uses_gpus:
@@ -108,14 +111,29 @@ def check_detected_topology(cluster: ClusterConfig, reports: list[NodeTopology |
 
 def verify_topology(cluster: ClusterConfig, local_rank: int) -> None:
     """Each node's first rank detects its GPUs; rank 0 checks them all; every rank learns the
-    verdict, so a mismatch stops the whole job before the model loads."""
-    report = detect_node_topology() if local_rank == 0 else None
-    reports: list[NodeTopology | None] = [None] * dist.get_world_size()
+    verdict, so a mismatch stops the whole job before the model loads. A detection that raises
+    is gathered as that rank's report, so every rank raises it rather than leave the others
+    waiting in the gather for the rank that raised."""
+    report: NodeTopology | str | None = None
+    if local_rank == 0:
+        try:
+            report = detect_node_topology()
+        except Exception as err:  # any error: every rank must reach the gather
+            report = describe_failure(dist.get_rank(), err)
+    reports: list[NodeTopology | str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
+    failed = [r for r in reports if isinstance(r, str)]
+    if failed:
+        raise TopologyError(
+            "could not detect every node's GPUs: "
+            + "; ".join(failed)
+            + "\nfix that node's GPU tools (nvidia-smi, rocm-smi), or leave the node out of the "
+            "job (sbatch --exclude) and submit again"
+        )
     verdict = [""]
     if dist.get_rank() == 0:
         try:
-            check_detected_topology(cluster, reports)
+            check_detected_topology(cluster, [r for r in reports if isinstance(r, NodeTopology)])
         except TopologyMismatch as err:
             verdict = [str(err)]
     dist.broadcast_object_list(verdict, src=0)

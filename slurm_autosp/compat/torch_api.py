@@ -3,7 +3,8 @@ the CUDA kernel of document attention (the flash varlen forward and backward tha
 torch.nn.attention.varlen calls, with its arguments), and the reset of DTensor's sharding
 caches, which outlive the process groups of their meshes, and the flattening of a device
 mesh's dimensions into one (as torchtitan does: no public name yet); the hook in a module's call that
-runs outside its compiled frame; and a DTensor made over a host copy of its shard."""
+runs outside its compiled frame; a DTensor made over a host copy of its shard; and the abort of
+every process group of a rank that failed."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.cuda._pin_memory_utils import pin_memory as register_pinned
 from torch.cuda._pin_memory_utils import unpin_memory as unregister_pinned
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _abort_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear_sharding_prop_cache
 
@@ -161,6 +163,13 @@ def new_group_options(device: torch.device) -> GroupOptions:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = world.options._timeout
     return options
+
+
+def abort_process_groups() -> None:
+    """Tear down every process group of this process without waiting for its collectives:
+    NCCL's destroy waits for every kernel it enqueued, and a rank that failed may have left
+    some its peers never join. gloo closes its connections, which releases peers waiting."""
+    _abort_process_group()
 
 
 def inductor_default_cache_dir() -> str:

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from slurm_autosp.cluster.comm_env import collective_env
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache, users_environment
 from slurm_autosp.cluster.parallel_dims import ParallelDims, init_parallel_dims
+from slurm_autosp.cluster.rank_failure import FailureWatch
+from slurm_autosp.compat.torch_api import abort_process_groups
 from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig, Vendor
 from slurm_autosp.lifecycle.lock import (
     RunLock,
@@ -54,6 +56,8 @@ class TrainingJob:
     it on every rank.
 
     Requeued jobs call it again with the same config: training resumes from the checkpoint.
+    Once the process group is up, an error on one rank ends every rank, each naming it
+    (cluster/rank_failure.py), instead of leaving the others waiting in a collective.
     """
 
     # saves when SLURM's pre-timeout signal comes, so admission holds its signal delay to a
@@ -83,8 +87,10 @@ class TrainingJob:
         rank = job_env.global_rank
         _configure_process(cfg.cluster, rank)
         applied = _apply_collective_env(cfg)
+        watch = FailureWatch()
+        leave = dist.destroy_process_group
         try:
-            dims = init_parallel_dims(cfg, self._claim)
+            dims = init_parallel_dims(cfg, lambda rank: self._joined(rank, watch))
             if dims.rank == 0:
                 log.info("%s", dims.layout)
                 log.info(
@@ -95,9 +101,22 @@ class TrainingJob:
             if dims.rank == 0:
                 release_lock(cfg.run.dir, this_job())
             return result
+        except Requeued:  # every rank leaves for the requeue: no failure
+            raise
+        except BaseException as err:
+            watch.failed(err)  # the other ranks end too, naming this rank and its error
+            leave = abort_process_groups  # destroy would wait for collectives left unfinished
+            raise
         finally:
+            watch.stop()  # leaving: another rank's end (rank 0's takes the store) is no failure
             if dist.is_initialized():
-                dist.destroy_process_group()
+                leave()
+
+    def _joined(self, rank: int, watch: FailureWatch) -> None:
+        """As soon as the process group is up: watch for another rank's failure, then claim
+        the run."""
+        watch.start(rank, dist.get_world_size())
+        self._claim(rank)
 
     def _claim(self, rank: int) -> None:
         """Rank 0 takes the run's lock; every rank exits when it refuses."""

@@ -5,9 +5,12 @@ Memory per rank: what the forward keeps for backward (distinct storages reaching
 saved-tensor hooks, parameters excluded: the plan's activations and loss inputs), and the
 allocated (GPU) or resident (CPU) memory at the start of the timed steps and its peak over them.
 
-An out-of-memory error is a result, not a crash: the steps end, and the measurement records at
-which step and the memory when it struck (the peak then is a lower bound of what the step
-needs). A stop request ends the steps at the next step boundary, with what they measured.
+On one rank (the GPU check) an out-of-memory error is a result, not a crash: the steps end,
+and the measurement records at which step and the memory when it struck (the peak then is a
+lower bound of what the step needs). Among several ranks the others may be waiting for this one
+inside the step's collectives, where nothing can reach them: the rank logs the same finding
+and raises, and the job's failure agreement (cluster/rank_failure.py) ends every rank naming
+it. A stop request ends the steps at the next step boundary, with what they measured.
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ class OutOfMemory:
             f"{self.allocated_bytes / MIB:,.0f} MiB, peak {self.peak_bytes / MIB:,.0f} MiB, "
             f"reserved peak {self.peak_reserved_bytes / MIB:,.0f} MiB)"
         )
+
+
+class RankOutOfMemory(RuntimeError):
+    """A rank of several ran out of memory in a step; the message is its finding."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +174,7 @@ class ProbeSteps:
         self, cfg: JobConfig, steps: int, stop: AgreedStop | None = None
     ) -> StepMeasurement:
         """`steps` optimizer steps at `cfg.data.seq_len`; an out-of-memory error or an agreed
-        stop request ends them."""
+        stop request ends them (the error raised as RankOutOfMemory among several ranks)."""
         dims, memory = self.dims, self.memory
         source = build_source(cfg, model_vocab_size(cfg.model))
         flops = count_flops(self.engine.module, cfg.data.seq_len, cfg.global_batch)
@@ -198,6 +205,12 @@ class ProbeSteps:
             except torch.OutOfMemoryError as err:
                 oom = self._out_of_memory(step + 1, err)
                 log.error("probe: rank %d ran %s", dims.rank, oom.describe())
+                if dims.world_size > 1:
+                    raise RankOutOfMemory(
+                        f"probe: {oom.describe()}; compare it with `python -m slurm_autosp "
+                        "plan`, and lower data.seq_len or train.micro_batch, or keep fewer "
+                        "activations (compile.activation_checkpointing)"
+                    ) from err
                 break
             seconds.append(time.perf_counter() - begin)
             losses.append(loss)
