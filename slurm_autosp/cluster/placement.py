@@ -8,7 +8,11 @@ profile against what each node detects: ranks then agree on the groups by constr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import logging
+import os
+import socket
+from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
 
@@ -21,12 +25,18 @@ from slurm_autosp.cluster.rank_failure import describe_failure
 from slurm_autosp.cluster.topology import (
     ClusterTopology,
     NodeTopology,
+    NodeView,
+    RankView,
     TopologyError,
     compare_topology,
     detect_node_topology,
+    node_views,
     topology_from_profile,
+    visible_devices,
 )
 from slurm_autosp.config import ClusterConfig, ConfigError, JobConfig, Vendor
+
+log = logging.getLogger(__name__)
 
 
 class TopologyMismatch(RuntimeError):
@@ -109,15 +119,51 @@ def check_detected_topology(cluster: ClusterConfig, reports: Sequence[NodeTopolo
         )
 
 
+def node_report(cluster: ClusterConfig, view: NodeView, detected: NodeTopology) -> NodeTopology:
+    """What a node reports: what its first rank detected, or where the node is isolated (its
+    tasks each see only their own GPU) one GPU per rank in the profile's NVLink domains, as
+    no task can read the links. Vendor, fabric clique and network devices stay detected."""
+    if not view.isolated:
+        return detected
+    size = cluster.nvlink_domain_size or cluster.gpus_per_node
+    domains = tuple(
+        tuple(range(start, min(start + size, view.ranks))) for start in range(0, view.ranks, size)
+    )
+    return dataclasses.replace(detected, gpu_count=view.ranks, nvlink_domains=domains)
+
+
+def unread_links_warning(cluster: ClusterConfig, nodes: Iterable[NodeView]) -> str | None:
+    """The warning rank 0 logs where some node's links could not be read, or None."""
+    hosts = [node.host for node in nodes if node.isolated]
+    if not hosts:
+        return None
+    return (
+        f"GPU links of {'node' if len(hosts) == 1 else 'nodes'} {', '.join(hosts)} could not be "
+        "read because each task sees only its own GPU: their NVLink domains are the profile's "
+        f"(cluster.nvlink_domain_size={cluster.nvlink_domain_size or cluster.gpus_per_node}), "
+        "trusted, not checked"
+    )
+
+
 def verify_topology(cluster: ClusterConfig, local_rank: int) -> None:
     """Each node's first rank detects its GPUs; rank 0 checks them all; every rank learns the
     verdict, so a mismatch stops the whole job before the model loads. A detection that raises
     is gathered as that rank's report, so every rank raises it rather than leave the others
-    waiting in the gather for the rank that raised."""
+    waiting in the gather for the rank that raised.
+
+    Every rank first shares the GPUs it was shown, so a node whose tasks each see only their
+    own GPU is detected with all of its ranks' (node_views). A CPU job's ranks use no GPU:
+    what they are shown decides nothing."""
+    shown = visible_devices(os.environ, cluster.vendor) if cluster.uses_gpus else None
+    mine = RankView(socket.gethostname(), local_rank, shown)
+    views = [mine] * dist.get_world_size()
+    dist.all_gather_object(views, mine)
+    nodes = node_views(views)
     report: NodeTopology | str | None = None
     if local_rank == 0:
         try:
-            report = detect_node_topology()
+            view = nodes[dist.get_rank()]
+            report = node_report(cluster, view, detect_node_topology(view.visible))
         except Exception as err:  # any error: every rank must reach the gather
             report = describe_failure(dist.get_rank(), err)
     reports: list[NodeTopology | str | None] = [None] * dist.get_world_size()
@@ -132,6 +178,9 @@ def verify_topology(cluster: ClusterConfig, local_rank: int) -> None:
         )
     verdict = [""]
     if dist.get_rank() == 0:
+        warning = unread_links_warning(cluster, nodes.values())
+        if warning:
+            log.warning("%s", warning)
         try:
             check_detected_topology(cluster, [r for r in reports if isinstance(r, NodeTopology)])
         except TopologyMismatch as err:

@@ -274,10 +274,11 @@ def node_clique(states: Iterable[FabricState]) -> str | None:
 
 
 def restrict_to_visible(matrix: LinkMatrix, visible: str | None) -> LinkMatrix:
-    """The sub-matrix of the GPUs in CUDA_VISIBLE_DEVICES/ROCR_VISIBLE_DEVICES, renumbered 0..n-1.
+    """The sub-matrix of the GPUs a visible-devices string names, renumbered 0..n-1.
 
-    Slurm sets these to the GPUs of the job; a tool that sees the whole node must not make
-    the job's local ranks refer to GPUs it does not own. UUID lists are left alone.
+    Slurm shows each task the job's GPUs (CUDA_VISIBLE_DEVICES/ROCR_VISIBLE_DEVICES); a tool
+    that sees the whole node must not make the job's local ranks refer to GPUs it does not
+    own. UUID lists are left alone.
     """
     if not visible:
         return matrix
@@ -293,6 +294,79 @@ def restrict_to_visible(matrix: LinkMatrix, visible: str | None) -> LinkMatrix:
         )
     links = tuple(tuple(matrix.links[i][j] for j in keep) for i in keep)
     return LinkMatrix(links=links, network_devices=matrix.network_devices)
+
+
+@dataclass(frozen=True)
+class RankView:
+    """The GPUs one rank was shown, gathered from every rank before its node is probed."""
+
+    host: str
+    local_rank: int
+    visible: str | None  # its visible-devices string (visible_devices); None: the whole node
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """The GPUs one node's ranks were shown together: what its first rank detects."""
+
+    host: str
+    ranks: int
+    visible: str | None  # the ranks' GPUs in rank order, for restrict_to_visible; None: all
+    # each rank shown only its own GPU, all under one id (per-task device cgroups renumber
+    # it 0): no rank's tools see the node's other GPUs, so its links cannot be read
+    isolated: bool
+
+
+def visible_devices(env: Mapping[str, str], vendor: Vendor) -> str | None:
+    """The GPUs a rank is shown, as the vendor's runtime reads them: CUDA_VISIBLE_DEVICES
+    (NVIDIA), ROCR_VISIBLE_DEVICES or else HIP_VISIBLE_DEVICES (AMD); None where unset."""
+    if vendor == Vendor.amd:
+        return env.get("ROCR_VISIBLE_DEVICES") or env.get("HIP_VISIBLE_DEVICES")
+    return env.get("CUDA_VISIBLE_DEVICES")
+
+
+def node_views(ranks: Sequence[RankView]) -> dict[int, NodeView]:
+    """Each node's view, keyed by its first rank, from every rank's in rank order.
+
+    A node's ranks are its local rank 0 and the ranks after it (node-major, as submitit
+    numbers them), not the ranks of one host: local jobs stand several nodes on one host.
+    Every rank computes the same from the same gather, so an error here is raised by all.
+    """
+    firsts = [rank for rank, view in enumerate(ranks) if view.local_rank == 0]
+    ends = [*firsts[1:], len(ranks)]
+    return {first: node_view(ranks[first:end]) for first, end in zip(firsts, ends, strict=True)}
+
+
+def node_view(ranks: Sequence[RankView]) -> NodeView:
+    """What one node's ranks were shown together.
+
+    Ranks shown disjoint GPUs (--gpus-per-task=1 or --gpu-bind binding by visible devices)
+    or the same ones (--gpus-per-node, the default) show the node's GPUs between them. Ranks
+    each shown one GPU under colliding ids are isolated. Other overlaps are refused: which
+    GPU a rank uses could not be told.
+    """
+    host, count = ranks[0].host, len(ranks)
+    shown = [_device_ids(r.visible) for r in ranks]
+    if not all(shown):
+        return NodeView(host, count, None, isolated=False)
+    ids = [i for own in shown for i in own]
+    union = list(dict.fromkeys(ids))
+    if len(union) == len(ids):
+        return NodeView(host, count, ",".join(union), isolated=False)
+    if all(len(own) == 1 for own in shown):
+        return NodeView(host, count, ranks[0].visible, isolated=True)
+    if all(own == shown[0] for own in shown):
+        return NodeView(host, count, ranks[0].visible, isolated=False)
+    raise TopologyError(
+        f"node {host}: its ranks were shown overlapping GPUs (visible devices of local ranks "
+        f"0-{count - 1}: {', '.join(repr(r.visible) for r in ranks)}); show every rank all of "
+        "the node's GPUs (--gpus-per-node) or each rank its own (--gpus-per-task=1)"
+    )
+
+
+def _device_ids(visible: str | None) -> tuple[str, ...]:
+    """The ids a visible-devices string names; none where it is unset or empty (all GPUs)."""
+    return tuple(p.strip() for p in (visible or "").split(",") if p.strip())
 
 
 # ---------------------------------------------------------------------------- expected vs detected
@@ -412,23 +486,23 @@ Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def detect_node_topology(
+    visible: str | None,
     *,
-    env: Mapping[str, str] | None = None,
     which: Callable[[str], str | None] = shutil.which,
     run: Runner = subprocess.run,
     timeout_s: float = 60.0,
 ) -> NodeTopology:
-    """Ask nvidia-smi or rocm-smi about this node; without either, a node with no GPUs.
+    """Ask nvidia-smi or rocm-smi about this node's GPUs that `visible` names (its ranks'
+    together, NodeView.visible; None: all); without either tool, a node with no GPUs.
 
     A tool that is present but fails raises TopologyError: guessing would risk exactly the
     silent bad layout this module exists to prevent.
     """
-    env = os.environ if env is None else env
     hostname = socket.gethostname()
     if which("nvidia-smi"):
         matrix = restrict_to_visible(
             parse_nvidia_smi_topo(_run_tool(run, ["nvidia-smi", "topo", "-m"], timeout_s)),
-            env.get("CUDA_VISIBLE_DEVICES"),
+            visible,
         )
         fabric = parse_nvidia_smi_fabric(_run_tool(run, ["nvidia-smi", "-q"], timeout_s))
         return NodeTopology(
@@ -442,7 +516,7 @@ def detect_node_topology(
     if which("rocm-smi"):
         matrix = restrict_to_visible(
             parse_rocm_smi_topology(_run_tool(run, ["rocm-smi", "--showtopotype"], timeout_s)),
-            env.get("ROCR_VISIBLE_DEVICES") or env.get("HIP_VISIBLE_DEVICES"),
+            visible,
         )
         return NodeTopology(
             hostname,

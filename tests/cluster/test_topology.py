@@ -5,21 +5,32 @@ from pathlib import Path
 
 import pytest
 
+from slurm_autosp.cluster.placement import (
+    TopologyMismatch,
+    check_detected_topology,
+    node_report,
+    unread_links_warning,
+)
 from slurm_autosp.cluster.topology import (
     ClusterTopology,
     LinkMatrix,
     NodeTopology,
+    NodeView,
+    RankView,
     TopologyError,
     compare_topology,
     detect_node_topology,
     node_clique,
+    node_views,
     nvlink_domains_from_links,
     parse_nvidia_smi_fabric,
     parse_nvidia_smi_topo,
     parse_rocm_smi_topology,
     restrict_to_visible,
     topology_from_profile,
+    visible_devices,
 )
+from slurm_autosp.config import ClusterConfig, Vendor
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -276,12 +287,12 @@ def fake_tools(outputs: dict[str, str], returncode: int = 0):
 
 
 def test_detection_on_a_machine_without_gpu_tools_reports_no_gpus():
-    node = detect_node_topology(which=lambda tool: None)
+    node = detect_node_topology(None, which=lambda tool: None)
     assert (node.gpu_vendor, node.gpu_count, node.nvlink_domains) == ("none", 0, ())
 
 
 def test_detection_on_this_machine_does_not_fail():
-    node = detect_node_topology()
+    node = detect_node_topology(None)
     assert node.gpu_vendor in ("nvidia", "amd", "none") and node.hostname
 
 
@@ -292,9 +303,7 @@ def test_detection_reads_nvidia_smi_and_keeps_the_jobs_gpus():
             "nvidia-smi -q": fixture("nvidia_smi_q_h100_sxm_8gpu.txt"),
         }
     )
-    node = detect_node_topology(
-        env={"CUDA_VISIBLE_DEVICES": "2,3"}, which=lambda t: t == "nvidia-smi", run=run
-    )
+    node = detect_node_topology("2,3", which=lambda t: t == "nvidia-smi", run=run)
     assert (node.gpu_vendor, node.gpu_count, node.nvlink_domains) == ("nvidia", 2, ((0, 1),))
     assert node.fabric_clique is None and "mlx5_0" in node.network_devices
 
@@ -306,7 +315,7 @@ def test_detection_reads_the_clique_of_a_gb200_node():
             "nvidia-smi -q": fixture("nvidia_smi_q_fabric_gb200_grep.txt"),
         }
     )
-    node = detect_node_topology(env={}, which=lambda t: t == "nvidia-smi", run=run)
+    node = detect_node_topology(None, which=lambda t: t == "nvidia-smi", run=run)
     assert node.fabric_clique == "dc6e40c4-d722-4357-9ba6-5291dd461278/2"
 
 
@@ -314,7 +323,7 @@ def test_detection_reads_rocm_smi():
     run = fake_tools(
         {"rocm-smi --showtopotype": fixture("rocm_smi_showtopo_mi300_series_8gpu.txt")}
     )
-    node = detect_node_topology(env={}, which=lambda t: t == "rocm-smi", run=run)
+    node = detect_node_topology(None, which=lambda t: t == "rocm-smi", run=run)
     assert (node.gpu_vendor, node.nvlink_domains) == ("amd", (tuple(range(8)),))
 
 
@@ -323,7 +332,7 @@ def test_a_failing_tool_is_an_error_not_a_guess():
     with pytest.raises(
         TopologyError, match="`nvidia-smi topo -m` exited with 9: driver not loaded"
     ):
-        detect_node_topology(env={}, which=lambda t: t == "nvidia-smi", run=run)
+        detect_node_topology(None, which=lambda t: t == "nvidia-smi", run=run)
 
 
 def test_a_hanging_tool_is_reported_with_how_to_skip_detection():
@@ -333,4 +342,104 @@ def test_a_hanging_tool_is_reported_with_how_to_skip_detection():
     with pytest.raises(
         TopologyError, match="did not answer within 5s; set the topology in the config"
     ):
-        detect_node_topology(env={}, which=lambda t: t == "nvidia-smi", run=run, timeout_s=5)
+        detect_node_topology(None, which=lambda t: t == "nvidia-smi", run=run, timeout_s=5)
+
+
+# ----------------------------------------------------------------- one GPU per task (#48)
+
+
+def slurm_node(*visible: str | None, host: str = "gpu-node-1") -> list[RankView]:
+    """One node's ranks as Slurm starts them: local ranks 0.. with their visible devices."""
+    return [RankView(host, n, shown) for n, shown in enumerate(visible)]
+
+
+def detect_on(view: NodeView, topo: str, query: str) -> NodeTopology:
+    """What the node's first rank detects for `view`, nvidia-smi answering as captured."""
+    run = fake_tools({"nvidia-smi topo -m": fixture(topo), "nvidia-smi -q": fixture(query)})
+    return detect_node_topology(view.visible, which=lambda t: t == "nvidia-smi", run=run)
+
+
+def test_visible_devices_are_read_as_the_vendors_runtime_reads_them():
+    env = {"CUDA_VISIBLE_DEVICES": "3", "HIP_VISIBLE_DEVICES": "5"}
+    assert visible_devices(env, Vendor.nvidia) == "3"
+    assert visible_devices(env, Vendor.amd) == "5"
+    assert visible_devices({**env, "ROCR_VISIBLE_DEVICES": "4"}, Vendor.amd) == "4"
+    assert visible_devices({}, Vendor.nvidia) is None
+
+
+def test_ranks_bound_to_one_gpu_each_by_visible_devices_detect_the_whole_node():
+    # --gpus-per-task=1 / --gpu-bind=single:1: local rank n is shown GPU n of the DGX H100
+    cluster = ClusterConfig(gpus_per_node=8)
+    (view,) = node_views(slurm_node(*"01234567")).values()
+    node = node_report(
+        cluster,
+        view,
+        detect_on(view, "nvidia_smi_topo_dgx_h100.txt", "nvidia_smi_q_h100_sxm_8gpu.txt"),
+    )
+    check_detected_topology(cluster, [node])  # before #48: "GPUs expected 8, detected 1"
+    assert (node.gpu_count, node.nvlink_domains) == (8, (tuple(range(8)),))
+    assert (view.visible, view.isolated) == ("0,1,2,3,4,5,6,7", False)
+
+
+def test_ranks_shown_the_whole_node_detect_it_as_before():
+    # --gpus-per-node (submitit's default): every task is shown all of the job's GPUs
+    whole = "0,1,2,3,4,5,6,7"
+    assert node_views(slurm_node(*[whole] * 8))[0] == NodeView("gpu-node-1", 8, whole, False)
+    assert node_views(slurm_node(*[None] * 8))[0] == NodeView("gpu-node-1", 8, None, False)
+
+
+def test_a_nodes_ranks_follow_its_local_rank_0_even_on_one_host():
+    # two nodes' ranks, then a local job standing two nodes on one host
+    views = node_views(slurm_node("0", "1") + slurm_node("1", "0", host="gpu-node-2"))
+    assert views == {
+        0: NodeView("gpu-node-1", 2, "0,1", False),
+        2: NodeView("gpu-node-2", 2, "1,0", False),
+    }
+    assert list(node_views(slurm_node(None) + slurm_node(None))) == [0, 1]
+
+
+def test_tasks_each_seeing_only_their_own_gpu_take_the_profiles_domains_with_a_warning():
+    # per-task device cgroups: each task's GPU is renumbered 0, and nvidia-smi in local rank 0
+    # sees that one GPU of the node (a single-GPU H100 view captured in a device-isolated pod)
+    cluster = ClusterConfig(gpus_per_node=8, nvlink_domain_size=4)
+    views = node_views(slurm_node(*["0"] * 8))
+    (view,) = views.values()
+    assert view.isolated
+    detected = detect_on(
+        view, "nvidia_smi_topo_h100_one_gpu_view.txt", "nvidia_smi_q_h100_one_gpu_view.txt"
+    )
+    assert detected.gpu_count == 1
+    node = node_report(cluster, view, detected)
+    assert (node.gpu_vendor, node.gpu_count) == ("nvidia", 8)
+    assert node.nvlink_domains == ((0, 1, 2, 3), (4, 5, 6, 7))
+    check_detected_topology(cluster, [node])
+    assert unread_links_warning(cluster, views.values()) == (
+        "GPU links of node gpu-node-1 could not be read because each task sees only its own "
+        "GPU: their NVLink domains are the profile's (cluster.nvlink_domain_size=4), trusted, "
+        "not checked"
+    )
+
+
+def test_nodes_whose_links_were_read_give_no_warning():
+    cluster = ClusterConfig(gpus_per_node=8)
+    assert unread_links_warning(cluster, node_views(slurm_node(*"01234567")).values()) is None
+
+
+def test_ranks_shown_overlapping_sets_of_gpus_are_refused_naming_the_node():
+    with pytest.raises(
+        TopologyError, match=r"node gpu-node-3: .*local ranks 0-2: '0,1', '1,2', '0,1'\)"
+    ):
+        node_views(slurm_node("0,1", "1,2", "0,1", host="gpu-node-3"))
+
+
+def test_one_gpu_per_task_still_counts_the_nodes_gpus_against_the_profile():
+    # 4 tasks each shown their own GPU on a node the profile says has 8: a real mismatch
+    cluster = ClusterConfig(gpus_per_node=8)
+    (view,) = node_views(slurm_node(*"0123")).values()
+    node = node_report(
+        cluster,
+        view,
+        detect_on(view, "nvidia_smi_topo_dgx_h100.txt", "nvidia_smi_q_h100_sxm_8gpu.txt"),
+    )
+    with pytest.raises(TopologyMismatch, match="GPUs expected 8, detected 4"):
+        check_detected_topology(cluster, [node])
