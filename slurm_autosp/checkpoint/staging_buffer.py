@@ -17,6 +17,7 @@ writer process cannot join.
 from __future__ import annotations
 
 import gc
+import logging
 import mmap
 import os
 from collections import OrderedDict
@@ -31,6 +32,8 @@ from torch.distributed.tensor import DTensor
 
 from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.compat.torch_api import dtensor_over, register_pinned, unregister_pinned
+
+log = logging.getLogger(__name__)
 
 ALIGN = 4096  # each storage's bytes start on a page of their own
 
@@ -146,7 +149,13 @@ class StagingBuffer:
             str(self.path), shared=True, size=max(nbytes, 1), dtype=torch.uint8
         )
         if torch.cuda.is_available():  # device-to-host copies straight in, asynchronously
-            register_pinned(memory.data_ptr(), memory.numel())
+            try:
+                register_pinned(memory.data_ptr(), memory.numel())
+            except RuntimeError as err:  # cudaHostRegister refused the pages: saves go synchronous
+                raise OSError(
+                    f"pinning the staging buffer {self.path} ({nbytes / 2**20:.1f} MiB) for the "
+                    f"GPU's copies failed: {err}"
+                ) from err
             self._pinned = True
         self._memory = memory
         return memory
@@ -156,7 +165,10 @@ class StagingBuffer:
         background write leaves views of it in reference cycles (its exception's frames); they
         are collected here, so the node's memory is freed now, not at some later collection."""
         if self._memory is not None and self._pinned:
-            unregister_pinned(self._memory.data_ptr())
+            try:
+                unregister_pinned(self._memory.data_ptr())
+            except AssertionError as err:  # after a sticky CUDA error: unmap it all the same
+                log.warning("unpinning the staging buffer %s: %s", self.path, err)
         self._memory, self._pinned = None, False
         gc.collect()
 
