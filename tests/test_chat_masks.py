@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from slurm_autosp.data import read_token_file
-from slurm_autosp.data.prepared import SplitFiles
+from slurm_autosp.data.prepared import SplitFiles, stop_token_ids
 
 SPECIAL_TOKENS = [
     "<unk>",
@@ -60,6 +60,24 @@ THINKING_WITH_MARKERS = (
     "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n"
     "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
 )
+# markers around the reply alone, the end of turn outside them: it is trained all the same
+MARKERS_BEFORE_THE_END_OF_TURN = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}{% endgeneration %}<|im_end|>\n"
+    "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+)
+# Phi-3's shape: <|end|> after each turn, EOS after the last; generation stops at <|end|>
+MARKERS_BEFORE_AN_END_OF_TURN_AND_EOS = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|end|>\n{% endfor %}{{ eos_token }}"
+)
+# the end of turn written once, after the last reply: the others end in none
+MARKERS_END_OF_TURN_AFTER_THE_LAST_REPLY_ONLY = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}<|end|>"
+)
 HEADER_FROM_REPLY = (
     "{% for m in messages %}<|{{ m['role'] }}|>"
     "{% if m['role'] == 'assistant' and 'fox' in m['content'] %}(fox) {% endif %}"
@@ -105,6 +123,18 @@ EXACT = {
         ["hello number {i}<|im_end|>", "the quick fox<|im_end|>"],
         "hello number {i}<|im_end|>the quick fox<|im_end|>",
         "<|im_end|>",
+    ),
+    "markers_before_the_end_of_turn": (
+        MARKERS_BEFORE_THE_END_OF_TURN,
+        ["hello number {i}<|im_end|>", "the quick fox<|im_end|>"],
+        "hello number {i}<|im_end|>the quick fox<|im_end|>",
+        "<|im_end|>",
+    ),
+    "markers_before_an_end_of_turn_and_eos": (
+        MARKERS_BEFORE_AN_END_OF_TURN_AND_EOS,
+        ["hello number {i}<|end|>", "the quick fox<|end|>"],
+        "hello number {i}<|end|>the quick fox<|end|>",
+        "<|end|>",
     ),
 }
 
@@ -207,8 +237,13 @@ def test_a_row_the_template_raises_on_is_skipped_and_named(tmp_path, base_tokeni
     [
         (THINKING, "message 2: the template renders a conversation differently from its beginning"),
         (HEADER_FROM_REPLY, "message 4: the text the template writes around this reply differs"),
+        (
+            MARKERS_END_OF_TURN_AFTER_THE_LAST_REPLY_ONLY,
+            "the template's {% generation %} markers close a reply ('hello number 0') that no "
+            "end of turn '<|end|>' ends or follows; end every reply with the end-of-turn text",
+        ),
     ],
-    ids=["rewrites_earlier_turns", "header_depends_on_the_reply"],
+    ids=["rewrites_earlier_turns", "header_depends_on_the_reply", "markers_leave_a_reply_unended"],
 )
 def test_a_template_that_cannot_be_masked_is_refused_by_name(
     tmp_path, base_tokenizer, capsys, template, why
@@ -265,3 +300,38 @@ def test_a_batch_without_a_usable_chat_row_is_skipped_with_it(tmp_path, base_tok
     corpus = write_jsonl(tmp_path / "bad.jsonl", rows[:2])
     assert prepare(tok_dir, [corpus], tmp_path / "none", "--format", "chat") == 2
     assert "every one of 2 rows was skipped (2 malformed)" in capsys.readouterr().err
+
+
+# "<end>" is ordinary text to the tokenizer here: five tokens, "<" first
+END_TAG = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}{% endgeneration %}<end>\n"
+    "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+)
+
+
+def test_an_end_of_turn_of_several_ordinary_tokens_is_refused_until_it_is_one_token(
+    tmp_path, base_tokenizer, capsys
+):
+    """Generation stops at one token: before, "<" became the export's stop token, and the
+    markers left "<end>" untrained. Refused by name; once "<end>" is a token of its own, it
+    is trained after each reply and is the stop token."""
+    tok_dir = with_template(base_tokenizer, tmp_path / "tok", END_TAG)
+    rows = [conversation(i) for i in range(2)]
+    corpus = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in rows])
+    assert prepare(tok_dir, [corpus], tmp_path / "out", "--format", "chat") == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {tok_dir}: its chat template ends the assistant's reply with '<end>', " in err  # fmt: skip
+    assert "which the tokenizer splits into 5 tokens ['<', 'e', 'n', 'd', '>']" in err
+    assert "tokenizer.add_special_tokens({'additional_special_tokens': ['<end>']})" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "tok"]
+
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<end>"]})
+    tokenizer.save_pretrained(tok_dir)
+    assert prepare(tok_dir, [corpus], tmp_path / "out", "--format", "chat") == 0
+    for i, (tokens, mask) in enumerate(documents(tmp_path / "out")):
+        assert tokenizer.decode(tokens[mask]) == f"hello number {i}<end>the quick fox<end>"
+    end = tokenizer.convert_tokens_to_ids("<end>")
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["end_of_turn_token_id"] == end  # fmt: skip
+    assert stop_token_ids(tmp_path / "out" / "tokenizer")[0] == end

@@ -2,7 +2,8 @@
 text the template writes after it (e.g. `<|im_end|>`, `<|eot_id|>`, `</s>`), and nothing else.
 
 A template with `{% generation %}` markers says itself what the assistant generates, and
-transformers' assistant mask is used. Any other template is read from its renderings: the
+transformers' assistant mask is used, each reply carried through the end-of-turn token the
+markers may leave out. Any other template is read from its renderings: the
 reply to message i lies between the rendering of messages[:i] and that of messages[:i+1],
 after the header the template writes before any reply (learned by rendering a placeholder as
 the reply). A template for which this does not hold exactly (it rewrites earlier text when a
@@ -16,7 +17,7 @@ its space the template's) is trained, so the reply's first token is never lost.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import numpy as np
@@ -34,6 +35,13 @@ MARKERS_FIX = (
     "template (transformers' assistant mask, used as is), or use a template whose rendering "
     "of a conversation's beginning is the beginning of its rendering"
 )
+
+
+class Stop(NamedTuple):
+    """The token that ends a reply, for generation to stop at, and its text."""
+
+    token: int
+    text: str
 
 
 class TemplateRejected(Exception):
@@ -119,51 +127,117 @@ def trained_tokens(offsets: list[tuple[int, int]], spans: Spans) -> list[int]:
 
 
 def encode_with_markers(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, stop: Stop | None
 ) -> tuple[list[int], list[int]]:
     """Token ids and their mask by the template's own definition of the assistant's tokens
-    (its generation markers); a conversation with replies that its markers leave untrained is
-    refused (markers only in the generation prompt, say), not trained on nothing."""
+    (its generation markers), each reply carried through the end-of-turn token `stop` that
+    follows it where the markers leave it out. TRL and axolotl train that token (axolotl's
+    train_on_eos: turn), and so does this: a model never taught to write it does not end its
+    turns. A conversation with replies its markers leave untrained (markers only in the
+    generation prompt, say), or with a reply that no end of turn ends, is refused
+    (Unmaskable), not trained on nothing."""
     try:
+        text = render(tokenizer, messages)
         out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            tokenizer_kwargs={"return_offsets_mapping": True},
         )
     except jinja2.TemplateError as err:
         raise TemplateRejected(str(err)) from err
     assert isinstance(out, BatchEncoding)
-    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    if any(m["role"] == "assistant" and m["content"].strip() for m in messages) and not any(mask):
+    ids, marked, offsets = out["input_ids"], out["assistant_masks"], out["offset_mapping"]
+    if any(m["role"] == "assistant" and m["content"].strip() for m in messages) and not any(marked):
         raise Unmaskable(
             "the template's {% generation %} markers cover none of its assistant messages; "
             "put them around each reply"
         )
-    return ids, mask
+    spans = _marked_spans(marked, offsets)
+    if stop is not None:
+        spans = [_through_end_of_turn(text, span, stop.text) for span in spans]
+    return ids, trained_tokens(offsets, spans)
+
+
+def _marked_spans(mask: list[int], offsets: list[tuple[int, int]]) -> Spans:
+    """The character spans of the runs of marked tokens."""
+    spans: Spans = []
+    for i, marked in enumerate(mask):
+        if marked and i and mask[i - 1]:
+            spans[-1] = (spans[-1][0], offsets[i][1])
+        elif marked:
+            spans.append(offsets[i])
+    return spans
+
+
+def _through_end_of_turn(text: str, span: tuple[int, int], stop: str) -> tuple[int, int]:
+    """`span` (a marked reply) through the end-of-turn text `stop` that ends it or follows it
+    after blanks; Unmaskable when neither."""
+    begin, end = span
+    ends = begin + len(text[begin:end].rstrip())
+    at = text.find(stop, max(begin, ends - len(stop)))
+    if at < 0 or text[end:at].strip():
+        raise Unmaskable(
+            f"the template's {{% generation %}} markers close a reply ({text[begin:end][-40:]!r}) "
+            f"that no end of turn {stop!r} ends or follows; end every reply with the end-of-turn "
+            "text the template writes after the last one, inside {% endgeneration %} or right "
+            "after it"
+        )
+    return begin, max(end, at + len(stop))
 
 
 def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The first token of what the template writes after a reply, blanks aside (<|im_end|>,
-    <|eot_id|>, </s>): generation stops there. None when the template writes nothing there
-    or renders no probe conversation."""
-    text = end_of_turn_text(tokenizer) or ""
-    ids = tokenizer(text.lstrip(), add_special_tokens=False)["input_ids"]
-    return int(ids[0]) if ids else None
+    """The token generation stops at (see `end_of_turn_stop`); None when there is none."""
+    stop = end_of_turn_stop(tokenizer)
+    return stop.token if stop else None
 
 
-def missing_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str:
-    """Why the template's replies would end in no trained token (empty: they do). A reply's
-    trained tokens end with what the template writes after it; blanks alone (an end of turn
-    written only between turns, or a newline) give the model no token that ends a reply,
-    and generation would not stop."""
+def end_of_turn_stop(tokenizer: PreTrainedTokenizerBase) -> Stop | None:
+    """The token that ends a reply: what the template writes after it, blanks aside, when
+    that is one token (<|im_end|>, <|eot_id|>, </s>), or its first token when that is an added
+    token, never a piece of other text (<|end|> of Phi-3's "<|end|>", newline, EOS). None when
+    the template writes nothing after a reply, renders no probe conversation, or writes
+    ordinary text of several tokens: their first ("<" of "<end>") also begins other text, and
+    generation stopping at it would cut replies anywhere."""
+    text = (end_of_turn_text(tokenizer) or "").strip()
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    if not ids or (len(ids) > 1 and ids[0] not in tokenizer.added_tokens_decoder):
+        return None
+    begin, end = offsets[0]
+    return Stop(int(ids[0]), text[begin:end])
+
+
+def unusable_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Why the template's replies would end in no token generation can stop at (empty: they
+    do). A reply's trained tokens end with what the template writes after it; blanks alone
+    (an end of turn written only between turns, or a newline) give the model no token that
+    ends a reply. Ordinary text of several tokens ("<end>") is refused rather than recorded
+    as a stop string: generation stops at token ids, and a stop string in
+    generation_config.json makes `generate` fail unless it is given the tokenizer."""
     text = end_of_turn_text(tokenizer)
-    if text is None or text.strip():
+    if text is None:
         return ""
-    return (
-        f"its chat template writes {text!r} after the assistant's last reply: no token of its "
-        "own ends a reply (an end of turn written only between turns, or a newline), so the "
-        "loss would train none and generation would not stop. End every reply with an "
-        f"end-of-turn token in the template (its EOS {tokenizer.eos_token!r}, or one like "
-        "<|im_end|>)"
-    )
+    if not text.strip():
+        return (
+            f"its chat template writes {text!r} after the assistant's last reply: no token of "
+            "its own ends a reply (an end of turn written only between turns, or a newline), "
+            "so the loss would train none and generation would not stop. End every reply with "
+            f"an end-of-turn token in the template (its EOS {tokenizer.eos_token!r}, or one "
+            "like <|im_end|>)"
+        )
+    if end_of_turn_stop(tokenizer) is None:
+        pieces = tokenizer.tokenize(text.strip())
+        return (
+            f"its chat template ends the assistant's reply with {text.strip()!r}, which the "
+            f"tokenizer splits into {len(pieces)} tokens {pieces}: generation stops at one "
+            f"token, and {pieces[0]!r} also begins other text. Make the end of turn one token "
+            f"(tokenizer.add_special_tokens({{'additional_special_tokens': [{text.strip()!r}]}})"
+            ", saved, and the model's embeddings resized to the new vocabulary), or end replies "
+            f"with the tokenizer's EOS {tokenizer.eos_token!r} in the template"
+        )
+    return ""
 
 
 def end_of_turn_text(tokenizer: PreTrainedTokenizerBase) -> str | None:

@@ -34,11 +34,12 @@ from slurm_autosp.data.chat import (
     TemplateRejected,
     Unmaskable,
     encode_with_markers,
+    end_of_turn_stop,
     end_of_turn_token,
-    missing_end_of_turn,
     render,
     reply_spans,
     trained_tokens,
+    unusable_end_of_turn,
     uses_generation_markers,
 )
 from slurm_autosp.data.json_lines import MarkedLines, mark_unparseable
@@ -136,7 +137,7 @@ def load_tokenizer(directory: Path, document_format: DocumentFormat) -> PreTrain
             f"--tokenizer {directory}: has no chat template, which --format chat renders rows "
             "with; set tokenizer.chat_template and save it again, or use --format text"
         )
-    if document_format is DocumentFormat.chat and (why := missing_end_of_turn(tokenizer)):
+    if document_format is DocumentFormat.chat and (why := unusable_end_of_turn(tokenizer)):
         raise PrepareError(f"--tokenizer {directory}: {why}")
     return tokenizer
 
@@ -324,12 +325,13 @@ class Tokenize:
         """Each conversation rendered by the chat template and masked (see `chat.py`); one the
         template raises on is skipped, one it cannot mask fails the preparation."""
         markers = uses_generation_markers(self.tokenizer)
+        stop = end_of_turn_stop(self.tokenizer) if markers else None
         results: list[Document | Skipped | None] = []
         texts, spans = [], []
         for messages, index in zip(conversations, indices, strict=True):
             try:
                 if markers:
-                    results.append(Document(*encode_with_markers(self.tokenizer, messages)))
+                    results.append(Document(*encode_with_markers(self.tokenizer, messages, stop)))
                     continue
                 text = render(self.tokenizer, messages)
                 spans.append(reply_spans(self.tokenizer, messages, text))
@@ -571,8 +573,8 @@ def skipped_rows(tokenized: datasets.Dataset) -> tuple[dict[str, int], dict[str,
 
 
 def end_of_turn(tokenizer: PreTrainedTokenizerBase, document_format: DocumentFormat) -> int:
-    """The token that ends what the model writes, for generation to stop at: chat, the first
-    of the template's end-of-turn text; text, the EOS that ends each document."""
+    """The token that ends what the model writes, for generation to stop at: chat, the token
+    that ends a reply (`end_of_turn_stop`); text, the EOS that ends each document."""
     eos = int(tokenizer.eos_token_id)
     if document_format is DocumentFormat.text:
         return eos

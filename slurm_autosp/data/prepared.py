@@ -72,9 +72,9 @@ def read_summary(root: Path) -> dict[str, Any]:
 
 def stop_token_ids(tokenizer_dir: Path) -> list[int]:
     """The tokens generation stops at, for a model trained on the prepared dataset whose
-    tokenizer is `tokenizer_dir`: its end of turn (chat: the first token of the template's
-    end-of-turn text, e.g. <|im_end|>; text: EOS), then EOS. A summary written before the end
-    of turn was recorded gives EOS."""
+    tokenizer is `tokenizer_dir`: its end of turn (chat: the token that ends a reply, e.g.
+    <|im_end|>, see `chat.end_of_turn_stop`; text: EOS), then EOS. A summary written before
+    the end of turn was recorded gives EOS."""
     summary = read_summary(tokenizer_dir.parent)
     eos = summary["eos_token_id"]
     return list(dict.fromkeys([summary.get("end_of_turn_token_id", eos), eos]))
