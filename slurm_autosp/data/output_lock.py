@@ -1,30 +1,42 @@
-"""One prepare writes an output at a time. The lock is `.<output>.lock` beside the output,
-held with flock: the kernel releases it when its holder exits, however it exits, so the
-partial directory a killed prepare left is taken over by the next one, while a prepare that
-finds the lock held is refused by name. Network file systems lock across hosts where they
-support flock (NFS does; Lustre when mounted with -o flock); where the call fails, prepare
-warns and goes on unguarded.
+"""One prepare writes an output at a time. The lock is `.<output>.lock` beside the output, a
+file naming its holder ("process PID on HOST") that appears whole or not at all: a hard link to
+a complete file, which fails where the lock exists, from any node of a shared file system.
 
-The lock file is removed while still held; a prepare that had opened it just before locks a
-file no longer in place, sees that, and tries again on the new one.
+It is not an flock: where flock is node-local (Lustre's localflock, BeeGFS, NFS mounted with
+local_lock=flock) two prepares on two nodes both held one, and the second deleted the first's
+partial output; and the worker processes a prepare forks shared its locked file, so a killed
+prepare's lock stayed held, naming the dead prepare, until its last worker had exited.
+
+A lock whose holder is gone (a process of this host that no longer runs, however it ended) is
+taken over, with the partial directory it left. A holder on another host cannot be checked
+from here: the lock is refused, naming it, until the user removes it.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import logging
 import os
+import re
 import socket
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+HOLDER = re.compile(r"process (\d+) on (\S+)")
 
 
 class OutputBusy(Exception):
-    """Another live prepare is writing the output."""
+    """The output is another prepare's; the message names it and what to do."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A lock as read, with its file's identity: a takeover removes only the file it read."""
+
+    holder: str
+    inode: int
+    mtime_ns: int
 
 
 def lock_path(output: Path) -> Path:
@@ -36,39 +48,84 @@ def output_lock(output: Path) -> Iterator[None]:
     """Hold `output`'s lock for the block; OutputBusy names the prepare holding it."""
     path = lock_path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = _take(path)
+    inode = _take(path)
     try:
         yield
     finally:
-        path.unlink(missing_ok=True)
-        os.close(fd)
+        found = _read(path)
+        if found is not None and found.inode == inode:
+            path.unlink()
 
 
 def _take(path: Path) -> int:
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 200).decode(errors="replace") or "a process starting"
-            os.close(fd)
-            raise OutputBusy(holder) from None
-        except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
-                os.close(fd)
-                raise
-            log.warning(
-                "%s: cannot be locked (%s); concurrent prepares are not detected", path, err
-            )
-        if _is_in_place(fd, path):
-            os.ftruncate(fd, 0)
-            os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
-            return fd
-        os.close(fd)
-
-
-def _is_in_place(fd: int, path: Path) -> bool:
+    """The inode of the lock, once this process's."""
+    mine = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
+    mine.write_text(f"process {os.getpid()} on {socket.gethostname()}")
     try:
-        return os.stat(path).st_ino == os.fstat(fd).st_ino
+        while True:
+            try:
+                os.link(mine, path)
+                return os.stat(mine).st_ino
+            except FileExistsError:
+                pass
+            found = _read(path)
+            if found is not None:
+                _take_over(path, found)  # or OutputBusy
+    finally:
+        mine.unlink()
+
+
+def _read(path: Path) -> Found | None:
+    try:
+        with open(path) as f:
+            info = os.fstat(f.fileno())
+            return Found(f.read(), info.st_ino, info.st_mtime_ns)
     except FileNotFoundError:
+        return None
+
+
+def _take_over(path: Path, found: Found) -> None:
+    """Remove the lock `found` if its holder is gone; OutputBusy otherwise. Of the prepares
+    that found it gone, the one that creates the claim named by its file's identity removes
+    it, and only if it is still in place; the others are refused."""
+    held = HOLDER.fullmatch(found.holder)
+    if held is None:
+        raise OutputBusy(
+            f"{path} does not name a prepare ({found.holder!r}); if no prepare is writing the "
+            "output, remove it"
+        )
+    pid, host, here = int(held[1]), held[2], socket.gethostname()
+    if host != here:
+        raise OutputBusy(
+            f"another prepare ({found.holder}) is writing it, or was until its node failed: a "
+            f"process on {host} cannot be checked from {here}; wait for it to finish or choose "
+            f"another directory, or, if no prepare runs there, remove {path}"
+        )
+    if _alive(pid):
+        raise OutputBusy(
+            f"another prepare ({found.holder}) is writing it; wait for it to finish or choose "
+            "another directory"
+        )
+    claim = path.with_name(f"{path.name}.{found.inode}.{found.mtime_ns}")
+    try:
+        os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        raise OutputBusy(
+            f"another prepare is taking over the lock that the gone {found.holder} left; try "
+            f"again (if this repeats while no prepare runs, remove {claim})"
+        ) from None
+    try:
+        if _read(path) == found:
+            path.unlink()
+    finally:
+        claim.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
+    except PermissionError:  # another user's
+        return True
+    return True

@@ -461,11 +461,8 @@ def prepare(options: PrepareOptions) -> dict[str, Any]:
     try:
         with output_lock(options.output):
             return _prepare_owned(options, tokenizer, builder, files)
-    except OutputBusy as holder:
-        raise PrepareError(
-            f"--output {options.output}: another prepare ({holder}) is writing it; wait for it "
-            "to finish or choose another directory"
-        ) from None
+    except OutputBusy as busy:
+        raise PrepareError(f"--output {options.output}: {busy}") from None
 
 
 def _refuse_existing(output: Path) -> None:
