@@ -110,7 +110,7 @@ def test_a_rank_waiting_for_a_failed_peer_that_stays_in_the_group_is_ended(forks
         forkserver, tmp_path, cases.watch_rank, [("waits",), ("fails",)], awaited=[0]
     )
     print(f"the waiting rank exited {waited} s after the error")
-    assert waited is not None and waited < POLL_S + GRACE_S + 5, output
+    assert waited is not None and waited < BOUND_S, output  # its all-reduce alone waits 90 s
     assert status == EXIT_STATUS and NAMED.search(output) and "ending rank 0 too" in output
 
 
