@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import tempfile
@@ -53,6 +54,7 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
     from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
     from slurm_autosp.config import load_config
     from slurm_autosp.engine import build_engine
+    from slurm_autosp.lifecycle.lock import RunLock
 
     deepspeed.utils.logger.setLevel("WARNING")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -78,7 +80,9 @@ def rank_main(rank: int, init_file: str, args: argparse.Namespace, root: str, ou
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     store = CheckpointStore(Path(root) / "checkpoints", rank, WORLD, keep=2)
-    saves = CheckpointSaves.start(store, True, "/dev/shm", Path(root))
+    # staging belongs to a job: the bench's own process, on this host, is this one
+    bench = RunLock(str(os.getppid()), "local", socket.gethostname())
+    saves = CheckpointSaves.start(store, True, "/dev/shm", Path(root), job=bench)
 
     def state(step: int) -> TrainerState:
         return TrainerState(step, step, WORLD, "bench", engine.name)

@@ -2,12 +2,17 @@
 training's SP layout. No optimizer step and no gradient (torch.no_grad, the model in eval mode);
 the loss is the sum over every valid label of the evaluated samples over their count, the
 single-device eval loss, whatever the layout (an MoE's router load-balancing loss left out:
-perplexity is the cross-entropy's)."""
+perplexity is the cross-entropy's).
+
+A stop signal ends an evaluation between two batches: every rank agrees on it after each batch
+(one all-reduce of a flag), so a stop waits for one batch, not the whole evaluation. A stopped
+evaluation reports nothing; training then saves and requeues as after a step."""
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +22,7 @@ import torch.distributed as dist
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.config import JobConfig
 from slurm_autosp.data import SampleSource, open_eval_source
+from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.sp import IGNORE_INDEX
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.sp.inputs import SPBatch
@@ -33,6 +39,7 @@ class EvalResult:
     loss: float  # mean over every valid label of the evaluated samples
     samples: int
     tokens: int  # valid labels
+    seconds: float
 
     @property
     def perplexity(self) -> float:
@@ -56,8 +63,19 @@ class Evaluator:
     def due(self, done: int) -> bool:
         return done == self.last_step or (self.every > 0 and done % self.every == 0)
 
-    def evaluate(self, model: Any) -> EvalResult:
-        """`model` runs the forward (the engine, or the module itself)."""
+    def run(self, step: int, model: Any, stop: StopRequest, writer: SummaryWriter | None) -> bool:
+        """Evaluate after `step` and report; True when a stop signal ended the evaluation first,
+        with nothing reported."""
+        result = self.evaluate(model, stop)
+        if result is None:
+            return True
+        self.report(step, result, writer)
+        return False
+
+    def evaluate(self, model: Any, stop: StopRequest | None = None) -> EvalResult | None:
+        """`model` runs the forward (the engine, or the module itself). None: `stop` was
+        requested on some rank, and every rank left after the same batch."""
+        started = time.perf_counter()
         module = getattr(model, "module", model)
         was_training = module.training
         module.train(False)
@@ -66,15 +84,19 @@ class Evaluator:
         one = torch.ones((), dtype=torch.int64, device=device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         labels = 0
+        rounds = range(0, self.samples, self.dims.dp_size * self.micro_batch)
         try:
             with torch.no_grad():
-                for first in range(0, self.samples, self.dims.dp_size * self.micro_batch):
+                for done, first in enumerate(rounds, 1):
                     batch = self._shard(first)
                     loss = causal_lm_loss(
                         model, batch.model_kwargs(one), chunk_tokens=self.chunk_tokens
                     )
                     loss_sum += loss.double()
                     labels += batch.valid_labels
+                    if stop is not None and _any_rank(stop.requested, device):
+                        log.info("evaluation stopped after %d of %d batches", done, len(rounds))
+                        return None
         finally:
             module.train(was_training)
         labels_seen = torch.tensor(labels, dtype=torch.float64, device=device)
@@ -82,7 +104,12 @@ class Evaluator:
         # every SP rank holds a part of each sequence's labels: sum over the whole world
         dist.all_reduce(totals)
         count = int(totals[1])
-        return EvalResult(loss=float(totals[0] / max(count, 1)), samples=self.samples, tokens=count)
+        return EvalResult(
+            loss=float(totals[0] / max(count, 1)),
+            samples=self.samples,
+            tokens=count,
+            seconds=time.perf_counter() - started,
+        )
 
     def _shard(self, first: int) -> SPBatch:
         """This rank's shard of its micro-batch of the round starting at sample `first`."""
@@ -108,16 +135,24 @@ class Evaluator:
         if self.dims.rank != 0:
             return
         log.info(
-            "eval at step %d | loss %.4f | perplexity %.2f | %d samples, %d tokens",
+            "eval at step %d | loss %.4f | perplexity %.2f | %d samples, %d tokens | %.3f s",
             step,
             result.loss,
             result.perplexity,
             result.samples,
             result.tokens,
+            result.seconds,
         )
         if writer is not None:
             writer.add_scalar("eval/loss", result.loss, step)
             writer.add_scalar("eval/perplexity", result.perplexity, step)
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Collective: whether `flag` is true on any rank."""
+    flags = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0])
 
 
 def build_evaluator(cfg: JobConfig, dims: ParallelDims, vocab_size: int | None) -> Evaluator | None:

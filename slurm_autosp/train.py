@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -24,14 +25,15 @@ from slurm_autosp.checkpoint.store import (
 from slurm_autosp.cluster.parallel_dims import ParallelDims
 from slurm_autosp.compile import AutoSPBackend, compile_model, decoder_layers, tile_mlps
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
-from slurm_autosp.config import CompileConfig, JobConfig
+from slurm_autosp.config import CompileConfig, JobConfig, StopAt
 from slurm_autosp.data import build_source, micro_batch, prepared_tokenizer
 from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.evaluate import build_evaluator
-from slurm_autosp.lifecycle.layer_stops import LayerStops, StepInterrupted
+from slurm_autosp.lifecycle.layer_stops import LAYER_STOP_MIN_STEP_S, LayerStops, StepInterrupted
 from slurm_autosp.lifecycle.requeue import requeue_and_exit
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_schedule import SaveSchedule
+from slurm_autosp.lifecycle.save_time import StepTime
 from slurm_autosp.lifecycle.signals import StopRequest
 from slurm_autosp.memory_plan import training_choices
 from slurm_autosp.metrics import UNTIMED, Phases, StepTracer
@@ -116,10 +118,7 @@ def train(
         store, choices.async_save, cfg.checkpoint.staging_dir, RunDir(cfg.run.dir).root, first_step
     )
     schedule = SaveSchedule(choices.save_every_steps, cfg.checkpoint.every_minutes)
-    stops = None
-    if choices.stop_at_layers:
-        stops = LayerStops.install(decoder_layers(engine.module), stop)
-        log.info("a stop signal ends a step at its next layer boundary (cluster.stop_at=layer)")
+    stops = _layer_stops(cfg, engine.module, choices.stop_at, stop)
     tracer = StepTracer(
         cfg, dims.rank, dims.world_size, dims.device, engine.module, first_step, dims.layout
     )
@@ -131,9 +130,9 @@ def train(
     try:
         for step in range(first_step, cfg.train.steps):
             lr = engine.lr()
-            before = rng_state() if stops else None
+            before = rng_state() if stops and stops.every_step else None
             try:
-                with tracer.step(step + 1) as phases, stops.armed() if stops else nullcontext():
+                with tracer.step(step + 1) as phases, stops.step() if stops else nullcontext():
                     loss = optimizer_step(engine, cfg, dims, source, step, phases, offload)
             except StepInterrupted:
                 # the parameters are the previous step's: save them if storage has them not
@@ -141,31 +140,49 @@ def train(
                 assert before is not None
                 set_rng_state(before)
                 log.info("step %d abandoned at a layer boundary", step + 1)
-                _, _, writing = _agree(dims, False, True, saves.writing())
+                _, _, writing, _ = _agree(dims, False, True, saves.writing(), False)
                 saves.commit_written(writing)
                 if saves.newest_step != step:
                     state = _trainer_state(cfg, dims, engine, step, settings)
-                    saves.save(engine, state, synchronous=True)
+                    saves.save(
+                        engine, state, synchronous=True, time_left=lambda: _time_left(stop, cfg)
+                    )
                 _stop(cfg, dims, tracer, step, stop)
             if backend is not None and step == first_step:
                 backend.require_sdpa_found()
             losses.append(loss)
             done = step + 1
             tracer.log_step(done, loss, lr, engine.grad_norm())
-            if evaluator is not None and evaluator.due(done):
-                evaluator.report(done, evaluator.evaluate(engine), tracer.writer)
-            save_due, stop_now, writing = _agree(
-                dims, schedule.due(done), stop.requested, saves.writing()
+            long_step = tracer.step_s >= LAYER_STOP_MIN_STEP_S
+            save_due, stop_now, writing, long_step = _agree(
+                dims, schedule.due(done), stop.requested, saves.writing(), long_step
             )
+            if stops is not None and long_step and not stops.every_step:
+                stops.every_step = True
+                log.info(
+                    "step %d took over %g s: a stop signal ends a step at its next layer "
+                    "boundary from now on",
+                    done,
+                    LAYER_STOP_MIN_STEP_S,
+                )
             if step == first_step:  # every collective of a step has run once, NCCL sized them
                 path = RunDir(cfg.run.dir).outside_allocator
                 record_outside_allocator(path, dims, choices.zero_stage, done)
             saves.commit_written(writing)
+            if evaluator is not None and evaluator.due(done):
+                if stop_now:
+                    log.info("evaluation at step %d skipped: stopping", done)
+                else:
+                    stop_now = evaluator.run(done, engine, stop, tracer.writer)
             last = stop_now or done == cfg.train.steps
             if save_due or last:
                 state = _trainer_state(cfg, dims, engine, done, settings)
                 stop_now |= saves.save(
-                    engine, state, synchronous=last, stopping=lambda: stop.requested
+                    engine,
+                    state,
+                    synchronous=last,
+                    stopping=lambda: stop.requested,
+                    time_left=lambda: _time_left(stop, cfg),
                 )
                 schedule.saved()
             if stop_now:
@@ -188,6 +205,29 @@ def _stop(
     log.info("stopping at step %d on %s", done, stop.signal_name or "another rank's signal")
     tracer.close()
     requeue_and_exit(cfg.run.dir, dims.rank, cfg.cluster.max_requeues)
+
+
+def _layer_stops(
+    cfg: JobConfig, model: torch.nn.Module, stop_at: StopAt | None, stop: StopRequest
+) -> LayerStops | None:
+    """Collective: boundaries at every decoder layer unless cluster.stop_at=step, armed in
+    every step for `layer`; for null once a step is long (the run's recorded step counts)."""
+    if stop_at is StopAt.step:
+        return None
+    recorded = StepTime.read(RunDir(cfg.run.dir).step_time)
+    step_s = recorded.seconds if recorded else 0.0
+    every_step = stop_at is StopAt.layer or step_s >= LAYER_STOP_MIN_STEP_S
+    stops = LayerStops.install(decoder_layers(model), stop, every_step=every_step)
+    if stops.every_step:
+        why = "layer" if stop_at else f"null, the run's steps take {step_s:.0f} s"
+        log.info("a stop signal ends a step at its next layer boundary (cluster.stop_at=%s)", why)
+    return stops
+
+
+def _time_left(stop: StopRequest, cfg: JobConfig) -> float | None:
+    """Before Slurm's kill: cluster.signal_delay_s after the stop signal, as admission planned
+    it (also a preemption's GraceTime); None on local processes, which nothing kills."""
+    return stop.time_left(cfg.cluster.signal_delay_s) if os.environ.get("SLURM_JOB_ID") else None
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
@@ -215,13 +255,16 @@ def _trainer_state(
 
 
 def _agree(
-    dims: ParallelDims, save_due: bool, stop_requested: bool, writing: bool
-) -> tuple[bool, bool, bool]:
-    """Any rank's reason to save or stop is every rank's: they must act at the same step; and
-    an asynchronous save is complete only when no rank is still writing its part."""
-    flags = torch.tensor([int(save_due), int(stop_requested), int(writing)], device=dims.device)
+    dims: ParallelDims, save_due: bool, stop_requested: bool, writing: bool, long_step: bool
+) -> tuple[bool, bool, bool, bool]:
+    """Any rank's reason to save or stop is every rank's: they must act at the same step; an
+    asynchronous save is complete only when no rank is still writing its part; and any rank's
+    long step arms every rank's layer boundaries from the next step on."""
+    flags = torch.tensor(
+        [int(save_due), int(stop_requested), int(writing), int(long_step)], device=dims.device
+    )
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0]), bool(flags[1]), bool(flags[2])
+    return bool(flags[0]), bool(flags[1]), bool(flags[2]), bool(flags[3])
 
 
 def optimizer_step(

@@ -4,7 +4,7 @@ start reads them (`<run dir>/config.yaml`), and those choices: a requeue must tr
 from pathlib import Path
 
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
-from slurm_autosp.config import ActivationCheckpointing, load_config, to_yaml
+from slurm_autosp.config import ActivationCheckpointing, StopAt, load_config, to_yaml
 from slurm_autosp.memory_plan import TrainingChoices
 
 FROZEN = TrainingChoices(
@@ -14,7 +14,7 @@ FROZEN = TrainingChoices(
     True,
     True,
     False,
-    False,
+    StopAt.step,
     0,
 )
 

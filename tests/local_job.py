@@ -1,6 +1,7 @@
 """A job submitted on local processes and watched while it runs: its output as it comes, its
 rank processes, its checkpoints; for the tests that signal or kill a running job."""
 
+import os
 import subprocess
 import threading
 import time
@@ -12,11 +13,12 @@ REPO = Path(__file__).resolve().parents[1]
 class Job:
     """`cmd` (a local `submit`) training into `run_dir`, its output collected as it comes."""
 
-    def __init__(self, cmd: list[str], run_dir: Path):
+    def __init__(self, cmd: list[str], run_dir: Path, env: dict[str, str] | None = None):
+        """`env`: submit's environment (its local ranks inherit it); None: this process's."""
         self.folder = run_dir / "submitit"
         self.checkpoints = run_dir / "checkpoints"
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -66,3 +68,29 @@ def gone(pids) -> bool:
         except FileNotFoundError:
             continue
     return True
+
+
+def job_step(ranks) -> set[int]:
+    """`ranks` and every process they started: what SLURM's signals reach in a job step
+    (proctrack/cgroup signals each of them, proctrack/pgid their process group)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parents[int(entry.name)] = int(
+                (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            )
+        except (OSError, ValueError, IndexError):
+            continue
+    found = set(ranks)
+    while grown := {pid for pid, parent in parents.items() if parent in found} - found:
+        found |= grown
+    return found
+
+
+def signal_job_step(ranks, signum) -> None:
+    """Send `signum` to every process of the job step, as SLURM does."""
+    for pid in job_step(ranks):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            continue

@@ -2,11 +2,18 @@
 checkpoint only once every file is written; never a partial one in `latest`. Under both
 engines, one rank each; the writer is a real process, held mid-write with SIGSTOP."""
 
+import dataclasses
 import getpass
+import hashlib
+import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -23,7 +30,10 @@ from slurm_autosp.checkpoint.async_save import BUFFER_FILE, CheckpointSaves, sta
 from slurm_autosp.checkpoint.background_write import host_writer
 from slurm_autosp.checkpoint.manifest import read_manifest
 from slurm_autosp.checkpoint.store import CheckpointError, CheckpointStore
+from slurm_autosp.checkpoint.writer import WRITTEN, handle
 from slurm_autosp.engine import build_engine
+from slurm_autosp.lifecycle.lock import RunLock
+from tests._dist_pool import dist_pools as dist_pools  # the session's pools
 
 
 def writers_of(parents):
@@ -44,12 +54,22 @@ def writers_of(parents):
     return found
 
 
+def local_job(pid=None, restart=0):
+    """A local job on this host, as the run's lock names it: this test's process by default."""
+    return RunLock(str(pid or os.getpid()), "local", socket.gethostname(), restart)
+
+
+def start(store, staging_root, run_dir, job=None):
+    """A start's saves, asynchronous, staged under `staging_root`, for `job` (this process)."""
+    return CheckpointSaves.start(store, True, str(staging_root), run_dir, job=job or local_job())
+
+
 @pytest.fixture
 def saves(tmp_path):
     store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=3)
     store.root.mkdir()
     (tmp_path / "shm").mkdir()
-    made = CheckpointSaves.start(store, True, str(tmp_path / "shm"), tmp_path)
+    made = start(store, tmp_path / "shm", tmp_path)
     yield made
     made.close()
 
@@ -120,12 +140,38 @@ def test_the_background_write_reads_its_host_tensors_as_a_cpu_run_does(tmp_path)
     assert host_writer(tmp_path).per_thread_copy_ahead == 0
 
 
-def test_a_synchronous_save_abandons_a_save_still_being_written(saves, engine):  # noqa: F811
-    stopped_writer(saves, engine)  # killed by the abandon, stopped or not
+def release_later(writer, seconds):
+    """Continue the held `writer` after `seconds`, from another thread (a save waits for it)."""
+    release = threading.Timer(seconds, os.kill, (writer, signal.SIGCONT))
+    release.start()
+    return release
+
+
+def test_a_synchronous_save_waits_for_the_save_being_written_and_commits_it_first(saves, engine):  # noqa: F811
+    """The last step's save: nothing is short of time, and step 2's save is not thrown away."""
+    writer = stopped_writer(saves, engine)
     saves.save(engine, state(2, engine.name), synchronous=False)
     assert saves.writing()
     saves.commit_written(True)
-    saves.save(engine, state(3, engine.name), synchronous=True)
+    release = release_later(writer, 1)
+    try:
+        saves.save(engine, state(3, engine.name), synchronous=True)
+    finally:
+        release.cancel()
+    assert [p.name for p in saves.store.checkpoints()] == [
+        "step_00000003",
+        "step_00000002",
+        "step_00000001",
+    ]
+    assert (saves.store.root / "latest").read_text() == "step_00000003"
+
+
+def test_a_stop_without_time_for_the_save_being_written_abandons_it(saves, engine):  # noqa: F811
+    """10 s before the kill cannot cover the stop's own save after it, with admission's margin:
+    the save in flight is removed and the stop's save made at once."""
+    stopped_writer(saves, engine)  # killed by the abandon, stopped or not
+    saves.save(engine, state(2, engine.name), synchronous=False)
+    saves.save(engine, state(3, engine.name), True, stopping=lambda: True, time_left=lambda: 10.0)
     assert not (saves.store.root / ".step_00000002.partial").exists()
     assert [p.name for p in saves.store.checkpoints()] == ["step_00000003", "step_00000001"]
     assert writers_of({os.getpid()}) == []
@@ -152,21 +198,67 @@ def test_the_signals_slurm_sends_a_whole_process_group_leave_the_writer_writing(
     assert writers_of({os.getpid()}) == [writer]
 
 
-def test_a_stop_while_a_new_save_waits_for_the_previous_abandons_it_and_saves_now(saves, engine):  # noqa: F811
-    """A signal that arrives while step 3's save waits for step 2's write (held here) does not
-    wait for it: step 2 is abandoned, step 3 saved synchronously, and the caller told to stop.
-    (The timer only ends a wait that would otherwise last for ever.)"""
+def test_a_stop_out_of_time_while_a_new_save_waits_for_the_previous_abandons_it(saves, engine):  # noqa: F811
+    """A signal that arrives while step 3's save waits for step 2's write (held here), with no
+    time left for both: step 2 is abandoned, step 3 saved synchronously, and the caller told to
+    stop. (The timer only ends a wait that would otherwise last for ever.)"""
     writer = stopped_writer(saves, engine)
     saves.save(engine, state(2, engine.name), synchronous=False)
-    release = threading.Timer(20, os.kill, (writer, signal.SIGCONT))
-    release.start()
+    release = release_later(writer, 20)
     try:
-        assert saves.save(engine, state(3, engine.name), False, stopping=lambda: True)
+        assert saves.save(
+            engine, state(3, engine.name), False, stopping=lambda: True, time_left=lambda: 0.0
+        )
     finally:
         release.cancel()
     assert (saves.store.root / "latest").read_text() == "step_00000003"
     assert [p.name for p in saves.store.checkpoints()] == ["step_00000003", "step_00000001"]
     assert not list(saves.store.root.glob(".*.partial")) and writers_of({os.getpid()}) == []
+
+
+def test_a_stop_whose_time_left_is_not_known_waits_for_the_previous_save(saves, engine):  # noqa: F811
+    """The same signal where nothing says when the kill comes: step 2's write is waited for and
+    committed, then step 3 saved synchronously, and the caller told to stop."""
+    writer = stopped_writer(saves, engine)
+    saves.save(engine, state(2, engine.name), synchronous=False)
+    release = release_later(writer, 1)
+    try:
+        assert saves.save(engine, state(3, engine.name), False, stopping=lambda: True)
+    finally:
+        release.cancel()
+    assert [p.name for p in saves.store.checkpoints()] == [
+        "step_00000003",
+        "step_00000002",
+        "step_00000001",
+    ]
+
+
+def test_a_signal_while_the_writer_starts_leaves_it_writing(saves, engine):  # noqa: F811
+    """Slurm signals every process of a job step, the writer too, also while its interpreter
+    starts and imports torch (seconds on a cold shared file system): born with those signals
+    blocked, it ignores them once it runs, and writes."""
+    saves.save(engine, state(1, engine.name), synchronous=False)
+    [writer] = writers_of({os.getpid()})
+    for signum in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+        os.kill(writer, signum)
+    wait_written(saves)
+    assert (saves.store.root / "latest").read_text() == "step_00000001"
+    assert writers_of({os.getpid()}) == [writer]
+
+
+def test_a_writer_killed_by_a_signal_is_no_storage_error_its_rank_writes_the_save(saves, engine):  # noqa: F811
+    writer = stopped_writer(saves, engine)
+    saved = params(engine)
+    saves.save(engine, state(2, engine.name), synchronous=False)
+    os.kill(writer, signal.SIGKILL)
+    wait_written(saves)
+    assert (saves.store.root / "latest").read_text() == "step_00000002"
+    perturb(engine)
+    assert saves.store.load_latest(engine, settings(engine.name)) == state(2, engine.name)
+    assert all(torch.equal(a, b) for a, b in zip(saved, params(engine), strict=True))
+    saves.save(engine, state(3, engine.name), synchronous=False)  # a new writer
+    wait_written(saves)
+    assert (saves.store.root / "latest").read_text() == "step_00000003"
 
 
 def test_a_failed_background_write_is_removed_and_stops_the_job_naming_the_file(saves, engine):  # noqa: F811
@@ -182,13 +274,50 @@ def test_a_failed_background_write_is_removed_and_stops_the_job_naming_the_file(
     assert (saves.store.root / "latest").read_text() == "step_00000001"
 
 
+def test_a_request_run_again_after_its_writer_died_part_way_writes_every_file(tmp_path):
+    """A writer killed while it copies a staged save out (here as soon as it has written a first
+    file) leaves a record of what it wrote: the rank, running the request again, writes what is
+    left, and answers every file's record, as one run would."""
+    staged = tmp_path / "staged"
+    (staged / "engine").mkdir(parents=True)
+    expected = {}
+    for i in range(4):
+        data = os.urandom(8 * 2**20)
+        (staged / "engine" / f"__{i}_0.distcp").write_bytes(data)
+        expected[f"engine/__{i}_0.distcp"] = {
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    request = {
+        "staged": str(staged),
+        "partial": str(tmp_path / ".step_00000001.partial"),
+        "buffer": str(tmp_path / "buffer"),
+    }
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "slurm_autosp.checkpoint.writer", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        text=True,
+    )
+    writer.stdin.write(json.dumps(request) + "\n")
+    writer.stdin.flush()
+    deadline = time.monotonic() + 120  # only a hang fails on it
+    while not (staged / WRITTEN).is_file() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    writer.kill()
+    writer.wait()
+    assert handle(request)["records"] == expected
+    for name, record in expected.items():
+        written = (tmp_path / ".step_00000001.partial" / name).read_bytes()
+        assert hashlib.sha256(written).hexdigest() == record["sha256"]
+
+
 def test_a_fenced_job_stages_no_save(tmp_path, engine):  # noqa: F811
     """Once another start of the job holds the run, an asynchronous save is refused before
     anything is staged, as a synchronous one is before it begins."""
     fenced = ""
     store = CheckpointStore(tmp_path / "checkpoints", 0, 1, keep=2, fence=lambda: fenced)
     (tmp_path / "shm").mkdir()
-    saves = CheckpointSaves.start(store, True, str(tmp_path / "shm"), tmp_path)
+    saves = start(store, tmp_path / "shm", tmp_path)
     try:
         saves.save(engine, state(1, engine.name), synchronous=False)
         wait_written(saves)
@@ -209,9 +338,9 @@ def test_a_staging_directory_planted_by_someone_else_is_refused_and_saves_stay_s
     (tmp_path / "elsewhere").mkdir()
     (shm / f"slurm_autosp-{getpass.getuser()}").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(CheckpointError, match="not a private directory of yours"):
-        staging_dir_for(str(shm), tmp_path, 0)
+        staging_dir_for(str(shm), local_job(), tmp_path, 0)
     store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
-    saves = CheckpointSaves.start(store, True, str(shm), tmp_path)
+    saves = start(store, shm, tmp_path)
     assert not saves.asynchronous
     assert "saving synchronously" in caplog.text
 
@@ -232,48 +361,49 @@ def test_a_staging_file_system_that_fills_up_falls_back_to_a_synchronous_save(
     small_tmpfs,
     caplog,
 ):
-    """The first save is staged with no earlier size to check against: a full /dev/shm stops it
-    (no room for the buffer, or FSDP2's distributed checkpoint half-way), and the save is made
-    synchronously instead, named."""
+    """The first save too is checked against the room its staging takes (its buffer, and
+    FSDP2's distributed checkpoint beside it): it is made synchronously instead, named."""
     store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
     store.root.mkdir()
-    saves = CheckpointSaves.start(store, True, str(small_tmpfs), tmp_path)
+    saves = start(store, small_tmpfs, tmp_path)
     try:
         with caplog.at_level("WARNING"):
             saves.save(engine, state(1, engine.name), synchronous=False)
     finally:
         saves.close()
-    assert f"saving step 1 synchronously: staging in {saves.staging} failed (" in caplog.text
+    assert "saving step 1 synchronously: the staging directory" in caplog.text
     assert (store.root / "latest").read_text() == "step_00000001"
     read_manifest(store.root / "step_00000001")
     assert not list(store.root.glob(".*.partial"))
     assert not any(p.is_file() for p in small_tmpfs.rglob("*"))
 
 
-def test_a_distributed_checkpoint_that_cannot_be_staged_leaves_saves_synchronous(
+def used_inodes(path):
+    info = os.statvfs(path)
+    return info.f_files - info.f_ffree
+
+
+def test_a_distributed_checkpoint_that_cannot_be_staged_is_saved_from_its_staged_copy(
     tmp_path,
     single_rank_group,
     caplog,
 ):
-    """FSDP2's distributed checkpoint is written into node memory by a thread after the stall:
-    a staging file system with room for the buffer but not for those files fails that write.
-    The save is removed, named, and the next one is made synchronously; nothing else is lost."""
+    """FSDP2's distributed checkpoint is written into node memory by a thread after the stall.
+    Where that write fails on a staging file system whose room was checked (here it runs out of
+    inodes), the step is not lost: the rank writes it from its staged copy, synchronously, and
+    the next saves are synchronous."""
     fsdp2 = build_engine(job_config(3), torch.device("cpu"), 3)
-    probe = CheckpointStore(tmp_path / "probe", rank=0, world_size=1, keep=1)
-    probe.root.mkdir()
-    (tmp_path / "shm").mkdir()
-    sizing = CheckpointSaves.start(probe, True, str(tmp_path / "shm"), tmp_path)
-    sizing.save(fsdp2, state(1, fsdp2.name), synchronous=False)
-    buffer_bytes = sizing.staged_bytes
-    sizing.close()
-    small = tmp_path / "small_shm"
-    small.mkdir()
-    room = f"size={buffer_bytes + buffer_bytes // 4 + 2**20}"
-    subprocess.run(["mount", "-t", "tmpfs", "-o", room, "tmpfs", str(small)], check=True)
+    saved = params(fsdp2)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(shm)], check=True)
     try:
         store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
         store.root.mkdir()
-        saves = CheckpointSaves.start(store, True, str(small), tmp_path)
+        saves = start(store, shm, tmp_path)
+        # inodes for the rank's directory, its buffer, the save's directory and its trees only
+        room = f"remount,nr_inodes={used_inodes(shm) + 4}"
+        subprocess.run(["mount", "-o", room, str(shm)], check=True)
         with caplog.at_level("WARNING"):
             saves.save(fsdp2, state(1, fsdp2.name), synchronous=False)
             wait_written(saves)
@@ -281,22 +411,104 @@ def test_a_distributed_checkpoint_that_cannot_be_staged_leaves_saves_synchronous
             saves.save(fsdp2, state(2, fsdp2.name), synchronous=False)
         saves.close()
     finally:
-        subprocess.run(["umount", str(small)], check=True)
+        subprocess.run(["umount", str(shm)], check=True)
     assert "the asynchronous save of step 1 could not be staged" in caplog.text
-    assert [p.name for p in store.checkpoints()] == ["step_00000002"]
+    assert [p.name for p in store.checkpoints()] == ["step_00000002", "step_00000001"]
     assert not list(store.root.glob(".*.partial"))
+    shutil.rmtree(store.root / "step_00000002")
+    perturb(fsdp2)
+    assert store.load_latest(fsdp2, settings(fsdp2.name)) == state(1, fsdp2.name)
+    assert all(torch.equal(a, b) for a, b in zip(saved, params(fsdp2), strict=True))
 
 
-def test_what_a_killed_job_left_in_staging_is_freed_when_the_run_starts(
+@pytest.mark.slow
+def test_a_first_fsdp2_save_that_staging_has_no_room_for_is_saved_synchronously(
+    tmp_path, dist_pools
+):
+    """Two ranks on one node, their staging file system with room for their buffers but not
+    for the distributed checkpoint's files beside them: the first save is checked like the
+    next ones, and made synchronously, named."""
+    pool = dist_pools(2)
+    roomy = tmp_path / "roomy"
+    roomy.mkdir()
+    sizes = pool.run("async_save_cases:first_fsdp2_save", str(tmp_path / "sizing"), str(roomy))
+    buffers = sum(staged for staged, _, _ in sizes)
+    small = tmp_path / "small_shm"
+    small.mkdir()
+    room = f"size={buffers + buffers // 4 + 2**20}"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", room, "tmpfs", str(small)], check=True)
+    try:
+        outcomes = pool.run("async_save_cases:first_fsdp2_save", str(tmp_path / "run"), str(small))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert [checkpoints for _, checkpoints, _ in outcomes] == [["step_00000001"]] * 2
+    assert "saving step 1 synchronously: the staging directory" in outcomes[0][2]
+
+
+def test_what_a_killed_run_of_a_start_left_in_staging_is_freed_when_it_runs_again(
     tmp_path, single_rank_group
 ):
-    """Any rank's staged files of this run (another layout, a rank that never comes back),
-    not only this rank's: a kill -9 ran no cleanup."""
+    """A local job's ranks started again (requeued) are the same start: what any rank of the
+    killed run left is freed (a kill -9 ran no cleanup)."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    left = staging_dir_for(str(shm), tmp_path, 3)
+    left = staging_dir_for(str(shm), local_job(), tmp_path, 3)
     left.mkdir()
     (left / "engine.pt").write_bytes(b"x" * 1024)
     store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
-    saves = CheckpointSaves.start(store, True, str(shm), tmp_path)
+    saves = start(store, shm, tmp_path)
     assert saves.asynchronous and not left.exists()
+    saves.close()
+
+
+def test_two_starts_of_one_job_on_one_node_keep_separate_buffers(tmp_path, engine):  # noqa: F811
+    """Slurm may start a job again (requeued after its node was lost) while the earlier start
+    still runs: each start stages in a directory of its own, and neither frees the other's."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    job = RunLock("4242", "slurm", socket.gethostname(), restart=0)
+    earlier = CheckpointStore(tmp_path / "earlier", rank=0, world_size=1, keep=3)
+    later = CheckpointStore(tmp_path / "later", rank=0, world_size=1, keep=3)
+    first = start(earlier, shm, tmp_path, job)
+    second = None
+    try:
+        writer = stopped_writer(first, engine)
+        first.save(engine, state(2, engine.name), synchronous=False)  # held mid-write
+        second = start(later, shm, tmp_path, dataclasses.replace(job, restart=1))
+        second.save(engine, state(1, engine.name), synchronous=False)
+        wait_written(second)
+        assert (first.staging / BUFFER_FILE).is_file()
+        assert first.staging.parent != second.staging.parent
+        os.kill(writer, signal.SIGCONT)
+        wait_written(first)
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+    assert (earlier.root / "latest").read_text() == "step_00000002"
+    assert (later.root / "latest").read_text() == "step_00000001"
+
+
+def test_a_start_frees_the_staging_of_a_job_that_is_gone_and_leaves_a_live_ones(
+    tmp_path, single_rank_group
+):
+    """Staging a killed job left on a node is freed by the next start of any job there, once
+    its job is gone (here local jobs: their process has exited), never while it runs."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    running = subprocess.Popen(["sleep", "600"])
+    try:
+        gone = staging_dir_for(str(shm), local_job(ended.pid), tmp_path / "gone", 0)
+        live = staging_dir_for(str(shm), local_job(running.pid), tmp_path / "live", 0)
+        for left in (gone, live):
+            left.mkdir()
+            (left / BUFFER_FILE).write_bytes(b"x" * 4096)
+        store = CheckpointStore(tmp_path / "checkpoints", rank=0, world_size=1, keep=2)
+        start(store, shm, tmp_path).close()
+        assert not gone.parent.exists()
+        assert (live / BUFFER_FILE).is_file()
+    finally:
+        running.kill()
+        running.wait()

@@ -11,7 +11,7 @@ from first_start import FROZEN, record_first_start
 import slurm_autosp.memory_plan.choose as choose
 from slurm_autosp.commands.run import admit_start
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
-from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config, to_yaml
+from slurm_autosp.config import ActivationCheckpointing, ConfigError, StopAt, load_config, to_yaml
 from slurm_autosp.memory_plan import TrainingChoices, plan_verdict, training_choices
 from slurm_autosp.memory_plan.freeze import FROZEN_KEYS, freeze_choices
 
@@ -41,7 +41,7 @@ def test_every_choice_the_plan_makes_is_written_into_the_config(tmp_path, no_rep
         False,
         False,
         True,
-        True,  # a 494 s step stops at layer boundaries
+        StopAt.layer,  # a 494 s step stops at layer boundaries
         1,  # and saves every step
     )
     written = tmp_path / "config.yaml"

@@ -1,6 +1,7 @@
 """Long steps stopped part-way, end to end on local processes: a tiny Llama of 16 layers whose
 step takes seconds (cluster.stop_at=layer, a save every 2 steps) gets SLURM's pre-timeout signal
-(USR2) a third into a step while its last save is held in the writers (SIGSTOP); after the
+(USR2) a third into a step while its last save is held in the writers (SIGSTOP, continued
+right after the signal: the stop waits for that save rather than writing it again); after the
 requeue, a preemption's SIGTERM a third into a step, with the kill 10 s later. Each time every
 rank exits within a quarter of a step, the requeued job resumes from the step before, and the
 run ends with the uninterrupted run's losses and weights, bit for bit."""
@@ -73,19 +74,22 @@ def test_a_signal_a_third_into_a_long_step_stops_every_rank_within_a_quarter_ste
     reference.finish()
 
     job = long_steps(tmp_path, "stopped")
-    # USR2 a third into step 5, step 4's save held in the writers: abandoned, saved at once
+    # USR2 a third into step 5, step 4's save still in the writers: committed, not written again
     job.wait_for("step 2 saved", lambda: job.latest() == "step_00000002")
     writers = writers_of(job.ranks())
     assert len(writers) == 2, job.output
     for writer in writers:
         os.kill(writer, signal.SIGSTOP)
     ranks, sent, step_s = signal_a_third_into(job, 5, signal.SIGUSR2)
+    for writer in writers:
+        os.kill(writer, signal.SIGCONT)
     job.wait_for("the ranks exited", lambda: gone(ranks), timeout=60)
     exited_s = time.monotonic() - sent
     assert exited_s <= step_s / 4, f"{exited_s:.2f} s after USR2, steps of {step_s} s"
     job.wait_for("the requeued job resumed", lambda: "resumed from" in job.output)
     assert "step 5 abandoned at a layer boundary" in job.output
-    assert "abandoning the asynchronous save of step 4, not yet written" in job.output
+    assert f"checkpoint {job.checkpoints / 'step_00000004'} saved" in job.output
+    assert "abandoning" not in job.output
     assert "stopping at step 4 on SIGUSR2" in job.output
     assert f"resumed from {job.checkpoints / 'step_00000004'} at step 4" in job.output
     assert gone(writers)

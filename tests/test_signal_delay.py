@@ -1,6 +1,6 @@
 """Never late: admission refuses a GPU job whose SLURM pre-timeout signal comes too late for it
-to stop (at the end of its step, or within two layers of it: cluster.stop_at) plus one
-synchronous save, naming the delay that would do, the save's size and write rate, and the
+to stop (at the end of its step, or within two layers of it: cluster.stop_at; in an
+evaluation, at the end of its batch in flight) plus one synchronous save, naming the delay that would do, the save's size and write rate, and the
 step time with where it came from (measured by the run or its probe, else estimated from
 FLOPs); the delay it names is admitted."""
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from in_process import run_command
+from reference_run import prepared_dataset
 
 from slurm_autosp.admission import admit
 from slurm_autosp.commands.probe import main as probe_main
@@ -18,6 +19,7 @@ from slurm_autosp.commands.submit import main as submit_main
 from slurm_autosp.config import StopAt, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import SignalDelayTooShort, StepTime
+from slurm_autosp.memory_plan import build_plan
 from slurm_autosp.metrics.flops import count_flops
 from slurm_autosp.model import build_skeleton
 
@@ -55,7 +57,10 @@ def test_the_flops_estimate_refuses_a_short_delay_and_names_one_that_is_admitted
         "another GPU); no step measured yet in "
     ), message
     assert f"save: rank 0 writes 28.1 GB, {SAVE_S} s at checkpoint.write_gb_per_s=1\n" in message
-    assert "stop: at the end of the step in flight (cluster.stop_at=step)\n" in message
+    assert (
+        "stop: at the end of the step in flight (cluster.stop_at=null), at the next layer "
+        "boundary once a step measures 30 s or more\n"
+    ) in message
     assert "needed: 1.25 x (stop + save) + 30 s = 71 s" in message
     # the plan comes with the refusal (its figure moves with torch's traced graph)
     assert re.search(r"verdict: fits: \d+\.\d of 80 GB", message), message
@@ -122,6 +127,31 @@ def test_a_long_step_stops_within_two_layers_and_the_delay_covers_only_those(tmp
     # stopping at the step's end asks for the whole step
     step_stop = refusal(*args, f"cluster.signal_delay_s={needed}", "cluster.stop_at=step")
     assert named_delay(step_stop) == math.ceil(1.25 * (2000 + SAVE_S) + 30)
+
+
+def test_a_stop_in_an_evaluation_waits_for_its_batch_and_the_delay_covers_one(tmp_path):
+    """An evaluation batch is one micro-batch's forward, a share of the step the plan's traced
+    FLOPs give (forward over forward, backward and recompute): longer than two of 32 layers
+    of a long step, it is the stop the delay must cover."""
+    held_out = prepared_dataset(tmp_path / "held_out", [40_000])
+    args = [LLAMA8B, f"run.output_root={tmp_path}", f"data.eval_path={held_out}"]
+    cfg = load_config(args)
+    RunDir(cfg.run.dir).root.mkdir(parents=True)
+    StepTime(2000.0, 3, step_flops(args), 8, "training").write(RunDir(cfg.run.dir).step_time)
+    t = build_plan(cfg).configured.trace
+    share = t.forward_flops / (t.forward_flops + t.backward_flops + t.recompute_flops)
+    batch_s = 2000 / cfg.train.grad_accum * share
+    assert batch_s > 2 * 2000 / 32
+    message = refusal(*args)
+    assert "cannot cover one evaluation batch plus one synchronous save" in message
+    assert (
+        "evaluation: a stop waits for the batch in flight, one micro-batch's forward: estimated "
+        "as its share of the step, the plan's forward FLOPs over forward, backward and "
+        f"recompute ({share:.0%}): {batch_s:,.1f} s\n"
+    ) in message
+    needed = named_delay(message)
+    assert needed == math.ceil(1.25 * (batch_s + SAVE_S) + 30)
+    admit(load_config([*args, f"cluster.signal_delay_s={needed}"]))
 
 
 def test_llama8b_4m_stops_at_layers_saves_every_step_and_is_admitted_at_900_s(tmp_path):

@@ -55,7 +55,7 @@ def test_staged_trees_are_written_as_torch_save_writes_the_originals(tmp_path):
     originals = StateFiles(trees(), {"index.json": "{}"})
     buffer = StagingBuffer(tmp_path / "buffer")
     try:
-        staged = buffer.stage(originals)
+        staged = buffer.stage(buffer.place(originals))
         written = written_by_the_writer(staged, buffer.path)
     finally:
         buffer.close()
@@ -67,6 +67,20 @@ def test_staged_trees_are_written_as_torch_save_writes_the_originals(tmp_path):
     assert torch.equal(transposed, torch.arange(8, 24.0).view(4, 4).t())
     assert isinstance(loaded["master"], nn.Parameter)
     assert torch.load(io.BytesIO(written["module.pt"]))._metadata == {"": {"version": 2}}
+
+
+def test_a_staged_save_restored_by_its_rank_writes_what_the_originals_write(tmp_path):
+    """Where its asynchronous write failed, the rank writes the staged copy itself: each tree
+    a view of the buffer, each storage on its own (not the whole buffer's)."""
+    originals = StateFiles(trees(), {"index.json": "{}"})
+    buffer = StagingBuffer(tmp_path / "buffer")
+    try:
+        restored = buffer.restore(buffer.stage(buffer.place(originals)))
+        written = {name: saved_bytes(tree) for name, tree in restored.trees.items()}
+    finally:
+        buffer.close()
+    assert restored.texts == originals.texts
+    assert written == {name: saved_bytes(tree) for name, tree in originals.trees.items()}
 
 
 def test_a_synchronous_save_of_a_gpus_tensors_writes_what_the_staged_one_writes(tmp_path):
@@ -86,14 +100,14 @@ def test_the_buffer_is_kept_between_saves_and_grows_when_a_save_needs_more(tmp_p
     small = StateFiles({"a.pt": torch.randn(1000)})
     large = StateFiles({"a.pt": torch.randn(100_000)})
     try:
-        buffer.stage(small)
+        buffer.stage(buffer.place(small))
         kept = buffer.path.stat()
-        buffer.stage(small)
+        buffer.stage(buffer.place(small))
         assert buffer.path.stat().st_ino == kept.st_ino
-        buffer.stage(large)
+        buffer.stage(buffer.place(large))
         grown = buffer.path.stat().st_size
         assert grown >= 400_000 > kept.st_size
-        staged = buffer.stage(small)  # a smaller save reuses the grown buffer
+        staged = buffer.stage(buffer.place(small))  # a smaller save reuses the grown buffer
         assert buffer.path.stat().st_size == grown
         assert written_by_the_writer(staged, buffer.path) == {
             "a.pt": saved_bytes(small.trees["a.pt"])
@@ -121,7 +135,7 @@ def test_a_dtensor_of_a_gpu_mesh_is_written_from_its_shard_in_the_buffer(
     }
     buffer = StagingBuffer(tmp_path / "buffer")
     try:
-        staged = buffer.stage(StateFiles(distributed={"": state}))
+        staged = buffer.stage(buffer.place(StateFiles(distributed={"": state})))
         written = buffer.views(staged.distributed)[""]
         w = written["model"]["w"]
         assert (w.device_mesh.device_type, w.placements, w.shape) == ("cuda", (Shard(0),), (4, 3))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -62,16 +63,14 @@ class StagingBuffer:
         self._pinned = False
         self.staged_bytes = 0  # what the last save copied here
 
-    @torch.no_grad()
-    def stage(self, files: StateFiles) -> StateFiles:
-        """Copy the storage of every tensor in `files` into the buffer (a storage that several
-        tensors view, once). Returns the files with the place of each tensor (a StagedTensor;
-        a DTensor's, of its local shard) where the tensor was: the trees for the writer
-        process, the distributed state dicts for `views`. An OSError (no room for the buffer)
-        leaves nothing half staged to write."""
+    def place(self, files: StateFiles) -> Placement:
+        """Where each tensor of `files` will lie in the buffer (a storage that several tensors
+        view, once), before anything is copied: what the save needs of node memory is known
+        before the ranks agree to stage it."""
         places: dict[tuple[str, int, int], int] = {}
         storages: list[tuple[int, torch.UntypedStorage]] = []
         end = 0
+        shard_bytes = 0
 
         def place(tensor: torch.Tensor) -> StagedTensor:
             nonlocal end
@@ -96,9 +95,13 @@ class StagingBuffer:
             )
 
         def place_shard(tensor: torch.Tensor) -> StagedTensor | _StagedShard:
-            if isinstance(tensor, DTensor):
-                return _StagedShard(place(tensor.to_local()), tensor)
-            return place(tensor)
+            nonlocal shard_bytes
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            placed = len(storages)
+            staged = place(local)
+            if len(storages) > placed:
+                shard_bytes += local.untyped_storage().nbytes()
+            return _StagedShard(staged, tensor) if isinstance(tensor, DTensor) else staged
 
         trees = {
             name: _map_tensors(tree, _is_plain_tensor, place) for name, tree in files.trees.items()
@@ -107,14 +110,38 @@ class StagingBuffer:
             name: _map_tensors(state, _is_tensor, place_shard)
             for name, state in files.distributed.items()
         }
-        memory = self._reserve(end)
-        for offset, storage in storages:
+        return Placement(
+            StateFiles(trees, dict(files.texts), distributed), storages, end, shard_bytes
+        )
+
+    def room_needed(self, placement: Placement) -> int:
+        """The node memory a save `placement` describes takes beyond what this buffer holds
+        already: the buffer's growth, and the files its distributed state dicts are written
+        to (FSDP2's distributed checkpoint, about their shards' bytes)."""
+        held = self._memory.numel() if self._memory is not None else 0
+        return max(0, placement.nbytes - held) + placement.distributed_bytes
+
+    @torch.no_grad()
+    def stage(self, placement: Placement) -> StateFiles:
+        """Copy every storage `placement` placed into the buffer. Returns the files with the
+        place of each tensor (a StagedTensor; a DTensor's, of its local shard) where the
+        tensor was: the trees for the writer process, the distributed state dicts for `views`.
+        An OSError (no room for the buffer) leaves nothing half staged to write."""
+        memory = self._reserve(placement.nbytes)
+        for offset, storage in placement.storages:
             source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             memory[offset : offset + source.numel()].copy_(source, non_blocking=self._pinned)
         if self._pinned:
             torch.cuda.synchronize()  # the writers read the buffer as soon as it is handed over
-        self.staged_bytes = sum(storage.nbytes() for _, storage in storages)
-        return StateFiles(trees, dict(files.texts), distributed)
+        self.staged_bytes = sum(storage.nbytes() for _, storage in placement.storages)
+        return placement.files
+
+    def restore(self, staged: StateFiles) -> StateFiles:
+        """The staged save as files to write, each tensor a view of the buffer (trees as the
+        writer rebuilds them): written by the rank itself when its asynchronous write failed."""
+        assert self._memory is not None
+        trees = unstage(staged, self._memory.numpy())
+        return StateFiles(trees.trees, trees.texts, self.views(staged.distributed))
 
     def views(self, distributed: dict[str, Any]) -> dict[str, Any]:
         """The staged distributed state dicts with each tensor, or DTensor's local shard, a
@@ -174,6 +201,16 @@ class StagingBuffer:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """A save placed in the buffer (`StagingBuffer.place`), not yet copied."""
+
+    files: StateFiles  # each tensor replaced by its StagedTensor (a DTensor's: _StagedShard)
+    storages: list[tuple[int, torch.UntypedStorage]]  # each storage to copy, at its offset
+    nbytes: int  # the buffer it needs
+    distributed_bytes: int  # of the distributed state dicts' shards
+
+
+@dataclass(frozen=True)
 class _StagedShard:
     """A DTensor of a distributed state dict: its local shard staged, the rest as it was."""
 
@@ -196,9 +233,10 @@ def _view(memory: torch.Tensor, staged: StagedTensor) -> torch.Tensor:
     )
 
 
-def unstage(files: StateFiles, buffer: mmap.mmap) -> StateFiles:
+def unstage(files: StateFiles, buffer: mmap.mmap | np.ndarray) -> StateFiles:
     """The writer's side: `files` with each StagedTensor rebuilt as a view of `buffer`, the
-    writer's mapping of the staging buffer; tensors that viewed one storage view one again."""
+    writer's mapping of the staging buffer (or the rank's own); tensors that viewed one storage
+    view one again, a storage of its own each (torch.save writes a tensor's whole storage)."""
     storages: dict[int, torch.UntypedStorage] = {}
 
     def rebuild(staged: StagedTensor) -> torch.Tensor:

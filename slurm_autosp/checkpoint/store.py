@@ -160,13 +160,18 @@ class CheckpointStore:
     def save(self, engine: EngineState, state: TrainerState) -> Path:
         """Collective and synchronous: every rank writes its part straight to shared storage,
         then hashes its share of the files."""
+        return self.write(self.state_files(engine, state), state)
+
+    def write(self, files: StateFiles, state: TrainerState) -> Path:
+        """Collective and synchronous: `save`, of this rank's part already made into `files`
+        (an asynchronous save's staged copy, when it could not be written in the background)."""
         partial, final = self.begin(state)
-        self.state_files(engine, state).write(partial)
+        files.write(partial)
         dist.barrier()
-        files = list_files(partial)
+        written = list_files(partial)
         records: dict[str, FileRecord] = {}
         for share in _all_gather(
-            hash_files(partial, my_share(files, self.rank, self.world_size), fsync=True)
+            hash_files(partial, my_share(written, self.rank, self.world_size), fsync=True)
         ):
             records.update(share)
         return self.finish(partial, final, records, state)

@@ -98,8 +98,8 @@ class ClusterConfig:
     mem_gb: int | None = None
     time_min: int = 60
     signal_delay_s: int = 120
-    # where a stop signal (USR2, SIGTERM) ends the step in flight; null: the plan decides
-    # (`layer` where a step is long, lifecycle/layer_stops.py)
+    # where a stop signal (USR2, SIGTERM) ends the step in flight; null: `layer` where a step is
+    # long, as the plan estimates it or as the job measures it (memory_plan/stopping.py)
     stop_at: StopAt | None = None
     max_requeues: int = 3
     collective_timeout_min: float = 30.0  # above compile time plus checkpoint time

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,13 +69,15 @@ class TrainingJob:
         self.claim = claim
 
     def __call__(self):
+        stop = StopRequest.install()
         try:
-            return self._run()
+            return self._run(stop)
         except Requeued as requeued:
             requeued.leave()  # after _run's cleanup: the process group is gone
+        finally:
+            stop.close()  # a job run in a test's process leaves its signals as it found them
 
-    def _run(self):
-        stop = StopRequest.install()
+    def _run(self, stop: StopRequest):
         cfg = self.cfg
         job_env = submitit.JobEnvironment()
         if job_env.num_tasks != cfg.cluster.world_size:
@@ -88,7 +90,7 @@ class TrainingJob:
         _configure_process(cfg.cluster, rank)
         applied = _apply_collective_env(cfg)
         watch = FailureWatch()
-        leave = dist.destroy_process_group
+        leave: Callable[[], object] = dist.destroy_process_group
         try:
             dims = init_parallel_dims(cfg, lambda rank: self._joined(rank, watch))
             if dims.rank == 0:

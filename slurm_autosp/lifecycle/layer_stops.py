@@ -19,7 +19,7 @@ gradients are the engine's to drop (`TrainEngine.abandon_step`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -29,20 +29,27 @@ from torch import nn
 from slurm_autosp.compat.torch_api import wrap_module_call
 from slurm_autosp.lifecycle.signals import StopRequest
 
+# a step longer than this outlasts the shortest GraceTime sites give a preempted job: where
+# cluster.stop_at is null, steps this long stop at layer boundaries
+LAYER_STOP_MIN_STEP_S = 30.0
+
 
 class StepInterrupted(Exception):
     """Every rank agreed, at the same layer boundary, to abandon the step in flight."""
 
 
 class LayerStops:
-    """The agreement at layer boundaries; inactive outside `armed` (evaluation, checks)."""
+    """The agreement at layer boundaries; inactive outside `armed` (evaluation, checks).
+    Unarmed, a boundary costs a Python call and no collective."""
 
-    def __init__(self, stop: StopRequest, group: dist.ProcessGroup | None):
+    def __init__(self, stop: StopRequest, group: dist.ProcessGroup | None, every_step: bool):
         self._stop = stop
         self._group = group
         self._in_flight: tuple[torch.Tensor, dist.Work] | None = None
         self._armed = False
         self.boundaries = 0  # passed since the process started: every rank the same
+        # whether training's steps are armed (`step`); set on every rank alike, or none
+        self.every_step = every_step
 
     @classmethod
     def install(
@@ -50,13 +57,22 @@ class LayerStops:
         layers: Sequence[nn.Module],
         stop: StopRequest,
         group: dist.ProcessGroup | None = None,
+        every_step: bool = True,
     ) -> LayerStops:
-        """Collective when `group` is None (a new gloo group of every rank). Put a boundary
-        before every call of each of `layers` and on the gradient of its output."""
-        stops = cls(stop, group if group is not None else dist.new_group(backend="gloo"))
+        """Collective. Put a boundary before every call of each of `layers` and on the gradient
+        of its output; `group`: where ranks agree (None: a new gloo group of every rank).
+        `every_step` on any rank arms every rank's steps."""
+        group = group if group is not None else dist.new_group(backend="gloo")
+        flag = torch.tensor([int(every_step)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        stops = cls(stop, group, bool(flag.item()))
         for layer in layers:
             wrap_module_call(layer, stops._around)
         return stops
+
+    def step(self) -> AbstractContextManager[None]:
+        """Around a training step: `armed` if `every_step`, else nothing."""
+        return self.armed() if self.every_step else nullcontext()
 
     @contextmanager
     def armed(self) -> Iterator[None]:

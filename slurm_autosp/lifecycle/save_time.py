@@ -6,13 +6,18 @@ every rank saves synchronously what is not on storage yet; a job still stepping 
 when the kill comes loses everything since the previous checkpoint. Where it stops: at the
 end of the step in flight (`cluster.stop_at=step`), or at the next decoder-layer boundary
 (`layer`, lifecycle/layer_stops.py: the ranks agree within two boundaries, so within two
-layers' share of a step). So the delay, and GraceTime, must cover that plus one save, with a
+layers' share of a step); during an evaluation, at the end of the batch in flight (a forward
+alone). So the delay, and GraceTime, must cover the longer of those plus one save, with a
 margin: both are estimates.
 
 The save: under ZeRO-1 rank 0 writes the most, the full model states plus its optimizer
 shard; under parameter sharding every rank writes an equal part of the fp32 weights and Adam's
 moments, all ranks at once. The step: measured on the job's own nodes when a run has recorded
 one (`StepTime`, written by training and by the probe), else estimated by the caller.
+
+At run time the same margin decides how long a stopping job may wait for an asynchronous save
+still being written (`can_wait`): as long as what is left before the kill still covers the
+synchronous save that follows it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm_autosp.config import MAX_SIGNAL_DELAY_S, ConfigError, JobConfig, Precision
+from slurm_autosp.config import MAX_SIGNAL_DELAY_S, ConfigError, JobConfig, Precision, StopAt
+from slurm_autosp.lifecycle.layer_stops import LAYER_STOP_MIN_STEP_S
 from slurm_autosp.lifecycle.run_record import read_record, write_record
 
 _ADAM_BYTES = 12  # fp32 master weights, first and second moments, per parameter
@@ -77,8 +83,9 @@ class StepTime:
 
 @dataclass(frozen=True)
 class SignalDelay:
-    """cluster.signal_delay_s against the stop (the step in flight, or two of its layers)
-    plus one synchronous save, with the margin."""
+    """cluster.signal_delay_s against the stop (the step in flight, or two of its layers, or an
+    evaluation's batch in flight, whichever is longer) plus one synchronous save, with the
+    margin."""
 
     delay_s: int  # cluster.signal_delay_s
     step_s: float
@@ -86,7 +93,15 @@ class SignalDelay:
     save_bytes: float  # what the rank writing the most writes
     write_gb_per_s: float  # checkpoint.write_gb_per_s
     layers: int  # decoder layers
-    stop_at_layers: bool  # cluster.stop_at=layer
+    stop_at: StopAt | None  # cluster.stop_at; None: at step ends until a measured step is long
+    # a micro-batch's share of the step that its forward takes, when the job evaluates (an
+    # evaluation batch is that forward); 0: it evaluates nothing
+    forward_share: float
+    micro_batches: int  # train.grad_accum
+
+    @property
+    def stop_at_layers(self) -> bool:
+        return self.stop_at is StopAt.layer
 
     @property
     def save_s(self) -> float:
@@ -98,8 +113,18 @@ class SignalDelay:
         return 2 * self.step_s / self.layers if self.stop_at_layers else self.step_s
 
     @property
+    def eval_batch_s(self) -> float:
+        """An evaluation batch: one micro-batch's forward, no backward."""
+        return self.step_s / self.micro_batches * self.forward_share
+
+    @property
+    def wait_s(self) -> float:
+        """From the signal to every rank stopped, in a step or in an evaluation."""
+        return max(self.stop_s, self.eval_batch_s)
+
+    @property
     def needed_s(self) -> int:
-        return math.ceil(MARGIN * (self.stop_s + self.save_s) + SLACK_S)
+        return math.ceil(MARGIN * (self.wait_s + self.save_s) + SLACK_S)
 
     @property
     def covered(self) -> bool:
@@ -107,6 +132,8 @@ class SignalDelay:
 
     @property
     def what(self) -> str:
+        if self.eval_batch_s > self.stop_s:
+            return "one evaluation batch"
         return "two layers of a step" if self.stop_at_layers else "one step"
 
     def describe(self) -> str:
@@ -116,12 +143,23 @@ class SignalDelay:
             f"{self.layers} layers' share of the step: {self.stop_s:,.1f} s\n"
             if self.stop_at_layers
             else "  stop: at the end of the step in flight (cluster.stop_at=step)\n"
+            if self.stop_at is StopAt.step
+            else "  stop: at the end of the step in flight (cluster.stop_at=null), at the next "
+            f"layer boundary once a step measures {LAYER_STOP_MIN_STEP_S:g} s or more\n"
+        )
+        evaluation = (
+            f"  evaluation: a stop waits for the batch in flight, one micro-batch's forward: "
+            f"estimated as its share of the step, the plan's forward FLOPs over forward, "
+            f"backward and recompute ({self.forward_share:.0%}): {self.eval_batch_s:,.1f} s\n"
+            if self.forward_share
+            else ""
         )
         return (
-            f"  step: {self.step_s:,.1f} s, {self.step_source}\n{stop}"
+            f"  step: {self.step_s:,.1f} s, {self.step_source}\n{stop}{evaluation}"
             f"  save: rank 0 writes {self.save_bytes / 1e9:.1f} GB, {self.save_s:,.1f} s at "
             f"checkpoint.write_gb_per_s={self.write_gb_per_s:g}\n"
-            f"  needed: {MARGIN:g} x (stop + save) + {SLACK_S} s = {self.needed_s:,} s; a "
+            f"  needed: {MARGIN:g} x ({'the longer wait' if self.forward_share else 'stop'} + "
+            f"save) + {SLACK_S} s = {self.needed_s:,} s; a "
             f"preempted job needs as much GraceTime after SIGTERM"
         )
 
@@ -157,8 +195,10 @@ def signal_delay(
     step_s: float,
     step_source: str,
     layers: int,
-    stop_at_layers: bool,
+    stop_at: StopAt | None,
+    forward_share: float,
 ) -> SignalDelay:
+    """`forward_share`: a micro-batch's forward over its step, where the job evaluates; else 0."""
     return SignalDelay(
         cfg.cluster.signal_delay_s,
         step_s,
@@ -166,5 +206,14 @@ def signal_delay(
         rank0_checkpoint_bytes(cfg, parameters, zero_stage),
         cfg.checkpoint.write_gb_per_s,
         layers,
-        stop_at_layers,
+        stop_at,
+        forward_share,
+        cfg.train.grad_accum,
     )
+
+
+def can_wait(left_s: float | None, save_s: float) -> bool:
+    """Whether a stopping job may go on waiting for a save in flight: the time left before the
+    kill (`left_s`; None: not known, and the save in flight is waited for) still covers a
+    synchronous save of `save_s` after it, with admission's margin and slack."""
+    return left_s is None or left_s >= MARGIN * save_s + SLACK_S

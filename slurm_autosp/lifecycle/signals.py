@@ -10,6 +10,14 @@ and the layer boundaries in it, run on autograd's device threads while the main 
 in C++: the handler would run only after the step. So the request is also read from Python's
 signal wakeup fd, to which CPython's own C handler writes the signal's number the moment it
 arrives, on whatever thread: `requested` reads it on any thread.
+
+SLURM signals every process of the job step, not only the ranks: the compilers inductor runs
+(g++, Triton's compile workers) would die of USR2's or TERM's default action, failing a step
+that compiles, and whatever else a rank starts with them. So the rank blocks both signals from
+`install` on: every thread and process it starts afterwards inherits them blocked (a process
+keeps its mask across exec), and they wait, pending, until `requested` takes them
+(sigtimedwait), on any thread; a thread started before `install` may still take one with the
+handler, as above.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -31,15 +40,18 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self._seen_at: float | None = None  # time.monotonic() when `requested` first said so
         self._pipe: tuple[int, int] | None = None  # the wakeup fd's pipe, while installed
         self._lock = threading.Lock()  # one reader of the pipe at a time, none once closed
         self._previous_wakeup = -1
         self._previous_handlers: dict[int, Handler] = {}
+        self._previous_mask: set[int | signal.Signals] = set()
 
     @classmethod
     def install(cls) -> StopRequest:
         """On the main thread: replace submitit's handlers, which would checkpoint from inside
-        the handler on rank 0 only, and the wakeup fd. `close` puts both back."""
+        the handler on rank 0 only, and the wakeup fd, and block the stop signals. `close` puts
+        all three back."""
         request = cls()
         read, write = os.pipe()
         os.set_blocking(read, False)
@@ -48,10 +60,15 @@ class StopRequest:
         request._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         for signum in STOP_SIGNALS:
             request._previous_handlers[signum] = signal.signal(signum, request._handle)
+        request._previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         return request
 
     def close(self) -> None:
-        """On the main thread: put back the handlers and the wakeup fd `install` replaced."""
+        """On the main thread: put back the mask, the handlers and the wakeup fd `install`
+        replaced; a stop signal pending is taken first, not left to the handlers put back."""
+        with self._lock:
+            self._take_pending()
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
         for signum, handler in self._previous_handlers.items():
             # None: a handler not set from Python, which Python cannot set again
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
@@ -71,7 +88,23 @@ class StopRequest:
         with self._lock:
             if self._pipe is not None:
                 self._drain(self._pipe[0])
+                self._take_pending()
+            if self.signal_name is not None and self._seen_at is None:
+                self._seen_at = time.monotonic()
         return self.signal_name is not None
+
+    def time_left(self, delay_s: float) -> float | None:
+        """Seconds before the kill, where one follows the signal by `delay_s` (Slurm's
+        --signal, or GraceTime after a preemption's SIGTERM); None before any stop signal."""
+        if self._seen_at is None:
+            return None
+        return delay_s - (time.monotonic() - self._seen_at)
+
+    def _take_pending(self) -> None:
+        """Take the stop signals pending for the process or this thread, blocked on every
+        thread started since `install`."""
+        while taken := signal.sigtimedwait(STOP_SIGNALS, 0):
+            self.signal_name = signal.Signals(taken.si_signo).name
 
     def _drain(self, read: int) -> None:
         """Read what the wakeup fd holds; other signals' numbers (SIGINT's) are dropped: their

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.compile.tiled_layer import tiles_whole_layers
-from slurm_autosp.config import ActivationCheckpointing, CompileConfig, JobConfig
+from slurm_autosp.config import ActivationCheckpointing, CompileConfig, JobConfig, StopAt
 from slurm_autosp.lifecycle.save_time import rank0_checkpoint_bytes
 from slurm_autosp.memory_plan.layer_graph import tiled_layer_trace, trace_decoder_layer
 from slurm_autosp.memory_plan.policies import (
@@ -150,7 +150,9 @@ class TrainingChoices:
     offload_activations: bool
     offload_optimizer: bool
     async_save: bool  # saves staged in node memory, persisted in the background
-    stop_at_layers: bool  # a stop signal ends the step in flight at a layer boundary
+    # where a stop signal ends the step in flight: `layer`, `step`, or None: at its end until a
+    # measured step is long, at a layer boundary from then on (memory_plan/stopping.py)
+    stop_at: StopAt | None
     save_every_steps: int  # 0: no periodic saves
 
 
@@ -167,7 +169,7 @@ def choices_from_plan(plan: MemoryPlan) -> TrainingChoices:
         memory.rung.offload,
         memory.rung.offload_optimizer,
         asynchronous,
-        stopping.stop_at_layers,
+        stopping.stop_at,
         stopping.save_every_steps,
     )
 
@@ -181,7 +183,6 @@ def _plan_decides(cfg: JobConfig) -> bool:
         or c.offload_activations is None
         or cfg.parallel.offload_optimizer is None
         or cfg.checkpoint.async_save is None
-        or cfg.cluster.stop_at is None
         or cfg.checkpoint.every_steps is None
     )
 
@@ -200,7 +201,7 @@ def training_choices(cfg: JobConfig) -> TrainingChoices:
         bool(cfg.compile.offload_activations),
         bool(cfg.parallel.offload_optimizer),
         cfg.checkpoint.async_save is not False,
-        stopping.stop_at_layers,
+        stopping.stop_at,
         stopping.save_every_steps,
     )
 

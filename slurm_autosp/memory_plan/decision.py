@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from slurm_autosp.config import JobConfig
+from slurm_autosp.data import eval_data_path
 from slurm_autosp.lifecycle.save_time import signal_delay
 from slurm_autosp.memory_plan.choose import (
     TrainingChoices,
@@ -16,6 +17,7 @@ from slurm_autosp.memory_plan.choose import (
 )
 from slurm_autosp.memory_plan.render import render
 from slurm_autosp.memory_plan.step_time import step_time
+from slurm_autosp.memory_plan.terms import MemoryPlan
 from slurm_autosp.memory_plan.verdict import verdict
 from slurm_autosp.model import hf_config
 
@@ -54,11 +56,24 @@ def plan_verdict(cfg: JobConfig) -> PlanVerdict:
     choices = choices_from_plan(plan)
     layers = hf_config(cfg.model).num_hidden_layers
     delay = signal_delay(
-        cfg, plan.parameters, plan.zero_stage, *step_time(cfg), layers, choices.stop_at_layers
+        cfg,
+        plan.parameters,
+        plan.zero_stage,
+        *step_time(cfg),
+        layers,
+        choices.stop_at,
+        _forward_share(plan) if eval_data_path(cfg) else 0.0,
     )
     text += f"\n{delay.line()}\n{_saves_line(choices)}"
     late = "" if delay.covered else delay.refusal()
     return PlanVerdict(text, fits, reason, choices, late)
+
+
+def _forward_share(plan: MemoryPlan) -> float:
+    """The share of a micro-batch's step its forward takes, by the traced layer's FLOPs: what an
+    evaluation batch costs beside a step."""
+    t = plan.configured.trace
+    return t.forward_flops / (t.forward_flops + t.backward_flops + t.recompute_flops)
 
 
 def _saves_line(choices: TrainingChoices) -> str:

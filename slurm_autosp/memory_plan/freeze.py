@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from slurm_autosp.config import ActivationCheckpointing, JobConfig, StopAt
+from slurm_autosp.config import ActivationCheckpointing, JobConfig
 from slurm_autosp.memory_plan.choose import TrainingChoices
 
 # The keys the plan (and, for the ring size, the config's loading) decided; `adopt_frozen_choices`
@@ -30,7 +30,8 @@ FROZEN_KEYS = (
 def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> JobConfig:
     """`cfg` with every key the plan may decide set to what it decided, so no later start
     plans again (the ring size was resolved as the config was loaded, and is recorded with
-    them). A new config: the loaded one is never edited."""
+    them; cluster.stop_at stays null where training decides it from its measured step). A new
+    config: the loaded one is never edited."""
     spec = choices.checkpointing
     return replace(
         cfg,
@@ -54,9 +55,7 @@ def freeze_choices(cfg: JobConfig, choices: TrainingChoices) -> JobConfig:
             async_save=choices.async_save,
             every_steps=choices.save_every_steps,
         ),
-        cluster=replace(
-            cfg.cluster, stop_at=StopAt.layer if choices.stop_at_layers else StopAt.step
-        ),
+        cluster=replace(cfg.cluster, stop_at=choices.stop_at),
     )
 
 

@@ -187,6 +187,12 @@ class StepTracer:
         """`with tracer.step(n) as phases:` around the whole optimizer step (1-based n)."""
         return _StepScope(self, step)
 
+    @property
+    def step_s(self) -> float:
+        """This rank's last step, in seconds; 0 for this job's first, which compiles."""
+        record = self._last
+        return 0.0 if record is None or record.step == self.first_step + 1 else record.seconds
+
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
         record = self._last
         assert record is not None and record.step == step, "log_step follows the step it logs"
