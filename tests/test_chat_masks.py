@@ -1,6 +1,7 @@
 """`prepare --format chat`: the loss covers exactly the assistant's replies and the end-of-turn
-text the template writes after each, for chat templates of several families (Jinja strings
-set on a tokenizer built here), or preparation is refused by name."""
+token that ends each, for chat templates of several families (Jinja strings set on a
+tokenizer built here), or preparation is refused by name. The published templates are in
+tests/test_chat_templates.py."""
 
 import json
 from pathlib import Path
@@ -48,7 +49,8 @@ MISTRAL_SPACED = (
     "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
 )
 NO_GENERATION_PROMPT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"  # fmt: skip
-# the last reply gets an empty thinking block that earlier ones lose: a prefix is no prefix
+# the last reply gets an empty thinking block that earlier ones lose: a prefix is no prefix,
+# and without a generation prompt the block is the template's text before the reply
 THINKING = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
@@ -78,6 +80,7 @@ MARKERS_END_OF_TURN_AFTER_THE_LAST_REPLY_ONLY = (
     "{% generation %}{{ m['content'] }}{% endgeneration %}"
     "{% else %}{{ m['content'] }}{% endif %}{% endfor %}<|end|>"
 )
+# text written into one reply's turn, depending on it: part of that reply as rendered
 HEADER_FROM_REPLY = (
     "{% for m in messages %}<|{{ m['role'] }}|>"
     "{% if m['role'] == 'assistant' and 'fox' in m['content'] %}(fox) {% endif %}"
@@ -89,14 +92,26 @@ RAISES_ON_TOOL = (
     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 )
 
-# template: (the trained text of conversation(i): each reply and its end-of-turn text; what
+# template: (the trained text of conversation(i): each reply and its end-of-turn token; what
 # the trained tokens decode to; the end-of-turn token)
 EXACT = {
     "chatml": (
         CHATML,
-        ["hello number {i}<|im_end|>\n", "the quick fox<|im_end|>\n"],
-        "hello number {i}<|im_end|>\nthe quick fox<|im_end|>\n",
+        ["hello number {i}<|im_end|>", "the quick fox<|im_end|>"],
+        "hello number {i}<|im_end|>the quick fox<|im_end|>",
         "<|im_end|>",
+    ),
+    "rewrites_earlier_turns": (
+        THINKING,
+        ["hello number {i}<|im_end|>", "the quick fox<|im_end|>"],
+        "hello number {i}<|im_end|>the quick fox<|im_end|>",
+        "<|im_end|>",
+    ),
+    "header_depends_on_the_reply": (
+        HEADER_FROM_REPLY,
+        ["hello number {i}<|end|>", "(fox) the quick fox<|end|>"],
+        "hello number {i}<|end|>(fox) the quick fox<|end|>",
+        "<|end|>",
     ),
     "llama3": (
         LLAMA3,
@@ -235,15 +250,13 @@ def test_a_row_the_template_raises_on_is_skipped_and_named(tmp_path, base_tokeni
 @pytest.mark.parametrize(
     ("template", "why"),
     [
-        (THINKING, "message 2: the template renders a conversation differently from its beginning"),
-        (HEADER_FROM_REPLY, "message 4: the text the template writes around this reply differs"),
         (
             MARKERS_END_OF_TURN_AFTER_THE_LAST_REPLY_ONLY,
             "the template's {% generation %} markers close a reply ('hello number 0') that no "
             "end of turn '<|end|>' ends or follows; end every reply with the end-of-turn text",
         ),
     ],
-    ids=["rewrites_earlier_turns", "header_depends_on_the_reply", "markers_leave_a_reply_unended"],
+    ids=["markers_leave_a_reply_unended"],
 )
 def test_a_template_that_cannot_be_masked_is_refused_by_name(
     tmp_path, base_tokenizer, capsys, template, why

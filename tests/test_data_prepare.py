@@ -356,13 +356,20 @@ def test_workers_die_with_a_killed_prepare_whose_output_the_next_prepare_takes_o
 
 
 def test_a_prepare_that_fails_midway_leaves_nothing_a_run_could_read(tmp_path, capsys):
-    """A template that rewrites earlier turns once a later one arrives fails inside the map,
-    after files were begun: neither the output nor its hidden partial directory remains."""
-    rewriting = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length }}"
-    save_tokenizer(tmp_path / "tok", sentences(50), chat_template=rewriting)
+    """A template whose text after a reply depends on the reply (here its length) fails inside
+    the map, after files were begun: neither the output nor its hidden partial directory
+    remains."""
+    counting = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{{ messages | map(attribute='content') | join | length }}"
+    )
+    save_tokenizer(tmp_path / "tok", sentences(50), chat_template=counting)
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation(i)} for i in range(3)])
     assert prepare(tmp_path / "tok", [corpus], tmp_path / "out", "--format", "chat") == 2
-    assert "renders a conversation differently from its beginning" in capsys.readouterr().err
+    assert (
+        "the text the template writes after this reply's end of turn depends on the reply"
+        in capsys.readouterr().err
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "tok"]
 
 

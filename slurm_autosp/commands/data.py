@@ -12,7 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from slurm_autosp.data.prepare import DocumentFormat, PrepareError, PrepareOptions, prepare
+from slurm_autosp.data.prepare import (
+    ChatTurns,
+    DocumentFormat,
+    PrepareError,
+    PrepareOptions,
+    prepare,
+)
 
 
 def parse(argv: list[str] | None) -> PrepareOptions:
@@ -34,8 +40,21 @@ def parse(argv: list[str] | None) -> PrepareOptions:
         choices=[f.value for f in DocumentFormat],
         help="text: every token is trained on; chat: rows of messages, the replies are",
     )
+    p.add_argument(
+        "--chat-turns",
+        type=ChatTurns,
+        default=ChatTurns.full,
+        choices=[t.value for t in ChatTurns],
+        help="full: a conversation is one document, each reply as the template renders it "
+        "there; each: one document per reply, ending with it (every reply's reasoning trained)",
+    )
     p.add_argument("--text-key", help='the field read: default "text" ("messages" for chat)')
-    p.add_argument("--eval-fraction", type=float, default=0.0, help="documents held out")
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.0,
+        help="rows held out (a conversation's turns together)",
+    )
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     args = parser.parse_args(argv)
     return PrepareOptions(
@@ -43,6 +62,7 @@ def parse(argv: list[str] | None) -> PrepareOptions:
         inputs=args.input,
         output=args.output,
         format=args.format,
+        chat_turns=args.chat_turns,
         text_key=args.text_key,
         eval_fraction=args.eval_fraction,
         workers=args.workers,

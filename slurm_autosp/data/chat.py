@@ -1,13 +1,12 @@
-"""Which tokens of a chat are trained on: the assistant's replies, each with the end-of-turn
-text the template writes after it (e.g. `<|im_end|>`, `<|eot_id|>`, `</s>`), and nothing else.
+"""Which tokens of a chat are trained on: the assistant's replies, each through the end-of-turn
+token the template writes after it (e.g. `<|im_end|>`, `<|eot_id|>`, `</s>`), and nothing else.
 
 A template with `{% generation %}` markers says itself what the assistant generates, and
 transformers' assistant mask is used, each reply carried through the end-of-turn token the
-markers may leave out. Any other template is read from its renderings: the
-reply to message i lies between the rendering of messages[:i] and that of messages[:i+1],
-after the header the template writes before any reply (learned by rendering a placeholder as
-the reply). A template for which this does not hold exactly (it rewrites earlier text when a
-message is added, or writes a header that depends on the reply) is refused, never guessed.
+markers may leave out. Any other template is read from renderings of the whole conversation
+(`chat_replies.py`): each reply as the template writes it there, so a reply whose reasoning the
+template drops from the history is trained without it, as the model will see it. A template
+for which no reply can be located exactly is refused, never guessed.
 
 A token is trained when it holds at least one trained character, the rule of transformers'
 assistant mask: a token that straddles the header and the reply (" Hello" after "[/INST]",
@@ -32,8 +31,8 @@ GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 PLACEHOLDER = "SLURMAUTOSPREPLYPLACEHOLDER"
 MARKERS_FIX = (
     "mark what the assistant generates with {% generation %}...{% endgeneration %} in the "
-    "template (transformers' assistant mask, used as is), or use a template whose rendering "
-    "of a conversation's beginning is the beginning of its rendering"
+    "template (transformers' assistant mask, used as is), or write each reply once, as given, "
+    "with text around it that does not depend on it"
 )
 
 
@@ -58,63 +57,19 @@ def uses_generation_markers(tokenizer: PreTrainedTokenizerBase) -> bool:
     return isinstance(template, str) and GENERATION_MARKER.search(template) is not None
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
-    """The conversation as the template writes it (no generation prompt); TemplateRejected
-    when the template raises."""
+def render(
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, generation_prompt: bool = False
+) -> str:
+    """The conversation as the template writes it, with the prompt for the next reply when
+    `generation_prompt`; TemplateRejected when the template raises."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
     except jinja2.TemplateError as err:
         raise TemplateRejected(str(err)) from err
     assert isinstance(text, str)
     return text
-
-
-def reply_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, full: str) -> Spans:
-    """The character spans of `full` (the rendering of `messages`) trained on: each assistant
-    reply and the end-of-turn text after it. Unmaskable names the message that defeats it."""
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            spans.append(_reply_span(tokenizer, messages, i, full))
-    return spans
-
-
-def _reply_span(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages, i: int, full: str
-) -> tuple[int, int]:
-    try:
-        before = render(tokenizer, messages[:i]) if i else ""  # transformers refuses no messages
-        through = render(tokenizer, messages[: i + 1])
-        held = render(tokenizer, [*messages[:i], {**messages[i], "content": PLACEHOLDER}])
-    except TemplateRejected as err:
-        raise Unmaskable(
-            f"message {i}: the template raises on the conversation up to it ({err})"
-        ) from err
-    if not (full.startswith(through) and through.startswith(before) and held.startswith(before)):
-        raise Unmaskable(
-            f"message {i}: the template renders a conversation differently from its beginning "
-            "(text before this reply changes once it or a later message is added)"
-        )
-    turn = held[len(before) :]
-    if turn.count(PLACEHOLDER) != 1:
-        raise Unmaskable(f"message {i}: the template does not write a reply once, as given")
-    header, footer = turn.split(PLACEHOLDER)
-    start, end = len(before) + len(header), len(through) - len(footer)
-    reply = through[start:end]
-    content = messages[i]["content"]
-    if not (
-        start <= end
-        and through.startswith(header, len(before))
-        and through.endswith(footer)
-        and reply in content
-        and reply.strip() == content.strip()
-    ):
-        raise Unmaskable(
-            f"message {i}: the text the template writes around this reply differs from what it "
-            f"writes around another (header {header!r}, end of turn {footer!r}), so the reply "
-            "cannot be told from the template's text"
-        )
-    return start, len(through)
 
 
 def trained_tokens(offsets: list[tuple[int, int]], spans: Spans) -> list[int]:
@@ -127,15 +82,15 @@ def trained_tokens(offsets: list[tuple[int, int]], spans: Spans) -> list[int]:
 
 
 def encode_with_markers(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages, stop: Stop | None
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, stop: Stop | None, last_only: bool
 ) -> tuple[list[int], list[int]]:
     """Token ids and their mask by the template's own definition of the assistant's tokens
     (its generation markers), each reply carried through the end-of-turn token `stop` that
     follows it where the markers leave it out. TRL and axolotl train that token (axolotl's
     train_on_eos: turn), and so does this: a model never taught to write it does not end its
-    turns. A conversation with replies its markers leave untrained (markers only in the
-    generation prompt, say), or with a reply that no end of turn ends, is refused
-    (Unmaskable), not trained on nothing."""
+    turns. `last_only` trains the last marked reply alone. A conversation with replies its
+    markers leave untrained (markers only in the generation prompt, say), or with a reply that
+    no end of turn ends, is refused (Unmaskable), not trained on nothing."""
     try:
         text = render(tokenizer, messages)
         out = tokenizer.apply_chat_template(
@@ -154,7 +109,7 @@ def encode_with_markers(
             "the template's {% generation %} markers cover none of its assistant messages; "
             "put them around each reply"
         )
-    spans = _marked_spans(marked, offsets)
+    spans = _marked_spans(marked, offsets)[-1:] if last_only else _marked_spans(marked, offsets)
     if stop is not None:
         spans = [_through_end_of_turn(text, span, stop.text) for span in spans]
     return ids, trained_tokens(offsets, spans)

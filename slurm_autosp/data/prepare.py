@@ -37,11 +37,11 @@ from slurm_autosp.data.chat import (
     end_of_turn_stop,
     end_of_turn_token,
     render,
-    reply_spans,
     trained_tokens,
     unusable_end_of_turn,
     uses_generation_markers,
 )
+from slurm_autosp.data.chat_replies import reply_spans
 from slurm_autosp.data.json_lines import MarkedLines, mark_unparseable
 from slurm_autosp.data.output_lock import OutputBusy, output_lock
 from slurm_autosp.data.prepared import (
@@ -85,6 +85,13 @@ class DocumentFormat(str, enum.Enum):
     chat = "chat"  # a list of {role, content} messages per row: only the assistant's tokens
 
 
+class ChatTurns(str, enum.Enum):
+    """What one conversation becomes (`--chat-turns`)."""
+
+    full = "full"  # one document: every reply as the template renders the whole conversation
+    each = "each"  # one document per reply, ending with it: every reply's reasoning trained
+
+
 class Skip(str, enum.Enum):
     """Why a row became no document (counted in the summary)."""
 
@@ -93,6 +100,7 @@ class Skip(str, enum.Enum):
     malformed = "malformed"  # not a string (text) or not a list of {role, content} (chat)
     not_json = "not_json"  # a line of a JSON Lines file that is not a JSON object
     template_error = "template_error"  # the chat template raised on it (e.g. an unknown role)
+    no_reply = "no_reply"  # --chat-turns each: no assistant message, so no turn to train
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class PrepareOptions:
     inputs: list[str]  # files, glob patterns, or a directory saved by datasets
     output: Path
     format: DocumentFormat = DocumentFormat.text
+    chat_turns: ChatTurns = ChatTurns.full
     text_key: str | None = None  # default: "text", or "messages" for chat
     eval_fraction: float = 0.0
     workers: int = 1
@@ -245,6 +254,9 @@ class Document:
     mask: list[int]  # chat: 1 where trained on; text: empty (every token is)
 
 
+Documents = list[Document]  # what one row becomes: one, or one per turn (--chat-turns each)
+
+
 @dataclass(frozen=True)
 class Skipped:
     reason: Skip
@@ -253,18 +265,20 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Tokenize:
-    """The batched map function: a row becomes its token ids ending in EOS (and, for chat,
-    a mask of the assistant's tokens), or no tokens and the reason it was skipped."""
+    """The batched map function: a row becomes its documents' token ids, each ending in EOS,
+    their lengths (and, for chat, a mask of the assistant's tokens), or no tokens and the
+    reason it was skipped."""
 
     tokenizer: PreTrainedTokenizerBase
     key: str
     format: DocumentFormat
+    chat_turns: ChatTurns = ChatTurns.full
     unparseable: dict[int, str] = field(default_factory=dict)  # row index: "file:line: why"
     tokenizer_dir: Path | None = None  # named in errors
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         rows = batch[self.key]
-        results: list[Document | Skipped | None] = [
+        results: list[Documents | Skipped | None] = [
             self._check(row, index) for row, index in zip(rows, indices, strict=True)
         ]
         kept = [i for i, result in enumerate(results) if result is None]
@@ -276,21 +290,18 @@ class Tokenize:
             results[i] = result
         return self._columns(results)
 
-    def _columns(self, results: list[Document | Skipped | None]) -> dict[str, list[Any]]:
+    def _columns(self, results: list[Documents | Skipped | None]) -> dict[str, list[Any]]:
         eos, masked = self.tokenizer.eos_token_id, self.format is DocumentFormat.chat
-        out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "skipped": [], "note": []}
+        columns = ("input_ids", "loss_mask", "lengths", "skipped", "note")
+        out: dict[str, list[Any]] = {column: [] for column in columns}
         for result in results:
-            if isinstance(result, Document):
-                out["input_ids"].append(result.ids + [eos])
-                out["loss_mask"].append(result.mask + [0] if masked else [])
-                out["skipped"].append("")
-                out["note"].append("")
-            else:
-                assert result is not None
-                out["input_ids"].append([])
-                out["loss_mask"].append([])
-                out["skipped"].append(result.reason.value)
-                out["note"].append(result.note)
+            assert result is not None
+            documents = [] if isinstance(result, Skipped) else result
+            out["input_ids"].append([t for d in documents for t in [*d.ids, eos]])
+            out["loss_mask"].append([m for d in documents for m in [*d.mask, 0]] if masked else [])
+            out["lengths"].append([len(d.ids) + 1 for d in documents])
+            out["skipped"].append(result.reason.value if isinstance(result, Skipped) else "")
+            out["note"].append(result.note if isinstance(result, Skipped) else "")
         return out
 
     def _check(self, row: Any, index: int) -> Skipped | None:
@@ -315,26 +326,42 @@ class Tokenize:
             return Skipped(Skip.not_utf8)
         return None if any(text.strip() for text in texts) else Skipped(Skip.empty)
 
-    def _texts(self, texts: list[str]) -> list[Document | Skipped]:
+    def _texts(self, texts: list[str]) -> list[Documents | Skipped]:
         if not texts:
             return []
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [Document(document, []) for document in ids]
+        return [[Document(document, [])] for document in ids]
 
-    def _chats(self, conversations: list[Messages], indices: list[int]) -> list[Document | Skipped]:
-        """Each conversation rendered by the chat template and masked (see `chat.py`); one the
-        template raises on is skipped, one it cannot mask fails the preparation."""
+    def _chats(
+        self, conversations: list[Messages], indices: list[int]
+    ) -> list[Documents | Skipped]:
+        """Each conversation rendered by the chat template and masked (see `chat.py`): one
+        document, or one per reply (`--chat-turns each`); one the template raises on is
+        skipped, one it cannot mask fails the preparation."""
         markers = uses_generation_markers(self.tokenizer)
-        stop = end_of_turn_stop(self.tokenizer) if markers else None
-        results: list[Document | Skipped | None] = []
+        stop = end_of_turn_stop(self.tokenizer)
+        each = self.chat_turns is ChatTurns.each
+        results: list[Documents | Skipped | int] = []  # int: that many documents of `texts`
         texts, spans = [], []
         for messages, index in zip(conversations, indices, strict=True):
+            samples = _turns(messages) if each else [messages]
+            if not samples:
+                results.append(Skipped(Skip.no_reply, f"input row {index}: no assistant message"))
+                continue
             try:
                 if markers:
-                    results.append(Document(*encode_with_markers(self.tokenizer, messages, stop)))
+                    results.append(
+                        [
+                            Document(*encode_with_markers(self.tokenizer, s, stop, each))
+                            for s in samples
+                        ]
+                    )
                     continue
-                text = render(self.tokenizer, messages)
-                spans.append(reply_spans(self.tokenizer, messages, text))
+                rendered = [render(self.tokenizer, sample) for sample in samples]
+                found = [
+                    reply_spans(self.tokenizer, sample, text, stop, last_only=each)
+                    for sample, text in zip(samples, rendered, strict=True)
+                ]
             except TemplateRejected as err:
                 results.append(Skipped(Skip.template_error, f"input row {index}: {err}"))
                 continue
@@ -343,18 +370,28 @@ class Tokenize:
                     f"--tokenizer {self.tokenizer_dir}: its chat template cannot show which tokens "
                     f"are the assistant's in input row {index}, {err}; {MARKERS_FIX}"
                 ) from err
-            texts.append(text)
-            results.append(None)
+            texts += rendered
+            spans += found
+            results.append(len(samples))
+        masked: list[Document] = []
         if texts:
             encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-            masked = iter(
+            masked = [
                 Document(ids, trained_tokens(offsets, trained))
                 for ids, offsets, trained in zip(
                     encoded["input_ids"], encoded["offset_mapping"], spans, strict=True
                 )
-            )
-            results = [next(masked) if result is None else result for result in results]
-        return [result for result in results if result is not None]
+            ]
+        made = iter(masked)
+        return [
+            [next(made) for _ in range(result)] if isinstance(result, int) else result
+            for result in results
+        ]
+
+
+def _turns(messages: Messages) -> list[Messages]:
+    """The conversation up to and including each assistant message."""
+    return [messages[: i + 1] for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
 def tokenize_rows(
@@ -364,6 +401,7 @@ def tokenize_rows(
         {
             "input_ids": datasets.List(datasets.Value("uint32")),
             "loss_mask": datasets.List(datasets.Value("uint8")),
+            "lengths": datasets.List(datasets.Value("uint32")),
             "skipped": datasets.Value("string"),
             "note": datasets.Value("string"),
         }
@@ -425,7 +463,8 @@ class SplitWriter:
 def write_splits(
     tokenized: datasets.Dataset, root: Path, options: PrepareOptions, vocab_size: int
 ) -> dict[str, dict[str, int]]:
-    """Documents in input order, each to the train or the eval split."""
+    """Documents in input order, each row's to the train or the eval split (a conversation's
+    turns stay together)."""
     kept = pc.equal(tokenized.data.column("skipped"), "")
     is_eval = held_out(int(pc.sum(kept).as_py() or 0), options.eval_fraction, options.seed)
     masked = options.format is DocumentFormat.chat
@@ -436,14 +475,18 @@ def write_splits(
     for table in tokenized.with_format("arrow").iter(batch_size=WRITE_BATCH_ROWS):
         assert isinstance(table, pa.Table)
         ids = table.column("input_ids").combine_chunks()
-        lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
-        lengths = lengths[lengths > 0]
+        row_tokens = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+        column = table.column("lengths").combine_chunks()
+        row_documents = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+        row_kept = row_tokens > 0
+        lengths = column.flatten().to_numpy(zero_copy_only=False)
         tokens = ids.flatten().to_numpy(zero_copy_only=False)
         mask = table.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        in_eval = is_eval[first : first + len(lengths)]
-        first += len(lengths)
-        token_in_eval = np.repeat(in_eval, lengths)
-        for name, documents, at in (("train", ~in_eval, ~token_in_eval), ("eval", in_eval, token_in_eval)):  # fmt: skip
+        in_eval = is_eval[first : first + int(row_kept.sum())]
+        first += int(row_kept.sum())
+        token_in_eval = np.repeat(in_eval, row_tokens[row_kept])
+        document_in_eval = np.repeat(in_eval, row_documents[row_kept])
+        for name, documents, at in (("train", ~document_in_eval, ~token_in_eval), ("eval", document_in_eval, token_in_eval)):  # fmt: skip
             if name in splits:
                 splits[name].append(tokens[at], lengths[documents], mask[at] if masked else None)
     return {name: writer.close() for name, writer in splits.items()}
@@ -455,6 +498,10 @@ def prepare(options: PrepareOptions) -> dict[str, Any]:
         raise PrepareError(f"--eval-fraction {options.eval_fraction} must be in [0, 1)")
     if options.workers < 1:
         raise PrepareError(f"--workers {options.workers} must be >= 1")
+    if options.chat_turns is ChatTurns.each and options.format is not DocumentFormat.chat:
+        raise PrepareError(
+            "--chat-turns each: splits conversations into turns, so it needs --format chat"
+        )
     _refuse_existing(options.output)
     tokenizer = load_tokenizer(options.tokenizer, options.format)
     builder, files = resolve_inputs(options.inputs)
@@ -502,11 +549,24 @@ def _prepare_into(
     tokenizer_sha = tokenizer_hash(options.tokenizer)
     fingerprint = hashlib.sha256(
         json.dumps(
-            [tokenizer_sha, rows.table._fingerprint, options.key, options.format.value]
+            [
+                tokenizer_sha,
+                rows.table._fingerprint,
+                options.key,
+                options.format.value,
+                options.chat_turns.value,
+            ]
         ).encode()
     ).hexdigest()[:32]
     start = time.perf_counter()
-    tokenize = Tokenize(tokenizer, options.key, options.format, rows.unparseable, options.tokenizer)
+    tokenize = Tokenize(
+        tokenizer,
+        options.key,
+        options.format,
+        options.chat_turns,
+        rows.unparseable,
+        options.tokenizer,
+    )
     tokenized = tokenize_rows(rows.table, tokenize, options.workers, cache, fingerprint)
     vocab_size = len(tokenizer)
     splits = write_splits(tokenized, root, options, vocab_size)
@@ -552,6 +612,8 @@ def _prepare_into(
             "sha256": tokenizer_sha,
         },
     }
+    if options.format is DocumentFormat.chat:
+        summary["chat_turns"] = options.chat_turns.value
     (root / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
