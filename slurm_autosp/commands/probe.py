@@ -25,7 +25,7 @@ slowest rank), and writes probe.json and TensorBoard events in the probe's run d
 from __future__ import annotations
 
 from slurm_autosp.commands.arguments import arguments, config_error, take_flag
-from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.config import ConfigError, load_config, with_default_config
 from slurm_autosp.launch.submission import submit
 from slurm_autosp.probe.probe_job import ProbeJob, probe_config
 
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     settings, force = take_flag(argv, "--force")
     try:
-        return submit(probe_config(load_config(settings)), force, job_type=ProbeJob)
+        return submit(
+            probe_config(load_config(with_default_config(settings))), force, job_type=ProbeJob
+        )
     except ConfigError as err:
         return config_error(err)

@@ -14,7 +14,7 @@ import os
 
 from slurm_autosp.admission import Admission, admit
 from slurm_autosp.commands.arguments import arguments, config_error, take_flag
-from slurm_autosp.config import ConfigError, JobConfig, load_config
+from slurm_autosp.config import ConfigError, JobConfig, load_config, with_default_config
 from slurm_autosp.launch.job import LockClaim, TrainingJob
 from slurm_autosp.lifecycle.run_dir import RunDir
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
     restarted = os.environ.get("SLURM_RESTART_COUNT", "0") != "0"
     try:
-        cfg = admit_start(load_config(argv), restarted).cfg
+        cfg = admit_start(load_config(with_default_config(argv)), restarted).cfg
         TrainingJob(cfg, LockClaim(force=force, record_config=not restarted))()
     except ConfigError as err:
         return config_error(err)

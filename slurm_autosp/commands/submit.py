@@ -1,7 +1,7 @@
 """python -m slurm_autosp.submit cfg=CONFIG.yaml [key=value ...]
 
 Submit a training job: sbatch on a SLURM cluster, local processes elsewhere. Without
-cfg=, the embedded default trains a tiny Llama on 2 local CPU ranks. The memory plan's
+cfg=, it trains configs/tiny_cpu.yaml: a tiny Llama on 2 local CPU ranks, about a minute. The memory plan's
 choices (ZeRO stage, checkpointing, tiling, offload) are written into the run's config: every
 start and requeue of the job trains with them.
 
@@ -26,7 +26,7 @@ and TensorBoard events:
 from __future__ import annotations
 
 from slurm_autosp.commands.arguments import arguments, config_error, take_flag
-from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.config import ConfigError, load_config, with_default_config
 from slurm_autosp.launch.submission import submit
 
 
@@ -36,6 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     argv, force = take_flag(argv, "--force")
     try:
-        return submit(load_config(argv), force)
+        return submit(load_config(with_default_config(argv)), force)
     except ConfigError as err:
         return config_error(err)

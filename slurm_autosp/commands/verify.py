@@ -54,7 +54,7 @@ import time
 
 from slurm_autosp.cluster.compile_cache import use_private_compile_cache
 from slurm_autosp.commands.arguments import arguments, config_error
-from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.config import ConfigError, load_config, with_default_config
 from slurm_autosp.verify.check import admit_verify, run_verify
 from slurm_autosp.verify.options import (
     load_options,
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job_args, verify_args = split_arguments(argv)
         options = load_options(verify_args)
-        cfg = load_config(job_args)
+        cfg = load_config(with_default_config(job_args))
         admit_verify(cfg, options)
         use_private_compile_cache(cfg.compile.cache_dir)  # the ranks inherit it
     except ConfigError as err:

@@ -6,7 +6,13 @@ types fail with the key's full path before anything is submitted. `validate` the
 types cannot: values that are out of range and fields that contradict each other.
 """
 
-from slurm_autosp.config.load import load_config, resolve_ring_size, to_yaml
+from slurm_autosp.config.load import (
+    DEFAULT_CONFIG,
+    load_config,
+    resolve_ring_size,
+    to_yaml,
+    with_default_config,
+)
 from slurm_autosp.config.schema import (
     ActivationCheckpointing,
     Backend,
@@ -45,6 +51,7 @@ __all__ = [
     "ClusterConfig",
     "CompileConfig",
     "ConfigError",
+    "DEFAULT_CONFIG",
     "DataConfig",
     "DataSource",
     "DocumentBoundaries",
@@ -68,4 +75,5 @@ __all__ = [
     "resolve_ring_size",
     "to_yaml",
     "validate",
+    "with_default_config",
 ]

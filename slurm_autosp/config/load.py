@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -13,6 +14,18 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from slurm_autosp.config.schema import ConfigError, JobConfig
 from slurm_autosp.config.validate import validate
 from slurm_autosp.heads import auto_ring_size
+
+# What a command given no cfg= trains: the tiny CPU job of README's first command, shipped in
+# the package so an installed wheel has it (configs/tiny_cpu.yaml is a link to it).
+DEFAULT_CONFIG = Path(__file__).with_name("tiny_cpu.yaml")
+
+
+def with_default_config(argv: list[str]) -> list[str]:
+    """The command's arguments, with cfg= the default config when they name none: the
+    schema's own defaults are only the base every YAML file is merged onto."""
+    if any(arg.startswith("cfg=") for arg in argv):
+        return argv
+    return [f"cfg={DEFAULT_CONFIG}", *argv]
 
 
 def load_config(argv: list[str]) -> JobConfig:
