@@ -179,6 +179,13 @@ def _field_problems(cfg: JobConfig, config: Any, seq_len: int) -> list[str]:
         problems += _untested_varlen_attention(cfg, config, seq_len)
         problems += _math_kernel_attention(cfg, config, seq_len)
     model_class = _hf_model_class(config)
+    if cfg.compile.enabled and cfg.model.attn_implementation != "sdpa":
+        problems.insert(
+            0,
+            f"model.attn_implementation={cfg.model.attn_implementation}: AutoSP rewrites the "
+            "scaled_dot_product_attention calls transformers makes only under sdpa, so every "
+            "rank would fail at its first step; set model.attn_implementation=sdpa",
+        )
     if cfg.model.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         problems.insert(
             0,

@@ -136,3 +136,17 @@ def test_a_checkpoints_heads_are_checked_against_the_resolved_ulysses_size(tmp_p
         "that work: 1 x 4 (parallel.ring_size=4)"
     )
     admit_model(load_config([*args, "parallel.sp_size=4", "parallel.ring_size=4"]))
+
+
+def test_eager_attention_under_autosp_is_refused_before_any_rank_starts(tmp_path):
+    """AutoSP rewrites sdpa calls only: eager would fail on every rank after the queue wait."""
+    runs = tmp_path / "runs"
+    eager = [TINY, "model.attn_implementation=eager", f"run.output_root={runs}"]
+    refusal = admission_refusal(eager)
+    assert "model.attn_implementation=eager: AutoSP rewrites" in refusal, refusal
+    assert "set model.attn_implementation=sdpa" in refusal, refusal
+    proc = run_command(submit_main, *eager)
+    assert proc.returncode == 2 and f"error: {refusal}\n" in proc.stderr, proc.stderr
+    assert not runs.exists()
+    # without AutoSP eager attention is the model's own, and trains
+    admit_model(load_config([*eager, "compile.enabled=false", "parallel.sp_size=1"]))
