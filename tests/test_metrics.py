@@ -359,7 +359,7 @@ def test_the_summary_without_tensorboard_says_which_extra_in_one_line(tmp_path):
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 1 and not proc.stdout
+    assert proc.returncode == 2 and not proc.stdout  # refused, as every command refuses
     assert proc.stderr.strip().splitlines() == [
         "error: python -m slurm_autosp summary reads the events with TensorBoard, which is not "
         "installed: pip install 'slurm_autosp[view]'"

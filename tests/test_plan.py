@@ -9,6 +9,8 @@ import torch
 from in_process import run_command
 from slurm_helpers import REPO
 
+from slurm_autosp.admission import admit
+from slurm_autosp.commands.arguments import REFUSED
 from slurm_autosp.commands.plan import main as plan_main
 from slurm_autosp.compile.activation_checkpointing import ActivationCheckpointSpec
 from slurm_autosp.config import ActivationCheckpointing, ConfigError, load_config
@@ -109,6 +111,16 @@ def test_plan_command_exits_0_for_llama70b_128k():
     proc = run_command(plan_main, f"cfg={REPO / 'configs' / 'llama70b_128k.yaml'}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: fits" in proc.stdout and "under ZeRO-3" in proc.stdout, proc.stdout
+
+
+def test_plan_refuses_a_job_that_does_not_fit_with_submits_exit_status():
+    args = [f"cfg={REPO / 'configs' / 'llama70b_128k.yaml'}", "parallel.zero_stage=1"]
+    proc = run_command(plan_main, *args)
+    assert proc.returncode == REFUSED == 2, proc.stdout + proc.stderr
+    assert "verdict: does not fit" in proc.stdout, proc.stdout
+    with pytest.raises(ConfigError) as refused:  # what submit reports with exit status 2
+        admit(load_config(args)).refuse_unless_fits()
+    assert proc.stderr.splitlines()[0] == f"error: {str(refused.value).splitlines()[0]}"
 
 
 def test_what_the_traced_graph_cannot_see_is_named_not_a_flat_margin(llama8b_plan):
@@ -618,7 +630,7 @@ def test_an_moe_layer_is_traced_whole_its_saved_activations_growing_with_the_act
 
 def test_the_plan_of_an_moe_job_prints_a_verdict():
     proc = run_command(plan_main, *[a.replace("cfg=", f"cfg={REPO}/", 1) for a in MOE])
-    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert proc.returncode in (0, REFUSED), proc.stdout + proc.stderr
     assert "verdict:" in proc.stdout and "Traceback" not in proc.stderr
 
 

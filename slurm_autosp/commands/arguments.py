@@ -9,6 +9,9 @@ from slurm_autosp.config import ConfigError
 
 HELP = ("-h", "--help", "help")
 
+# The exit status of a refused job, whichever command refuses it (docs/refusals.md)
+REFUSED = 2
+
 
 def arguments(argv: list[str] | None, doc: str) -> list[str] | None:
     """The command's arguments; None once `doc` is printed because help was asked for."""
@@ -21,7 +24,7 @@ def arguments(argv: list[str] | None, doc: str) -> list[str] | None:
 
 def config_error(err: ConfigError) -> int:
     print(f"error: {err}", file=sys.stderr)
-    return 2
+    return REFUSED
 
 
 def take_flag(argv: list[str], flag: str) -> tuple[list[str], bool]:

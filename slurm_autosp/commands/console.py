@@ -11,7 +11,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 
-from slurm_autosp.commands.arguments import HELP
+from slurm_autosp.commands.arguments import HELP, REFUSED
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in HELP:
         print(usage(), file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
+        return 0 if argv else REFUSED
     name, arguments = argv[0], argv[1:]
     command = COMMANDS.get(name)
     if command is None:
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         print(f"error: no command {name!r}{hint}\n\n{usage()}", file=sys.stderr)
-        return 2
+        return REFUSED
     return importlib.import_module(command.module).main(arguments)

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from slurm_autosp.commands.arguments import REFUSED
 from slurm_autosp.data.prepare import (
     ChatTurns,
     DocumentFormat,
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = prepare(options)
     except PrepareError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return REFUSED
     splits = ", ".join(
         f"{name}: {split['documents']} documents, {split['tokens']} tokens"
         for name, split in summary["splits"].items()

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from slurm_autosp.cluster.comm_env import allocator_env
+from slurm_autosp.commands.arguments import REFUSED
 from slurm_autosp.gpu_check.check import (
     BUDGET_S,
     OUTPUT,
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     refusal = no_gpu() if args.device == "cuda" else None
     if refusal:
         print(f"gpu_check: {refusal}", file=sys.stderr)
-        return 2
+        return REFUSED
     if args.device == "cuda" and not torch.version.hip:  # before CUDA starts: as a job runs
         os.environ.update(allocator_env(os.environ))
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")

@@ -5,7 +5,8 @@ weights under ZeRO-3, activations, logits/loss buffers, communication and recomp
 buffers, fragmentation margin) against its GPU, the ZeRO stage and checkpointing policy it
 trains with (chosen here when the config leaves them to the plan), the longest sequence each
 policy fits on this cluster shape under ZeRO-1 and ZeRO-3, and the verdict. Exits 0 when the
-job fits, 1 when it does not, 2 on a config error.
+job fits, and 2 when submit would refuse it: it does not fit, or its config is refused
+(docs/refusals.md).
 
   python -m slurm_autosp plan cfg=configs/llama8b_32k.yaml
   python -m slurm_autosp plan cfg=configs/llama70b_128k.yaml parallel.sp_size=8
@@ -14,12 +15,13 @@ job fits, 1 when it does not, 2 on a config error.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from dataclasses import replace
 
 from slurm_autosp.admission import admit_model
-from slurm_autosp.commands.arguments import arguments, config_error
-from slurm_autosp.config import ConfigError, load_config
+from slurm_autosp.commands.arguments import REFUSED, arguments, config_error
+from slurm_autosp.config import ConfigError, load_config, with_default_config
 from slurm_autosp.memory_plan import build_plan, render, verdict
 
 
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         return 0
     try:
-        cfg = load_config(argv)
+        cfg = load_config(with_default_config(argv))
         admit_model(cfg)
     except ConfigError as err:
         return config_error(err)
@@ -44,4 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     plan = build_plan(cfg)
     print(render(plan))
-    return 0 if verdict(plan)[1] else 1
+    _, fits, reason = verdict(plan)
+    if fits:
+        return 0
+    print(f"error: {reason}", file=sys.stderr)  # submit's refusal, with the same exit status
+    return REFUSED

@@ -22,7 +22,7 @@ from slurm_autosp.checkpoint.store import (
     damaged_checkpoints,
 )
 from slurm_autosp.cluster.scheduler import Liveness
-from slurm_autosp.commands.arguments import config_error, take_flag
+from slurm_autosp.commands.arguments import REFUSED, config_error, take_flag
 from slurm_autosp.config import ConfigError, load_config
 from slurm_autosp.launch.watch import follow
 from slurm_autosp.lifecycle.lock import holder_liveness, read_lock
@@ -142,14 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     argv, follows = take_flag(argv, "--follow")
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 0 if argv and argv[0] in ("-h", "--help") else REFUSED
     run_dir = Path(argv[0])
     if not run_dir.is_dir():
         print(
             f"error: {run_dir}: no such run directory (it is <run.output_root>/<run.name>)",
             file=sys.stderr,
         )
-        return 2
+        return REFUSED
     print("\n".join(describe(run_dir)), flush=True)
     if not follows:
         return 0

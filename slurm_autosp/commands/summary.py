@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from slurm_autosp.commands.arguments import REFUSED
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.metrics.rank_memory import MemoryTrace
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             "not installed: pip install 'slurm_autosp[view]'",
             file=sys.stderr,
         )
-        return 1
+        return REFUSED
     run_dir = args.run_dir.resolve()
     if RunDir(run_dir.parent).tensorboard == run_dir:  # its TensorBoard folder given instead
         run_dir = run_dir.parent
@@ -143,6 +144,6 @@ def main(argv: list[str] | None = None) -> int:
             "(<output_root>/<run name>) of a run with trace.tensorboard=true",
             file=sys.stderr,
         )
-        return 1
+        return REFUSED
     print(summarize(run_dir, max(args.rows, 2)))
     return 0

@@ -21,7 +21,8 @@ micro-batch, averaged over the replicas (what training optimises).
 Printed: the loss of both, the largest per-token loss difference, and for every parameter
 max|g - g_ref| / max|g_ref| (the worst few named; max|g_ref| taken as at least 1e-5 of the
 model's largest gradient, as a gradient zero in exact arithmetic is rounding alone). Exit status 0 when every figure is at most
-the tolerance (1e-5), 1 when one is not, 2 for a bad configuration or a failed rank.
+the tolerance (1e-5), 1 when one is not or a rank fails, 2 for a refused configuration
+(docs/refusals.md).
 
 Arguments:
   cfg=PATH.yaml           the job config, with any key=value overrides, as for submit
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{err}\nerror: a verify rank failed: {str(err).strip().splitlines()[-1]}",
             file=sys.stderr,
         )
-        return 2
+        return 1  # a crash, not a refusal
     print(format_report(report, options.tolerance))
     print(f"({cfg.parallel.sp_size * options.dp} ranks, {time.perf_counter() - start:.1f} s)")
     return 1 if failures(report, options.tolerance) else 0
