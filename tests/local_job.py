@@ -33,10 +33,11 @@ class Job:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def finish(self, timeout: float = 600) -> None:
-        """Wait for submit to end, and for its last line."""
-        assert self.proc.wait(timeout=timeout) == 0, self.output
+    def finish(self, timeout: float = 600, status: int = 0) -> None:
+        """Wait for submit to end with `status`, and for its last line."""
+        ended = self.proc.wait(timeout=timeout)
         self._reader.join(timeout=30)
+        assert ended == status, self.output
 
     def ranks(self) -> set[int]:
         found = subprocess.run(

@@ -23,6 +23,10 @@ from slurm_autosp.lifecycle.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
+# submitit's local controller starts a job at most 6 times (`Controller.run`), whatever the
+# countdown a requeue hands it: a 6th requeue would end the job with no result
+LOCAL_MAX_REQUEUES = 5
+
 
 def recorded_requeues(run_dir: Path) -> list[dict[str, str | int]]:
     """Every requeue of the run, oldest first; unreadable lines are skipped."""
@@ -67,6 +71,12 @@ def requeue_and_exit(run_dir: Path, rank: int, max_requeues: int) -> NoReturn:
         raise RuntimeError(
             f"stopped by a signal after {restarts} requeues (cluster.max_requeues={max_requeues}); "
             "the last checkpoint is saved: submit the same run again to resume, or raise cluster.max_requeues"
+        )
+    if job_env.cluster == "local" and restarts >= LOCAL_MAX_REQUEUES:
+        raise RuntimeError(
+            f"stopped by a signal after {restarts} requeues: submitit's local controller starts "
+            f"a job at most {LOCAL_MAX_REQUEUES + 1} times, whatever cluster.max_requeues says; "
+            "the last checkpoint is saved: submit the same run again to resume"
         )
     if rank == 0:
         fenced = superseded(run_dir, this_job())
