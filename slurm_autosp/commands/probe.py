@@ -8,9 +8,11 @@ recorded as step_time.json there, is what the real run's submit holds the run's 
 the run records its own.
 Every rank measures:
 
+- that its device's attention kernels are exact (packed documents, sliding windows);
 - all-to-all bandwidth and latency in its SP group at this config's attention message sizes
-  (q and output, k and v), and all-reduce and reduce-scatter in its DP group at the gradient
-  reduction's size, against the link's nominal bandwidth where one is published;
+  (q and output, k and v), under a ring the pass of a K/V block to the next ring rank, and the
+  gradient reduction as the engine sends it (over the whole world, in fp32), against the
+  link's nominal bandwidth where one is published;
 - `probe.steps` real compiled training steps (the first compiles) at the configured width and
   sequence length; `probe.layers=N` scales the depth (and the plan) to N layers: step time,
   tokens/s, MFU, compile time, and memory per rank beside the plan's prediction.
