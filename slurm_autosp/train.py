@@ -30,6 +30,7 @@ from slurm_autosp.data import build_source, micro_batch, prepared_tokenizer
 from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.evaluate import build_evaluator
 from slurm_autosp.lifecycle.layer_stops import LAYER_STOP_MIN_STEP_S, LayerStops, StepInterrupted
+from slurm_autosp.lifecycle.lock import RunLock, this_process
 from slurm_autosp.lifecycle.requeue import requeue_and_exit
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_schedule import SaveSchedule
@@ -78,10 +79,15 @@ def compile_for_sp(
 
 
 def train(
-    cfg: JobConfig, dims: ParallelDims, stop: StopRequest, fence: Callable[[], str] = lambda: ""
+    cfg: JobConfig,
+    dims: ParallelDims,
+    stop: StopRequest,
+    fence: Callable[[], str] = lambda: "",
+    job: RunLock | None = None,
 ) -> TrainResult:
     """`fence`: why this job may no longer write the run, empty while it may (asked before
-    every save and commit: launch/job.py's, a later start of the job holding the run's lock)."""
+    every save and commit: launch/job.py's, a later start of the job holding the run's lock).
+    `job`: the start training (its staging is its own); None: this process, outside a job."""
     start_check = run_start_check(cfg, dims)  # before any state exists: raises if SP is inexact
     choices = training_choices(cfg)
     torch.manual_seed(cfg.train.seed)
@@ -115,7 +121,12 @@ def train(
     # the store checked it is samples_consumed / global_batch
     first_step = resumed.step if resumed else 0
     saves = CheckpointSaves.start(
-        store, choices.async_save, cfg.checkpoint.staging_dir, RunDir(cfg.run.dir).root, first_step
+        store,
+        choices.async_save,
+        cfg.checkpoint.staging_dir,
+        RunDir(cfg.run.dir).root,
+        job or this_process(),
+        first_step,
     )
     schedule = SaveSchedule(choices.save_every_steps, cfg.checkpoint.every_minutes)
     stops = _layer_stops(cfg, engine.module, choices.stop_at, stop)

@@ -67,7 +67,7 @@ from slurm_autosp.checkpoint.store import (
 )
 from slurm_autosp.checkpoint.writer import PROCESS_GROUP_SIGNALS, STAGED_FILES, handle
 from slurm_autosp.cluster.scheduler import Liveness
-from slurm_autosp.lifecycle.lock import RunLock, holder_liveness, this_job
+from slurm_autosp.lifecycle.lock import RunLock, holder_liveness
 from slurm_autosp.lifecycle.save_time import can_wait
 
 log = logging.getLogger(__name__)
@@ -494,18 +494,17 @@ class CheckpointSaves:
         asynchronous: bool,
         staging_root: str,
         run_dir: Path,
+        job: RunLock,
         newest_step: int = 0,
-        job: RunLock | None = None,
     ) -> CheckpointSaves:
         """Collective: asynchronous saves if enabled and every rank can stage; a rank that
         cannot (its staging directory is refused) makes every rank save synchronously, warned.
-        `job`: the job staging belongs to (default: this one, `this_job`). What an earlier run
-        of this same start left (a local requeue's) is freed, and the first rank on each node
-        sweeps the staging of jobs that are gone."""
+        `job`: the start staging belongs to. What an earlier run of this same start left (a
+        local requeue's) is freed, and the first rank on each node sweeps the staging of jobs
+        that are gone."""
         staging, problem = None, ""
         if not asynchronous:
             return cls(store, staging, newest_step)
-        job = job or this_job()
         try:
             staging = staging_dir_for(staging_root, job, run_dir, store.rank)
         except CheckpointError as err:

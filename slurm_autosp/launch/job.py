@@ -132,7 +132,11 @@ class TrainingJob:
         """What the job does once the process group, the run and the layout are set: train.
         A subclass does other work on the same path (the probe)."""
         job = this_job()
-        return train(self.cfg, dims, stop, fence=lambda: superseded(self.cfg.run.dir, job))
+
+        def fence() -> str:
+            return superseded(self.cfg.run.dir, job)
+
+        return train(self.cfg, dims, stop, fence=fence, job=job)
 
 
 def _claim_run(cfg: JobConfig, claim: LockClaim) -> str | None:

@@ -63,7 +63,7 @@ class LayerStops:
         of its output; `group`: where ranks agree (None: a new gloo group of every rank).
         `every_step` on any rank arms every rank's steps."""
         group = group if group is not None else dist.new_group(backend="gloo")
-        flag = torch.tensor([int(every_step)], dtype=torch.int32)
+        flag = torch.tensor([int(every_step)], dtype=torch.int32, device="cpu")  # gloo
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         stops = cls(stop, group, bool(flag.item()))
         for layer in layers:
@@ -94,7 +94,7 @@ class LayerStops:
         self.boundaries += 1
         if self._settle():
             raise StepInterrupted(f"stopped at layer boundary {self.boundaries}")
-        flag = torch.tensor([int(self._stop.requested)], dtype=torch.int32)
+        flag = torch.tensor([int(self._stop.requested)], dtype=torch.int32, device="cpu")
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         assert work is not None
         self._in_flight = (flag, work)

@@ -57,6 +57,11 @@ class RunLock:
         return f"job {self.job_id} ({self.backend} on {self.host})"
 
 
+def this_process() -> RunLock:
+    """Training outside a submitted job (a test, a notebook): the process, as a local job."""
+    return RunLock(str(os.getpid()), "local", socket.gethostname())
+
+
 def this_job() -> RunLock:
     """The running job (any of its ranks), as the run's lock names it."""
     job_env = submitit.JobEnvironment()
