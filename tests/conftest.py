@@ -45,6 +45,8 @@ _SHARED_BY_GROUP = {
     "uninterrupted_run": "slurm",  # the reference run that local and Slurm resumes match
     "dist_pools": "dist_pools",  # the multi-rank pools and what their ranks compiled
     "resubmitted_run": "resubmitted_run",
+    "zero1_reference": "fault_matrix_zero1",
+    "fsdp2_reference": "fault_matrix_fsdp2",
 }
 
 

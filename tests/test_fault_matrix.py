@@ -118,24 +118,46 @@ def rank0_log(run_dir: Path, output: str) -> str:
     return "".join((run_dir / "submitit" / f"{job}_0_log.out").read_text() for job in jobs)
 
 
+def reference_run(root: Path, engine: str) -> Path:
+    """The uninterrupted run of `engine`, with the same config."""
+    cmd = [sys.executable, "-m", "slurm_autosp.submit", *overrides(root, engine, engine)]
+    Job(cmd, root / engine).finish()
+    return root / engine
+
+
+# one fixture, so one xdist group (conftest.py), per engine: the two engines' runs share the
+# two workers instead of queueing on one
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, Path]:
-    """The uninterrupted run of each engine, with the same config."""
-    root = tmp_path_factory.mktemp("references")
-    runs = {}
-    for engine in ENGINES:
-        cmd = [sys.executable, "-m", "slurm_autosp.submit", *overrides(root, engine, engine)]
-        Job(cmd, root / engine).finish()
-        runs[engine] = root / engine
-    return runs
+def zero1_reference(tmp_path_factory) -> Path:
+    return reference_run(tmp_path_factory.mktemp("references"), "ZeRO-1")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_reference(tmp_path_factory) -> Path:
+    return reference_run(tmp_path_factory.mktemp("references"), "FSDP2")
+
+
+SIGNALS = pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGTERM], ids=["USR2", "TERM"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGTERM], ids=["USR2", "TERM"])
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_a_signal_at_each_moment_of_a_job_stops_it_in_time_and_loses_nothing(
-    references, engine, signum, tmp_path
+@SIGNALS
+def test_a_signal_at_each_moment_of_a_zero1_job_stops_it_in_time_and_loses_nothing(
+    zero1_reference, signum, tmp_path
 ):
+    run_matrix("ZeRO-1", zero1_reference, signum, tmp_path)
+
+
+@pytest.mark.slow
+@SIGNALS
+def test_a_signal_at_each_moment_of_an_fsdp2_job_stops_it_in_time_and_loses_nothing(
+    fsdp2_reference, signum, tmp_path
+):
+    run_matrix("FSDP2", fsdp2_reference, signum, tmp_path)
+
+
+def run_matrix(engine: str, reference: Path, signum: signal.Signals, tmp_path: Path) -> None:
+    """`engine`'s run signalled at each moment; every cell checked against `reference`."""
     faults = [Fault(moment, signum) for moment in MOMENTS]
     env = dict(os.environ, **{FAULTS_ENV: faults_env(faults)})
     paths = [str(REPO), str(REPO / "tests"), env.get("PYTHONPATH")]
@@ -178,7 +200,6 @@ def test_a_signal_at_each_moment_of_a_job_stops_it_in_time_and_loses_nothing(
     assert any("after 5 requeues: submitit's local controller" in f for f in failures), log
     assert all("after 5 requeues" in f or f == "KeyboardInterrupt: " for f in failures), log
 
-    reference = references[engine]
     assert tensorboard_losses(tmp_path / "run") == tensorboard_losses(reference)
     assert [s for s, _ in tensorboard_losses(tmp_path / "run")] == list(range(1, STEPS + 1))
     assert_same_weights(hf_weights(tmp_path / "run"), hf_weights(reference))
