@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import submitit
+from local_job import job_step
 
 import slurm_autosp.train as train_module
 from slurm_autosp.checkpoint.async_save import BackgroundWriter, CheckpointSaves
@@ -71,18 +72,7 @@ def _faults() -> list[Fault]:
 
 def descendants(pid: int) -> set[int]:
     """Every process started by `pid`, and their own."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            parents[int(entry.name)] = int(
-                (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
-            )
-        except (OSError, ValueError, IndexError):
-            continue
-    found: set[int] = set()
-    while grown := {p for p, parent in parents.items() if parent in found | {pid}} - found:
-        found |= grown
-    return found
+    return job_step({pid}) - {pid}
 
 
 class FaultyJob(TrainingJob):
