@@ -29,7 +29,7 @@ from slurm_autosp.config import CompileConfig, JobConfig, StopAt
 from slurm_autosp.data import build_source, micro_batch, prepared_tokenizer
 from slurm_autosp.engine import TrainEngine, build_engine
 from slurm_autosp.evaluate import build_evaluator
-from slurm_autosp.lifecycle.layer_stops import LAYER_STOP_MIN_STEP_S, LayerStops, StepInterrupted
+from slurm_autosp.lifecycle.layer_stops import LayerStops, StepInterrupted, long_step_s
 from slurm_autosp.lifecycle.lock import RunLock, this_process
 from slurm_autosp.lifecycle.requeue import requeue_and_exit
 from slurm_autosp.lifecycle.run_dir import RunDir
@@ -164,7 +164,7 @@ def train(
             losses.append(loss)
             done = step + 1
             tracer.log_step(done, loss, lr, engine.grad_norm())
-            long_step = tracer.step_s >= LAYER_STOP_MIN_STEP_S
+            long_step = tracer.step_s >= long_step_s(cfg.cluster.signal_delay_s)
             save_due, stop_now, writing, long_step = _agree(
                 dims, schedule.due(done), stop.requested, saves.writing(), long_step
             )
@@ -174,7 +174,7 @@ def train(
                     "step %d took over %g s: a stop signal ends a step at its next layer "
                     "boundary from now on",
                     done,
-                    LAYER_STOP_MIN_STEP_S,
+                    long_step_s(cfg.cluster.signal_delay_s),
                 )
             if step == first_step:  # every collective of a step has run once, NCCL sized them
                 path = RunDir(cfg.run.dir).outside_allocator
@@ -227,7 +227,7 @@ def _layer_stops(
         return None
     recorded = StepTime.read(RunDir(cfg.run.dir).step_time)
     step_s = recorded.seconds if recorded else 0.0
-    every_step = stop_at is StopAt.layer or step_s >= LAYER_STOP_MIN_STEP_S
+    every_step = stop_at is StopAt.layer or step_s >= long_step_s(cfg.cluster.signal_delay_s)
     stops = LayerStops.install(decoder_layers(model), stop, every_step=every_step)
     if stops.every_step:
         why = "layer" if stop_at else f"null, the run's steps take {step_s:.0f} s"

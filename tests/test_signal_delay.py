@@ -59,7 +59,7 @@ def test_the_flops_estimate_refuses_a_short_delay_and_names_one_that_is_admitted
     assert f"save: rank 0 writes 28.1 GB, {SAVE_S} s at checkpoint.write_gb_per_s=1\n" in message
     assert (
         "stop: at the end of the step in flight (cluster.stop_at=null), at the next layer "
-        "boundary once a step measures 30 s or more\n"
+        "boundary once a step measures 15 s or more\n"  # a quarter of the delay
     ) in message
     assert "needed: 1.25 x (stop + save) + 30 s = 71 s" in message
     # the plan comes with the refusal (its figure moves with torch's traced graph)

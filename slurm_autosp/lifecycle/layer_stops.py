@@ -29,9 +29,15 @@ from torch import nn
 from slurm_autosp.compat.torch_api import wrap_module_call
 from slurm_autosp.lifecycle.signals import StopRequest
 
-# a step longer than this outlasts the shortest GraceTime sites give a preempted job: where
-# cluster.stop_at is null, steps this long stop at layer boundaries
-LAYER_STOP_MIN_STEP_S = 30.0
+# where cluster.stop_at is null, a step taking this share of cluster.signal_delay_s (the time
+# from a stop signal to the kill: a preemption's GraceTime) or more stops at layer boundaries,
+# since ending it leaves too little of that time for the save: 30 s at the default 120 s
+LONG_STEP_SHARE = 0.25
+
+
+def long_step_s(signal_delay_s: float) -> float:
+    """The step time from which a stop under cluster.stop_at null ends a step at layers."""
+    return LONG_STEP_SHARE * signal_delay_s
 
 
 class StepInterrupted(Exception):

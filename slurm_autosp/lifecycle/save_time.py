@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_autosp.config import MAX_SIGNAL_DELAY_S, ConfigError, JobConfig, Precision, StopAt
-from slurm_autosp.lifecycle.layer_stops import LAYER_STOP_MIN_STEP_S
+from slurm_autosp.lifecycle.layer_stops import long_step_s
 from slurm_autosp.lifecycle.run_record import read_record, write_record
 
 _ADAM_BYTES = 12  # fp32 master weights, first and second moments, per parameter
@@ -145,7 +145,7 @@ class SignalDelay:
             else "  stop: at the end of the step in flight (cluster.stop_at=step)\n"
             if self.stop_at is StopAt.step
             else "  stop: at the end of the step in flight (cluster.stop_at=null), at the next "
-            f"layer boundary once a step measures {LAYER_STOP_MIN_STEP_S:g} s or more\n"
+            f"layer boundary once a step measures {long_step_s(self.delay_s):g} s or more\n"
         )
         evaluation = (
             f"  evaluation: a stop waits for the batch in flight, one micro-batch's forward: "

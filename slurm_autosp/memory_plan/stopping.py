@@ -3,17 +3,18 @@ next decoder-layer boundary when steps are long: lifecycle/layer_stops.py), and 
 saves come (every step when a step is long beside an asynchronous save, so that a signal
 loses at most the step in flight).
 
-`cluster.stop_at` null resolves to `layer` where the step (measured, or estimated) is long, to
-`step` where no layer can be stopped at (one graph for the whole model), and otherwise stays
-null: training then stops at step ends until a step it measures is long, and at layers from
-then on, as an estimate may be wrong and CPU jobs have none."""
+`cluster.stop_at` null resolves to `layer` where the step (measured, or estimated) is long (a
+quarter of cluster.signal_delay_s or more), to `step` where no layer can be stopped at (one
+graph for the whole model), and otherwise stays null: training then stops at step ends until a
+step it measures is long, and at layers from then on, as an estimate may be wrong and CPU jobs
+have none."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from slurm_autosp.config import JobConfig, StopAt
-from slurm_autosp.lifecycle.layer_stops import LAYER_STOP_MIN_STEP_S
+from slurm_autosp.lifecycle.layer_stops import long_step_s
 
 # how fast a save is staged into node memory (device to host, serialised): a low guess, so a
 # save every step is chosen only where its stall is small beside the step
@@ -32,7 +33,7 @@ def stopping_for(cfg: JobConfig, step_s: float, save_bytes: float, asynchronous:
     """`step_s`: the step (measured or estimated); `save_bytes`: what the rank saving the most
     writes; `asynchronous`: whether saves are staged. What the config sets wins."""
     stop_at = _unmeasured_stop_at(cfg)
-    if stop_at is None and step_s >= LAYER_STOP_MIN_STEP_S:
+    if stop_at is None and step_s >= long_step_s(cfg.cluster.signal_delay_s):
         stop_at = StopAt.layer
     every = cfg.checkpoint.every_steps
     if every is None:

@@ -153,16 +153,19 @@ def test_the_kernel_check_on_a_gpu_meets_both_of_flashs_rules_about_its_maxima()
     assert kernel_check._HEADS > kernel_check._KV_HEADS
 
 
+CASES = 150
+
+
 @pytest.mark.slow
 def test_property_every_drawn_layout_computes_exact_attention_on_both_cuda_paths():
-    """500 seeded cases, forward and backward: documents (one token up to whole rows), windows
+    """150 seeded cases, forward and backward: documents (one token up to whole rows), windows
     (one key up to past the row), left padding, under Ulysses {1, 2, 4} x ring {2, 4, 8}, rows
     of lengths divisible by nothing in particular; document attention on the same rows without
-    the ring. Before the maxima were fixed, 14 of these 500 rings dropped keys or took the
-    decoding branch."""
+    the ring. Before the maxima were fixed, one ring in 36 of such draws dropped keys or took
+    the decoding branch."""
     rng = random.Random(48)
     mismatches = []
-    for seed in range(500):
+    for seed in range(CASES):
         ring = draw_case(rng)
         for path, case in (("ring", ring), ("documents", dataclasses.replace(ring, ring=1))):
             errors = ring_errors if path == "ring" else document_errors
@@ -172,4 +175,4 @@ def test_property_every_drawn_layout_computes_exact_attention_on_both_cuda_paths
                 got = str(err)
             if not isinstance(got, dict) or any(e > EXACT for e in got.values()):
                 mismatches.append((path, case, got))
-    assert not mismatches, f"{len(mismatches)} of 1000 mismatched: {mismatches[:5]}"
+    assert not mismatches, f"{len(mismatches)} of {2 * CASES} mismatched: {mismatches[:5]}"
