@@ -1,6 +1,7 @@
-"""Collective bandwidth and latency on the job's own SP and DP groups, at the message sizes
-its training step sends, beside the link's nominal bandwidth where one is published; timed
-and reckoned as nccl-tests does (probe/timing.py)."""
+"""Collective bandwidth and latency on the job's own groups (the all-to-all in its Ulysses
+group, a ring's pass in its ring group, the gradient reduction over the world as the engines
+send it), at the message sizes its training step sends, beside the link's nominal bandwidth
+where one is published; timed and reckoned as nccl-tests does (probe/timing.py)."""
 
 from __future__ import annotations
 
