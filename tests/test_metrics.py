@@ -4,6 +4,7 @@ in a child process, the tracer and the summary without the view extra."""
 
 import io
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from matplotlib.colors import to_hex
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboardX import SummaryWriter
 
 from slurm_autosp.commands.summary import summarize
 from slurm_autosp.config import ModelConfig, TraceConfig, load_config
@@ -348,6 +350,21 @@ def test_a_tracer_without_matplotlib_writes_the_traces_text_and_json_and_warns_o
     assert "peak" in text[-1].tensor_proto.string_val[0].decode()
     assert "step 2 rank 0 (rank_0, worst_rank): peak " in summarize(run.root)
     assert "no image (matplotlib was not installed where it ran)" in summarize(run.root)
+
+
+def test_the_summary_prints_the_held_out_evaluations_beside_the_steps(tmp_path):
+    writer = SummaryWriter(str(RunDir(tmp_path).tensorboard))
+    for step in range(1, 5):
+        writer.add_scalar("train/loss", 6.0 - step, step)
+    for step, loss in ((2, 4.5), (4, 3.25)):
+        writer.add_scalar("eval/loss", loss, step)
+        writer.add_scalar("eval/perplexity", math.exp(loss), step)
+    writer.close()
+    summary = summarize(tmp_path)
+    table = summary[summary.index("held-out evaluation") :].splitlines()
+    assert table[1].split() == ["step", "loss", "perplexity"]
+    assert table[2].split() == ["2", "4.5000", "90.02"]
+    assert table[3].split() == ["4", "3.2500", "25.79"]
 
 
 def test_the_summary_without_tensorboard_says_which_extra_in_one_line(tmp_path):

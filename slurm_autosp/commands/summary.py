@@ -77,6 +77,12 @@ def summarize(run_dir: Path, rows: int = 20) -> str:
             f"{fmt(at(mem + '/mean', step), '.1f'):>9} {fmt(at(mem + '/max', step), '.1f'):>9} "
             f"{fmt(at('memory/worst_rank', step), '.0f'):>10}"
         )
+    evals = scalars.get("eval/loss", {})
+    if evals:
+        out += ["", "held-out evaluation", f"{'step':>8} {'loss':>8} {'perplexity':>11}"]
+        for step in _spread(sorted(evals), rows):
+            perplexity = fmt(at("eval/perplexity", step), ".2f")
+            out.append(f"{step:>8} {evals[step]:>8.4f} {perplexity:>11}")
     traces = load_traces(run_dir)
     out += [
         "",
