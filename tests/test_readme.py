@@ -1,15 +1,12 @@
-"""The README and the pages under docs/ stay true to the code and to each other: every config
-key and every module is listed, the families table is the battery's, the README stays short
-enough to read in one sitting and indexes every page, and no relative link is dangling."""
+"""The README and the pages under docs/ stay true to the code and to each other: every module
+is listed (every config key: tests/test_config_reference.py), the families table is the
+battery's, the README stays short enough to read in one sitting and indexes every page, and no
+relative link is dangling."""
 
-import dataclasses
 import re
 from pathlib import Path
 
 from families import families_table
-from transformers import LlamaConfig
-
-from slurm_autosp.config import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -19,26 +16,6 @@ README_MAX_LINES = 300
 
 def page(name: str) -> str:
     return (DOCS / name).read_text()
-
-
-def config_table() -> dict[str, str]:
-    rows = re.findall(r"^\| `?([\w ]+?)`? \| (.+) \|$", page("configuration.md"), re.M)
-    return {section: keys for section, keys in rows}
-
-
-def test_the_configuration_table_lists_every_key_of_every_section():
-    table = config_table()
-    missing = []
-    for section in dataclasses.fields(JobConfig):
-        if dataclasses.is_dataclass(section.default_factory):
-            row = table.get(section.name, "")
-            names = [f.name for f in dataclasses.fields(section.default_factory)]
-        else:
-            row, names = table.get("top level", ""), [section.name]
-        if section.name == "model":  # the row names the Hugging Face fields as a family
-            names = [n for n in names if not hasattr(LlamaConfig(), n)]
-        missing += [f"{section.name}.{n}" for n in names if f"`{n}" not in row]
-    assert not missing, f"docs/configuration.md's configuration table lacks {missing}"
 
 
 def test_the_layout_section_lists_every_module_and_package():
