@@ -131,9 +131,9 @@ class ClusterConfig:
     stop and save."""
     stop_at: StopAt | None = None
     """Where a stop signal (USR2, SIGTERM) ends the step in flight: `step` when it ends,
-    `layer` at the next decoder-layer boundary (the step in flight abandoned); null: `layer` for steps of a quarter of
-    `signal_delay_s` or more, estimated by the plan or measured by the job from its second
-    step on (memory_plan/stopping.py)."""
+    `layer` at the next decoder-layer boundary (the step in flight abandoned); null: `layer`
+    for steps of a quarter of `signal_delay_s` or more, estimated by the plan or measured by
+    the job from its second step on (memory_plan/stopping.py)."""
     max_requeues: int = 3
     """Times a stopped job is requeued to resume; local jobs: at most 5, submitit's local
     controller starting a job at most 6 times."""
