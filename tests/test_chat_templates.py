@@ -93,6 +93,22 @@ PUBLISHED = {
         "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True, replies("<｜end▁of▁sentence｜>")
     ),
     "mistral_nemo_instruct_2407": Published("<s>", "</s>", True, replies("</s>")),
+    # the template's space before each reply is one token with the reply's first word
+    "mistral_7b_instruct_v0_3": Published(
+        "<s>", "</s>", True, (" hello number 0</s>", " the quick fox</s>")
+    ),
+    "mixtral_8x7b_instruct_v0_1": Published("<s>", "</s>", False, replies("</s>")),
+    "phi4_mini_instruct": Published(None, "<|endoftext|>", True, replies("<|end|>")),
+    # its {% generation %} markers, used as is, hold the header and the newline after the end
+    "smollm3_3b": Published(
+        None,
+        "<|im_end|>",
+        True,
+        (
+            "<|im_start|>assistant\nhello number 0<|im_end|>\n",
+            "<|im_start|>assistant\nthe quick fox<|im_end|>\n",
+        ),
+    ),
 }
 
 
@@ -156,6 +172,23 @@ def test_each_reply_is_trained_as_the_published_template_renders_it(bpe, name):
     assert_trains_exactly(tokenizer, messages, made, list(spec.trained))
 
 
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("gemma2_2b_it", "System role not supported"),
+        ("mixtral_8x7b_instruct_v0_1", "Conversation roles must alternate user/assistant/user/assistant/..."),
+    ],
+)  # fmt: skip
+def test_a_system_message_the_template_raises_on_skips_the_row_by_name(bpe, name, why):
+    """Gemma 2 and Mixtral take no system message: such a row is skipped, named by the
+    template's own error."""
+    tokenizer = published(bpe, name)
+    tokenize = Tokenize(tokenizer, "messages", DocumentFormat.chat, ChatTurns.full)
+    out = tokenize({"messages": [conversation(0)]}, [0])
+    assert out["skipped"] == ["template_error"]
+    assert out["note"] == [f"input row 0: {why}"]
+
+
 def reasoning(inline: bool) -> list[dict]:
     """conversation(0) whose replies carry reasoning, as a field or inside the content."""
     messages = conversation(0)
@@ -202,6 +235,20 @@ def test_each_turn_of_a_published_template_trains_its_reply(bpe, name):
     assert_trains_exactly(tokenizer, messages, last, [spec.trained[1]])
 
 
+def test_smollm3_trains_every_replys_reasoning_and_its_no_think_block(bpe):
+    """SmolLM3 keeps inline reasoning in every reply, and its markers hold the empty thinking
+    block it writes in /no_think mode: both are trained, header to newline, as marked."""
+    tokenizer, thinking = published(bpe, "smollm3_3b"), reasoning(inline=True)
+    [made] = prepared(tokenizer, thinking)
+    trained = [f"<|im_start|>assistant\n{m['content']}<|im_end|>\n" for m in thinking[2::2]]
+    assert_trains_exactly(tokenizer, thinking, made, trained)
+    plain_chat = [{"role": "system", "content": "be brief /no_think"}, *conversation(0)[1:]]
+    [made] = prepared(tokenizer, plain_chat)
+    no_think = "<|im_start|>assistant\n<think>\n\n</think>\n"
+    trained = [f"{no_think}{r}\n" for r in replies("<|im_end|>")]
+    assert_trains_exactly(tokenizer, plain_chat, made, trained)
+
+
 TOOL_CALL = {
     "type": "function",
     "id": "call00001",
@@ -242,10 +289,11 @@ def refusal(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
     return str(raised.value)
 
 
-def test_a_reply_of_tool_calls_mistral_writes_without_a_prompt_is_refused_by_name(bpe):
+@pytest.mark.parametrize("name", ["mistral_nemo_instruct_2407", "mistral_7b_instruct_v0_3"])
+def test_a_reply_of_tool_calls_mistral_writes_without_a_prompt_is_refused_by_name(bpe, name):
     """Mistral writes no generation prompt and leaves a tool-call reply's content out: nothing
     tells where that reply begins."""
-    why = refusal(published(bpe, "mistral_nemo_instruct_2407"), TOOL_CHAT)
+    why = refusal(published(bpe, name), TOOL_CHAT)
     assert "input row 0, message 1: the template does not write this reply's content once, as given (it leaves it out, or repeats it), and writes no generation prompt the rendering starts with" in why  # fmt: skip
 
 
