@@ -246,6 +246,7 @@ def test_a_signal_while_the_writer_starts_leaves_it_writing(saves, engine):  # n
     assert writers_of({os.getpid()}) == [writer]
 
 
+@pytest.mark.slow
 def test_a_writer_killed_by_a_signal_is_no_storage_error_its_rank_writes_the_save(saves, engine):  # noqa: F811
     writer = stopped_writer(saves, engine)
     saved = params(engine)
@@ -461,6 +462,7 @@ def test_what_a_killed_run_of_a_start_left_in_staging_is_freed_when_it_runs_agai
     saves.close()
 
 
+@pytest.mark.slow
 def test_two_starts_of_one_job_on_one_node_keep_separate_buffers(tmp_path, engine):  # noqa: F811
     """Slurm may start a job again (requeued after its node was lost) while the earlier start
     still runs: each start stages in a directory of its own, and neither frees the other's."""

@@ -312,6 +312,7 @@ def running(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_second_prepare_to_an_output_being_written_is_refused_by_name(
     tmp_path, tokenizer_dir, capsys
 ):
@@ -329,6 +330,7 @@ def test_a_second_prepare_to_an_output_being_written_is_refused_by_name(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "first.log", "out"]
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_prepare_whose_output_the_next_prepare_takes_over(
     tmp_path, tokenizer_dir
 ):

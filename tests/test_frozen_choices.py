@@ -72,6 +72,7 @@ def test_a_first_start_plans_and_refuses_a_job_that_does_not_fit(tmp_path):
         admit_start(cfg, restarted=False)
 
 
+@pytest.mark.slow
 def test_run_refuses_a_job_that_does_not_fit_on_every_rank_before_anything_is_written(tmp_path):
     proc = subprocess.run(
         [

@@ -67,6 +67,7 @@ def test_the_command_fails_fast_without_a_gpu_and_leaves_no_earlier_output(tmp_p
     assert not earlier.exists()
 
 
+@pytest.mark.slow
 def test_the_cpu_self_test_runs_every_row_and_its_exit_status_is_the_correctness_rows(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "slurm_autosp", "gpu-check", "--device", "cpu", "--tiny"]
@@ -400,6 +401,7 @@ def test_gpu_checks_json_fits_equals_the_plans_verdict_for_the_same_configuratio
     assert asdict(row)["fits"] is submit.fits
 
 
+@pytest.mark.slow
 def test_a_section_that_raises_is_a_failed_row_and_the_sections_after_it_still_run(
     tmp_path, monkeypatch
 ):

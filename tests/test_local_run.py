@@ -87,6 +87,7 @@ def test_the_run_exports_weights_that_load(tiny_run):
     assert AutoModelForCausalLM.from_pretrained(hf).config.architectures == ["LlamaForCausalLM"]
 
 
+@pytest.mark.slow
 def test_a_failing_rank_reaches_the_terminal_with_its_rank(tmp_path):
     # started as from a background shell, whose SIGINT is ignored: the failing job is still
     # cancelled, so its controller (which holds our pipes) ends and the command returns

@@ -232,6 +232,7 @@ def test_submit_refuses_a_run_whose_holder_cannot_be_checked_and_names_force(tmp
     assert read_lock(cfg.run.dir) == local("7", host="elsewhere")
 
 
+@pytest.mark.slow
 def test_a_later_start_of_the_same_job_fences_the_earlier_one(tmp_path):
     """SLURM requeued job 41 (restart 1) while its first start still ran, on a node it lost:
     the later start takes the lock; the earlier one is told why it may not write, and cannot

@@ -407,6 +407,7 @@ def _sp_and_dp_groups(rank: int):
     return _sums_over(rank, (dims.sp_group, dims.dp_group)) + sizes
 
 
+@pytest.mark.slow
 def test_process_groups_reduce_within_sp_and_dp_groups(tmp_path):
     # sp_groups (0,1),(2,3); dp_groups (0,2),(1,3)
     assert _on_four_ranks(_sp_and_dp_groups, tmp_path) == {
@@ -427,6 +428,7 @@ def _ring_groups(rank: int):
     return _sums_over(rank, (dims.sp_group, dims.dp_group, dims.ulysses_group, dims.ring_group))
 
 
+@pytest.mark.slow
 def test_ring_process_groups_reduce_within_ulysses_and_ring_groups(tmp_path):
     # one SP group (0-3), DP of one; Ulysses (0,1),(2,3) on each node; rings (0,2),(1,3)
     assert _on_four_ranks(_ring_groups, tmp_path) == {
@@ -459,6 +461,7 @@ def _interleaved_groups(rank: int):
     )
 
 
+@pytest.mark.slow
 def test_the_device_mesh_holds_an_interleaved_layout_and_its_groups_are_the_layouts(tmp_path):
     got = _on_four_ranks(_interleaved_groups, tmp_path)
     mesh = [[[0, 2], [1, 3]]]  # [dp][ring][ulysses]

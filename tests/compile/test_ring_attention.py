@@ -376,6 +376,7 @@ def test_backend_refuses_a_ring_size_that_does_not_divide_sp_size():
 # ------------------------------------------------------------------ whole models, one device's numbers
 
 
+@pytest.mark.slow
 def test_sp2_as_ring_2_trains_like_one_device_and_never_reruns_ring_attention_in_backward(pool2):
     """SP=2 as 1 x 2 (Ulysses x ring), 127 tokens (padded to 128), uneven ignored labels,
     activation checkpointing sac at budget 0: everything but attention recomputed."""
@@ -385,6 +386,7 @@ def test_sp2_as_ring_2_trains_like_one_device_and_never_reruns_ring_attention_in
     assert all(r["ring_backwards"] == 2 for r in results), results  # one per layer
 
 
+@pytest.mark.slow
 def test_sp2_as_ring_2_within_packed_documents_and_a_window_matches_each_document_alone(pool2):
     """Mistral's 7-token window within documents spanning the zigzag chunks, one of a single
     token: packed rows reach ring attention, one ring backward per layer."""
