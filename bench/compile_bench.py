@@ -47,15 +47,18 @@ VOCAB = 256
 # ----------------------------------------------------------------------------- one rank
 
 
-def tiny_llama(layers: int, device):
-    """The config's default model (a Llama of 64 hidden, 4 heads, 2 KV heads), `layers` deep."""
+def tiny_llama(layers: int, device, use_cache: bool = False):
+    """The config's default model (a Llama of 64 hidden, 4 heads, 2 KV heads), `layers` deep.
+    Our models are built with `use_cache=False`; `use_cache=True` is HF's default."""
     import torch
 
     from slurm_autosp.config import ModelConfig
     from slurm_autosp.model import build_model
 
     torch.manual_seed(0)
-    return build_model(ModelConfig(num_hidden_layers=layers, vocab_size=VOCAB)).to(device)
+    model = build_model(ModelConfig(num_hidden_layers=layers, vocab_size=VOCAB))
+    model.config.use_cache = use_cache
+    return model.to(device)
 
 
 def reference_step(layers: int, input_ids, device):
@@ -134,7 +137,7 @@ def setup_peer(layers: int, input_ids, device):
     from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
 
     engine = deepspeed_engine(
-        tiny_llama(layers, device),
+        tiny_llama(layers, device, use_cache=True),  # its pass fails on use_cache=False models
         {"compile": {"deepcompile": True, "passes": ["autosp"]}, "sequence_parallel_size": SP},
     )
     labels = input_ids.clone()
