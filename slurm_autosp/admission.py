@@ -28,11 +28,8 @@ from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lifecycle.save_time import SignalDelayTooShort
 from slurm_autosp.memory_plan import PlanVerdict, plan_verdict, training_choices
 from slurm_autosp.memory_plan.freeze import adopt_frozen_choices, freeze_choices
-from slurm_autosp.model import (
-    model_vocab_size,
-    refuse_tiled_router_loss,
-    refuse_unsupported_attention,
-)
+from slurm_autosp.model import model_vocab_size
+from slurm_autosp.model_refusals import refuse_tiled_router_loss, refuse_unsupported_attention
 
 ADOPTED = (
     "memory plan: not planned again: a requeued start trains with the choices its first start "

@@ -1,5 +1,5 @@
 """The dependency order holds, one floor a package where packages depend on each other:
-config -> cluster -> run lifecycle -> SP runtime -> compiler -> data and model -> training
+config -> cluster -> run lifecycle -> SP runtime -> compiler -> data and model -> the model's refusals -> training
 state -> engines -> the step runner -> memory plan -> admission -> evaluation and verify -> train -> launch -> the probe
 -> the GPU check -> the commands -> the names they are run by (`python -m slurm_autosp.submit`,
 each package's __main__). No module imports one of a later layer, or another package of its own layer, at
@@ -18,6 +18,7 @@ LAYERS = [
     {"sp"},
     {"compile"},
     {"data", "model", "optim", "metrics"},
+    {"model_refusals"},
     {"checkpoint"},
     {"engine"},
     {"run_step"},

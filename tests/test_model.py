@@ -9,7 +9,8 @@ from slurm_autosp.compile import tile_layers, tile_mlps
 from slurm_autosp.compile.backend import AutoSPCompileError
 from slurm_autosp.config import ConfigError, ModelConfig, load_config
 from slurm_autosp.lifecycle.run_dir import RunDir
-from slurm_autosp.model import build_model, refuse_tiled_router_loss, refuse_unsupported_attention
+from slurm_autosp.model import build_model
+from slurm_autosp.model_refusals import refuse_tiled_router_loss, refuse_unsupported_attention
 
 
 def tiny_builder(cfg):

@@ -14,7 +14,7 @@ from slurm_autosp.commands.run import main as run_main
 from slurm_autosp.commands.submit import main as submit_main
 from slurm_autosp.commands.verify import main as verify_main
 from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.model import refuse_unsupported_attention
+from slurm_autosp.model_refusals import refuse_unsupported_attention
 from slurm_autosp.sp import prepare_sp_inputs
 from slurm_autosp.sp.attention_pattern import (
     UnsupportedAttention,

@@ -10,7 +10,8 @@ from slurm_autosp import submit
 from slurm_autosp.commands.verify import main
 from slurm_autosp.compile.traced_attention import trace_attention
 from slurm_autosp.config import ConfigError, load_config
-from slurm_autosp.model import build_model, refuse_unsupported_attention
+from slurm_autosp.model import build_model
+from slurm_autosp.model_refusals import refuse_unsupported_attention
 from slurm_autosp.verify import VerifyOptions, shrink_model_config
 
 TINY = "cfg=configs/tiny_cpu.yaml"
