@@ -121,21 +121,24 @@ def test_admission_writes_the_ring_size_into_the_config_and_a_requeue_adopts_its
     assert requeued.cfg.parallel.ring_size == 4 and requeued.layout.ulysses_size == 2
 
 
-def test_a_checkpoints_heads_are_checked_against_the_resolved_ulysses_size(tmp_path):
-    """Config validation sees only the heads a config names; a checkpoint's own (6 query, 3
-    key/value heads) meet the Ulysses size at admission, with the splits that work."""
+def test_a_checkpoints_own_heads_resolve_the_ring_and_refuse_a_ulysses_size(tmp_path):
+    """A checkpoint's own heads (6 query, 3 key/value), not the config's shape fields, resolve
+    a null ring size and refuse a Ulysses size they cannot split, with the splits that work."""
     LlamaConfig(
         hidden_size=48, num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=1
     ).save_pretrained(tmp_path)
     args = [TINY, f"model.pretrained_path={tmp_path}", "cluster.tasks_per_node=4"]
+    resolved = load_config([*args, "parallel.sp_size=4"])
+    assert resolved.parallel.ulysses_ring == (1, 4)
+    admit_model(resolved)
     with pytest.raises(ConfigError) as refused:
-        admit_model(load_config([*args, "parallel.sp_size=4"]))
-    assert str(refused.value) == (
-        "parallel.sp_size=4 / parallel.ring_size=1: the Ulysses size 4 cannot split the model's 6 "
-        "query / 3 key-value heads over its ranks; (Ulysses x ring) splits of parallel.sp_size=4 "
-        "that work: 1 x 4 (parallel.ring_size=4)"
-    )
-    admit_model(load_config([*args, "parallel.sp_size=4", "parallel.ring_size=4"]))
+        load_config([*args, "parallel.sp_size=4", "parallel.ring_size=1"])
+    assert (
+        "parallel.sp_size=4 / parallel.ring_size=1: the Ulysses size 4 cannot split "
+        f"num_attention_heads=6 / num_key_value_heads=3 of model.pretrained_path={tmp_path} over "
+        "its ranks (Ulysses sizes the heads allow: 1, 3 or 6); (Ulysses x ring) splits of "
+        "parallel.sp_size=4 that work: 1 x 4 (parallel.ring_size=4)"
+    ) in str(refused.value)
 
 
 def test_eager_attention_under_autosp_is_refused_before_any_rank_starts(tmp_path):

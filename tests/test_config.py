@@ -91,6 +91,23 @@ def test_sp_size_past_the_head_count_is_accepted_as_ulysses_times_ring():
     )
 
 
+def test_a_checkpoints_own_heads_decide_the_ring_not_the_yamls_shape_fields(tmp_path):
+    """A pretrained model's architecture is its config.json's; the YAML's shape fields (the
+    tiny default's 4 heads, 2 KV heads) are ignored, for the ring size as for the model."""
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 8, "num_key_value_heads": 8}')
+    args = ["cluster.tasks_per_node=8", "compile.enabled=true", "parallel.sp_size=8"]
+    assert load_config(args).parallel.ulysses_ring == (4, 2)  # the YAML's heads
+    pretrained = [*args, f"model.pretrained_path={tmp_path}"]
+    assert load_config(pretrained).parallel.ulysses_ring == (8, 1)
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 2}')
+    with pytest.raises(ConfigError) as err:
+        load_config([*pretrained, "parallel.ring_size=1"])
+    assert (
+        f"the Ulysses size 8 cannot split num_attention_heads=6 / num_key_value_heads=2 of "
+        f"model.pretrained_path={tmp_path} over its ranks"
+    ) in str(err.value)
+
+
 def test_a_signal_delay_slurm_cannot_send_is_refused():
     with pytest.raises(ConfigError, match=r"cluster\.signal_delay_s=70000 is more than SLURM"):
         load_config(["cluster.signal_delay_s=70000"])

@@ -58,15 +58,15 @@ def load_config(argv: list[str]) -> JobConfig:
 
 def resolve_ring_size(cfg: JobConfig) -> int:
     """The ring size a null `parallel.ring_size` stands for: the Ulysses size as large as the
-    heads the config names and the profile's NVLink domains allow, the ring the rest
-    (heads.auto_ring_size). A checkpoint's own heads meet it at admission."""
-    p, m = cfg.parallel, cfg.model
+    model's heads (a checkpoint's own) and the profile's NVLink domains allow, the ring the
+    rest (heads.auto_ring_size)."""
+    heads, kv_heads = cfg.model.heads()
     return auto_ring_size(
-        p.sp_size,
+        cfg.parallel.sp_size,
         cfg.cluster.nvlink_domain_gcd(),
-        m.num_attention_heads,
-        m.num_key_value_heads or m.num_attention_heads,
-        p.allow_cross_domain,
+        heads,
+        kv_heads,
+        cfg.parallel.allow_cross_domain,
     )
 
 

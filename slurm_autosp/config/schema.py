@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,6 +255,40 @@ class ModelConfig:
             if f.name not in skip and getattr(self, f.name) is not None
         }
         return {**fields, **self.extra}
+
+    def heads(self) -> tuple[int | None, int | None]:
+        """(attention heads, KV heads) of the model trained: a checkpoint's own, from its
+        config.json, whose architecture replaces this section's shape fields; else this
+        section's. A checkpoint without a readable config.json is refused where the model is
+        built (model.hf_config), so this falls back to the section's."""
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if self.pretrained_path:
+            own = _checkpoint_fields(Path(self.pretrained_path).expanduser() / "config.json")
+            if own.get("num_attention_heads"):
+                heads, kv_heads = own["num_attention_heads"], own.get("num_key_value_heads")
+        return heads, kv_heads or heads
+
+    def heads_text(self) -> str:
+        """`heads` and where they come from, as a refusal names them."""
+        heads, kv_heads = self.heads()
+        if self.pretrained_path:
+            return (
+                f"num_attention_heads={heads} / num_key_value_heads={kv_heads} of "
+                f"model.pretrained_path={self.pretrained_path}"
+            )
+        return f"model.num_attention_heads={heads} / model.num_key_value_heads={kv_heads}"
+
+
+def _checkpoint_fields(config_json: Path) -> dict[str, Any]:
+    """A checkpoint's config fields; a multimodal one's text model's (`text_config`)."""
+    try:
+        fields = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(fields, dict):
+        return {}
+    text = fields.get("text_config")
+    return text if "num_attention_heads" not in fields and isinstance(text, dict) else fields
 
 
 @dataclass

@@ -438,7 +438,7 @@ def _ring_problems(cfg: JobConfig) -> list[str]:
     p, m = cfg.parallel, cfg.model
     if p.sp_size < 1 or p.ring_size is None:
         return []
-    heads, kv_heads = m.num_attention_heads, m.num_key_value_heads or m.num_attention_heads
+    heads, kv_heads = m.heads()
     pairs = ulysses_ring_pairs(p.sp_size, heads, kv_heads)
     works = (
         f"(Ulysses x ring) splits of parallel.sp_size={p.sp_size} that work: {pairs_text(pairs)}"
@@ -452,8 +452,7 @@ def _ring_problems(cfg: JobConfig) -> list[str]:
     if heads and kv_heads and ulysses not in valid_sp_sizes(heads, kv_heads):
         return [
             f"parallel.sp_size={p.sp_size} / parallel.ring_size={p.ring_size}: the Ulysses size "
-            f"{ulysses} cannot split model.num_attention_heads={heads} / "
-            f"model.num_key_value_heads={kv_heads} over its ranks (Ulysses sizes the heads allow: "
+            f"{ulysses} cannot split {m.heads_text()} over its ranks (Ulysses sizes the heads allow: "
             f"{choices_text(valid_sp_sizes(heads, kv_heads))}); {works}"
         ]
     return []
