@@ -50,6 +50,7 @@ CPU = torch.device("cpu")
 UNLIMITED = Budget(math.inf, math.inf)
 
 
+@pytest.mark.slow
 def test_the_command_fails_fast_without_a_gpu_and_leaves_no_earlier_output(tmp_path):
     """A rerun that fails must not leave the last run's table to be read as its own."""
     earlier = tmp_path / OUTPUT
@@ -453,6 +454,7 @@ def _run_in_process(*arguments: str):
         os.environ.update(saved)
 
 
+@pytest.mark.slow
 def test_a_section_that_spends_the_budget_is_kept_and_every_later_one_is_recorded_not_run(
     tmp_path, monkeypatch
 ):

@@ -320,6 +320,7 @@ TRACED_WITHOUT_MATPLOTLIB = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_tracer_without_matplotlib_writes_the_traces_text_and_json_and_warns_once(tmp_path):
     proc = subprocess.run(
         [
@@ -367,6 +368,7 @@ def test_the_summary_prints_the_held_out_evaluations_beside_the_steps(tmp_path):
     assert table[3].split() == ["4", "3.2500", "25.79"]
 
 
+@pytest.mark.slow
 def test_the_summary_without_tensorboard_says_which_extra_in_one_line(tmp_path):
     summary = "from slurm_autosp.commands.summary import main; sys.exit(main([sys.argv[1]]))"
     proc = subprocess.run(

@@ -193,6 +193,7 @@ def test_a_dry_run_refuses_with_the_plan_and_the_probe_which_saves_nothing_is_no
     assert "signal delay: cluster.signal_delay_s=60 CANNOT cover one step" in probed.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_every_shipped_config_gives_its_job_time_for_a_step_and_a_save(config, tmp_path):
     proc = run_command(submit_main, f"cfg=configs/{config}", "dry_run=true", f"run.output_root={tmp_path}")  # fmt: skip
