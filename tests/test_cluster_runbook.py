@@ -7,22 +7,17 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
+from runbook import fenced, run_blocks
 from slurm_helpers import REPO
 
 PAGE = REPO / "docs" / "cluster.md"
 
 
-def fenced(language: str) -> list[str]:
-    """The page's code blocks fenced as `language`, in order."""
-    return re.findall(rf"^```{language}\n(.*?)^```$", PAGE.read_text(), re.M | re.S)
-
-
 def settings() -> dict[str, str]:
     """The settings block's names and values, as the page sets them."""
-    block = next(block for block in fenced("sh") if "CONFIG=" in block)
+    block = next(block for block in fenced(PAGE, "sh") if "CONFIG=" in block)
     return dict(re.findall(r"^([A-Z_]+)=(\S+)", block, re.M))
 
 
@@ -32,7 +27,7 @@ def test_the_cluster_runbooks_cluster_only_commands_exist():
         [sys.executable, "-m", "slurm_autosp", "--help"], cwd=REPO, capture_output=True, text=True
     ).stdout
     offered = set(re.findall(r"^  ([a-z-]+) ", commands, re.M))
-    shell = "\n".join(fenced("shell"))
+    shell = "\n".join(fenced(PAGE, "shell"))
     named = set(re.findall(r"python -m slurm_autosp (\w[\w-]*)", shell))
     assert named and named <= offered, f"{named - offered} are not commands: {commands}"
     install = (REPO / "install.sh").read_text()
@@ -46,22 +41,9 @@ def test_the_cluster_runbook_dry_runs_plans_and_verifies_without_a_gpu(tmp_path)
     names = settings()
     assert set(names) == {"CONFIG", "RUNS", "PARTITION", "ACCOUNT", "QOS"}
     env = {**os.environ, **names, "RUNS": str(tmp_path / "runs")}
-    commands = fenced("bash")
+    commands = fenced(PAGE, "bash")
     assert len(commands) == 3, "the dry run, the plan and verify are fenced as ```bash"
-    outputs = []
-    for command in commands:
-        start = time.monotonic()
-        done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", command],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        print(f"{time.monotonic() - start:5.1f} s  {command.splitlines()[0][:100]}")
-        outputs.append(done.stdout)
+    outputs = run_blocks(commands, env)
 
     dry_run, plan, verify = outputs
     for line in ("--partition=gpu", "--account=my_project", "--qos=normal", "--nodes=8"):

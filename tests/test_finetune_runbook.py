@@ -4,13 +4,12 @@ and the tiny config on local CPU ranks. A command of the page that stops working
 
 import os
 import re
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from runbook import fenced, run_blocks
 from slurm_helpers import REPO
 from test_chat_masks import CHATML, with_template
 from test_chat_masks import base_tokenizer as base_tokenizer  # the fixture
@@ -21,11 +20,6 @@ from slurm_autosp.config import ModelConfig
 from slurm_autosp.model import build_model
 
 PAGE = REPO / "docs" / "finetune.md"
-
-
-def fenced(language: str) -> list[str]:
-    """The page's code blocks fenced as `language`, in order."""
-    return re.findall(rf"^```{language}\n(.*?)^```$", PAGE.read_text(), re.M | re.S)
 
 
 def tiny_checkpoint(base_tokenizer: Path, directory: Path) -> Path:
@@ -55,27 +49,13 @@ def test_the_finetune_runbook_runs_from_chats_to_a_generated_reply(tmp_path, bas
         "STEPS": "4",
         "EVAL_EVERY": "2",
     }
-    settings = next(block for block in fenced("sh") if "MODEL=" in block)
+    settings = next(block for block in fenced(PAGE, "sh") if "MODEL=" in block)
     assert set(re.findall(r"^([A-Z_]+)=", settings, re.M)) == set(names)
 
-    commands = fenced("bash")
+    commands = fenced(PAGE, "bash")
     assert len(commands) >= 5, "the page's runnable blocks are fenced as ```bash"
     env = {**os.environ, **names}
-    outputs = []
-    for command in commands:
-        start = time.monotonic()
-        done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", command],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        took = time.monotonic() - start
-        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        print(f"{took:5.1f} s  {command.splitlines()[0][:100]}")
-        outputs.append(done.stdout)
+    outputs = run_blocks(commands, env)
 
     everything = "".join(outputs)
     assert "eval at step 2 | loss" in everything and "eval at step 4 | loss" in everything
