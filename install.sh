@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 check() {
-    python -c "import torch, deepspeed, submitit, omegaconf, transformers, tensorboardX; print(f'slurm_autosp installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}')"
+    python -c "import torch, deepspeed, submitit, omegaconf, transformers, tensorboardX, peft; print(f'slurm_autosp installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}')"
 }
 case "${1:-}" in
     --download)

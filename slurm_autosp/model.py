@@ -17,6 +17,7 @@ from slurm_autosp.config import (
     ModelConfig,
     Precision,
 )
+from slurm_autosp.lora import add_adapters
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,12 +34,17 @@ def build_model(
     """The causal LM in `dtype`, built (or read) straight onto `device` (default: the host).
     An engine that holds the whole model on its GPU asks for it there in its training dtype:
     an fp32 copy on every rank's host first (Llama-8B: 32 GB a rank) would be spent for nothing.
-    A `model.builder` model is the builder's, as it returns it."""
+    A `model.builder` model is the builder's, as it returns it. With `model.lora`, the model
+    has its adapters (lora.py)."""
+    model = _build_base(cfg, dtype, device or torch.device("cpu"))
+    return add_adapters(model, cfg.lora) if cfg.lora else model
+
+
+def _build_base(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     if cfg.builder:
         return _call_builder(cfg)
     from transformers import AutoModelForCausalLM
 
-    device = device or torch.device("cpu")
     if cfg.pretrained_path:
         return AutoModelForCausalLM.from_pretrained(
             cfg.pretrained_path,
@@ -59,9 +65,10 @@ def build_skeleton(cfg: ModelConfig) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
+        model = AutoModelForCausalLM.from_config(
             hf_config(cfg), attn_implementation=cfg.attn_implementation, dtype=torch.float32
         )
+        return add_adapters(model, cfg.lora) if cfg.lora else model
 
 
 def hf_config(cfg: ModelConfig):

@@ -23,9 +23,10 @@ def fused_kernel(cluster: ClusterConfig, offload_optimizer: bool) -> bool:
 def build_optimizer(
     model: nn.Module, cfg: TrainConfig, fused: bool = False
 ) -> torch.optim.Optimizer:
-    """`fused`: torch's one-pass kernel (`fused_kernel`)."""
+    """AdamW over the parameters that train (a LoRA model's adapters); `fused`: torch's
+    one-pass kernel (`fused_kernel`)."""
     return torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],
         lr=cfg.lr,
         betas=(cfg.betas[0], cfg.betas[1]),
         weight_decay=cfg.weight_decay,

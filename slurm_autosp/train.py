@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_autosp.checkpoint.async_save import CheckpointSaves
-from slurm_autosp.checkpoint.export import export_hf
+from slurm_autosp.checkpoint.export import export_run
 from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.store import (
     CheckpointStore,
@@ -203,7 +203,15 @@ def train(
         tracer.close()
     weights = engine.full_state_dict()  # every rank takes each tensor: FSDP2 gathers it
     if dims.rank == 0:
-        export_hf(engine.module, cfg.run.dir, weights, prepared_tokenizer(cfg.data))
+        tokenizer = prepared_tokenizer(cfg.data)
+        export_run(
+            engine.module,
+            cfg.run.dir,
+            weights,
+            tokenizer,
+            cfg.model.lora,
+            cfg.model.pretrained_path,
+        )
     else:
         for _ in weights:
             pass

@@ -17,6 +17,7 @@ LAYERS = [
     {"lifecycle"},
     {"sp"},
     {"compile"},
+    {"lora"},
     {"data", "model", "optim", "metrics"},
     {"model_refusals"},
     {"checkpoint"},

@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,9 +26,11 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
+from slurm_autosp.config import LoraConfig
 from slurm_autosp.data.prepared import stop_token_ids
 from slurm_autosp.lifecycle.durable import rename_durably
 from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lora import adapter_state, is_adapter, merged_weights, save_adapter
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,46 @@ class ShardWriter:
         return names
 
 
+def export_run(
+    model: nn.Module,
+    run_dir: Path,
+    weights: Weights,
+    tokenizer_dir: Path | None,
+    lora: LoraConfig | None,
+    base: str | None,
+) -> None:
+    """Rank 0 calls this at the end of training: the whole model to `hf/`; a LoRA run's
+    adapters to `adapter/` (PEFT's format, `base` recorded as their base) and, with
+    `model.lora.export_merged`, the base with the adapters merged in to `hf/`. Takes every
+    tensor of `weights`, as `export_hf` does."""
+    if lora is None:
+        export_hf(model, run_dir, weights, tokenizer_dir)
+        return
+    adapters: dict[str, torch.Tensor] = {}
+
+    def kept(stream: Weights) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in stream:
+            if is_adapter(name):
+                adapters[name] = tensor
+            yield name, tensor
+
+    stream = kept(weights)
+    if lora.export_merged:
+        export_hf(model, run_dir, merged_weights(stream, lora), tokenizer_dir)
+    else:
+        _take_all(stream)
+
+    def write(directory: Path) -> None:
+        save_adapter(directory, lora, base, adapter_state(adapters.items()))
+        _copy_tokenizer(tokenizer_dir, directory)
+
+    run = RunDir(run_dir)
+    _swap_in(run.adapter_export, run.adapter_export_partial, run.adapter_export_previous, write)
+    log.info(
+        "exported the LoRA adapters to %s (PEFT: PeftModel.from_pretrained)", run.adapter_export
+    )
+
+
 def export_hf(
     model: nn.Module,
     run_dir: Path,
@@ -156,29 +198,44 @@ def _export(
     tokenizer_dir: Path | None,
     max_shard_bytes: int,
 ) -> None:
-    target, partial, previous = run.hf_export, run.hf_export_partial, run.hf_export_previous
+    files: list[str] = []
+
+    def write(directory: Path) -> None:
+        writer = ShardWriter(model, directory, max_shard_bytes)
+        for name, tensor in weights:
+            writer.add(name, tensor)
+        files.extend(writer.finish())
+        _write_configs(model, directory, writer.dtype)
+        _copy_tokenizer(tokenizer_dir, directory)
+
+    _swap_in(run.hf_export, run.hf_export_partial, run.hf_export_previous, write)
+    log.info(
+        "exported Hugging Face weights to %s (%d file%s)",
+        run.hf_export,
+        len(files),
+        "s"[: len(files) > 1],
+    )
+
+
+def _swap_in(target: Path, partial: Path, previous: Path, write: Callable[[Path], None]) -> None:
+    """`write` fills `partial`, which then replaces `target` (the old one briefly `previous`):
+    a killed export leaves the old one or the new one at `target`, never half of one."""
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    writer = ShardWriter(model, partial, max_shard_bytes)
-    for name, tensor in weights:
-        writer.add(name, tensor)
-    files = writer.finish()
-    _write_configs(model, partial, writer.dtype)
-    if tokenizer_dir is not None:
-        for path in sorted(tokenizer_dir.iterdir()):
-            shutil.copyfile(path, partial / path.name)
-        _stop_where_turns_end(partial, tokenizer_dir)
+    write(partial)
     _readable_like_the_rest(partial)
-    if (
-        target.exists()
-    ):  # a killed export leaves the old model or the new one in hf/, never half of one
+    if target.exists():
         shutil.rmtree(previous, ignore_errors=True)
         os.rename(target, previous)
     rename_durably(partial, target)
     shutil.rmtree(previous, ignore_errors=True)
-    log.info(
-        "exported Hugging Face weights to %s (%d file%s)", target, len(files), "s"[: len(files) > 1]
-    )
+
+
+def _copy_tokenizer(tokenizer_dir: Path | None, export: Path) -> None:
+    if tokenizer_dir is not None:
+        for path in sorted(tokenizer_dir.iterdir()):
+            shutil.copyfile(path, export / path.name)
+        _stop_where_turns_end(export, tokenizer_dir)
 
 
 def _write_configs(model: PreTrainedModel, export: Path, dtype: torch.dtype | None) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 from slurm_autosp.cluster.layout import ParallelLayout
 from slurm_autosp.config import JobConfig
 from slurm_autosp.data import data_identity
+from slurm_autosp.lora import base_fingerprint
 
 IDENTITY_PREFIXES = ("model.", "data.blend")
 IDENTITY_KEYS = frozenset(
@@ -49,6 +50,7 @@ DERIVED = {
     "cluster.world_size": "cluster.nodes x ranks per node",
     "data.contents": "the files at data.path or data.blend: prepared again since?",
     "data.tokenizer": "the tokenizer data.path or data.blend was prepared with",
+    "model.base": "the weights at model.pretrained_path that LoRA adapts: another checkpoint there?",
 }
 
 
@@ -66,7 +68,15 @@ def run_settings(cfg: JobConfig, layout: ParallelLayout, zero_stage: int) -> dic
         "train.global_batch": cfg.global_batch,
         "cluster.world_size": cfg.cluster.world_size,
         "parallel.layout": repr(layout),
+        **_lora_base(cfg),
     }
+
+
+def _lora_base(cfg: JobConfig) -> dict[str, str]:
+    """A LoRA run's checkpoints hold no base: the one every start reads must be the same."""
+    if cfg.model.lora is None or not cfg.model.pretrained_path:
+        return {}
+    return {"model.base": base_fingerprint(cfg.model.pretrained_path)}
 
 
 def _flatten(tree: dict[Any, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -47,14 +47,19 @@ def field_docstrings() -> dict[str, dict[str, str]]:
 
 
 def sections() -> list[tuple[str, type, list[dataclasses.Field]]]:
-    """JobConfig's sections (key, class, fields), then its own fields that are no section as
-    the top level."""
+    """JobConfig's sections (key, class, fields), each followed by its optional subsections
+    (`model.lora`), then its own fields that are no section as the top level."""
     found: list[tuple[str, type, list[dataclasses.Field]]] = []
     top: list[dataclasses.Field] = []
     for f in dataclasses.fields(schema.JobConfig):
         factory = f.default_factory
         if isinstance(factory, type) and dataclasses.is_dataclass(factory):
             found.append((f.name, factory, list(dataclasses.fields(factory))))
+            hints = typing.get_type_hints(factory)
+            for sub in dataclasses.fields(factory):
+                for cls in typing.get_args(hints[sub.name]):
+                    if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+                        found.append((f"{f.name}.{sub.name}", cls, list(dataclasses.fields(cls))))
         else:
             top.append(f)
     return [*found, (TOP_LEVEL, schema.JobConfig, top)]

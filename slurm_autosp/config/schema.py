@@ -199,6 +199,37 @@ class ClusterConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT's) on the model's chosen linear layers; the base weights frozen:
+    no gradients, no optimizer state, never checkpointed (every start reads them again from
+    `model.pretrained_path`, or builds them from the fields and `train.seed`)."""
+
+    rank: int = 16
+    """The adapters' rank r: each adapted `in x out` linear gains r x (in + out) weights."""
+    alpha: int = 32
+    """The adapters' scale is alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input; above 0 only at `parallel.sp_size=1` (each rank would
+    draw its own masks, and SP would not equal one device)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+    """Names (last parts) of the linear layers adapted: attention and MLP projections by
+    default."""
+    export_merged: bool = False
+    """Besides the adapters (`adapter/`, PEFT's format), export the base with the adapters
+    merged in as a Hugging Face checkpoint (`hf/`): the size of the base model."""
+
+
+@dataclass
 class ModelConfig:
     """A Hugging Face causal LM: fields keep HF's names and go to its config class unchanged.
 
@@ -245,10 +276,13 @@ class ModelConfig:
     HF's; null: HF builds the model."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other HF config field, verbatim (`model.extra.sliding_window=16`)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters trained on the frozen model (`model.lora.rank=16`, or `model.lora={}`
+    for the defaults); null: every weight is trained."""
 
     def hf_fields(self) -> dict[str, Any]:
         """The HF config fields that are set, with `extra` merged in."""
-        skip = {"model_type", "attn_implementation", "pretrained_path", "builder", "extra"}
+        skip = {"model_type", "attn_implementation", "pretrained_path", "builder", "extra", "lora"}
         fields = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)

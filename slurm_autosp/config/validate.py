@@ -21,6 +21,7 @@ from slurm_autosp.config.schema import (
     DataSource,
     DocumentBoundaries,
     JobConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     Precision,
@@ -198,6 +199,28 @@ def _model_problems(m: ModelConfig) -> list[str]:
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if getattr(m, key) is None:
                 problems.append(f"model.{key} is required to build a model from its config")
+    if m.lora is not None:
+        problems.extend(_lora_problems(m.lora))
+    return problems
+
+
+def _lora_problems(lora: LoraConfig) -> list[str]:
+    problems = _not_positive(("model.lora.rank", lora.rank), ("model.lora.alpha", lora.alpha))
+    if not 0 <= lora.dropout < 1:
+        problems.append(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
+    if not lora.target_modules:
+        problems.append(
+            "model.lora.target_modules is empty: name the linear layers to adapt (e.g. [q_proj, v_proj])"
+        )
+    bad = [
+        name
+        for name in lora.target_modules
+        if not name or not name.replace("_", "").replace(".", "").isalnum()
+    ]
+    if bad:
+        problems.append(
+            f"model.lora.target_modules: {bad!r} are not module names (letters, digits, _ and .)"
+        )
     return problems
 
 
@@ -422,6 +445,13 @@ def _cross_section_problems(cfg: JobConfig) -> list[str]:
     if cfg.precision is Precision.bf16 and not c.uses_gpus:
         problems.append(
             "train.precision=bf16 needs GPUs (cluster.gpus_per_node > 0); use fp32 on CPU"
+        )
+    lora = cfg.model.lora
+    if lora is not None and lora.dropout > 0 and p.sp_size > 1:
+        problems.append(
+            f"model.lora.dropout={lora.dropout} with parallel.sp_size={p.sp_size}: each rank would "
+            "draw its own dropout masks for its part of the sequence, and training would not equal "
+            "one device's; set model.lora.dropout=0"
         )
     masked = cfg.data.documents is DocumentBoundaries.masked
     if masked and (not cfg.compile.enabled or cfg.model.builder):

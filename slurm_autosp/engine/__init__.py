@@ -23,17 +23,19 @@ def build_engine(
     memory when `offload_optimizer`.
 
     Under parameter sharding an HF model is built on the meta device and only its shards are
-    ever allocated; a pretrained one is read whole by rank 0 alone and scattered into the
-    shards. A `model.builder` model is built whole on every rank's CPU, then sharded.
+    ever allocated; a pretrained one, or one with LoRA adapters (whose B starts at zero, which
+    the model's own init of a sharded skeleton would not give), is built whole by rank 0 alone
+    and scattered into the shards. A `model.builder` model is built whole on every rank's CPU,
+    then sharded.
     """
     if zero_stage != 3:
         model = build_model(cfg.model, compute_dtype(cfg.precision), device)
         return ZeRO1Engine(model, cfg, offload_optimizer)
     if cfg.model.builder:
         return FSDP2Engine(build_model(cfg.model), cfg, device, offload_optimizer)
+    whole = cfg.model.pretrained_path or cfg.model.lora
+    weights = build_model(cfg.model).state_dict() if whole and dist.get_rank() == 0 else {}
     engine = FSDP2Engine(build_skeleton(cfg.model), cfg, device, offload_optimizer)
-    if cfg.model.pretrained_path:
-        engine.load_full_weights(
-            build_model(cfg.model).state_dict() if dist.get_rank() == 0 else {}
-        )
+    if whole:
+        engine.load_full_weights(weights)
     return engine

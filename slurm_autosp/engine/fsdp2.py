@@ -44,6 +44,7 @@ from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.compat.torch_api import clear_sharding_prop_cache
 from slurm_autosp.compile import AutoSPCompileError, decoder_layers
 from slurm_autosp.config import ConfigError, JobConfig
+from slurm_autosp.lora import has_adapters
 from slurm_autosp.model import compute_dtype
 from slurm_autosp.optim import (
     apply_hyperparameters,
@@ -102,6 +103,8 @@ class FSDP2Engine:
         self._max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
         self._micro_steps = 0  # saves happen at step boundaries, where this is 0 mod grad_accum
         self._grad_norm = 0.0
+        adapters = has_adapters(model)  # the base stays out of checkpoints, and loads without
+        self._state_options = StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
 
     def __call__(self, **kwargs: Any) -> Any:
         return self.module(**kwargs)
@@ -142,18 +145,27 @@ class FSDP2Engine:
     def state_files(self) -> StateFiles:
         """Each rank's own shards (a torch distributed checkpoint), rank 0's also the schedule.
         The checkpoint records each tensor's whole shape, and `load` reads every rank's slice
-        of it: another world size or layout resumes it."""
-        model_state, optim_state = get_state_dict(self.module, self.optimizer)
+        of it: another world size or layout resumes it. A LoRA model's frozen base is left out:
+        every start reads it from its checkpoint."""
+        model_state, optim_state = get_state_dict(
+            self.module, self.optimizer, options=self._state_options
+        )
         files = StateFiles(distributed={"": {"model": model_state, "optimizer": optim_state}})
         if dist.get_rank() == 0:
             files.trees[SCHEDULE_FILE] = self.scheduler.state_dict()
         return files
 
     def load(self, path: Path) -> None:
-        model_state, optim_state = get_state_dict(self.module, self.optimizer)
+        model_state, optim_state = get_state_dict(
+            self.module, self.optimizer, options=self._state_options
+        )
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
         set_state_dict(  # dcp.load filled these dicts in place
-            self.module, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state
+            self.module,
+            self.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
+            options=self._state_options,
         )
         self.scheduler.load_state_dict(
             torch.load(path / SCHEDULE_FILE, weights_only=True, map_location="cpu")

@@ -5,7 +5,8 @@ DeepSpeed's own checkpoint keeps each rank's flat slice of the fp32 master weigh
 moments as it is, cut where that world size cuts the flattened model: it loads on as many ranks
 only. Here each slice is cut back into the parameters it covers, by name:
 
-    module.pt            rank 0: the module's weights and buffers (every rank holds them whole)
+    module.pt            rank 0: the module's weights and buffers (every rank holds them whole),
+                         less a LoRA model's base, which every start reads from its checkpoint
     fragments/rank_N.pt  rank N's flat partitions as they are: the fp32 master weights and each
                          optimizer state tensor (Adam's exp_avg, exp_avg_sq), one per param group
     fragments.json       rank 0: which rank's file holds which range of which flattened parameter,
@@ -33,6 +34,7 @@ from torch import nn
 
 from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.checkpoint.store import CheckpointError
+from slurm_autosp.lora import base_weights
 
 if TYPE_CHECKING:
     from slurm_autosp.compat.deepspeed_api import Fragment, ZeroPartition
@@ -68,7 +70,8 @@ def state_files(
     dist.all_gather_object(every, held)
     if rank != 0:
         return files
-    files.trees[MODULE_FILE] = module.state_dict()
+    base = base_weights(module)
+    files.trees[MODULE_FILE] = {k: v for k, v in module.state_dict().items() if k not in base}
     state = optimizer.state_dict()
     scalars = {i: {k: v for k, v in s.items() if k not in keys} for i, s in state["state"].items()}
     files.trees[OPTIMIZER_FILE] = {"state": scalars, "param_groups": state["param_groups"]}
@@ -166,14 +169,14 @@ def _load_untrained(module: nn.Module, file: Path) -> None:
     bytes are read)."""
     saved: dict[str, Any] = torch.load(file, mmap=True, weights_only=True, map_location="cpu")
     current = module.state_dict(keep_vars=True)
-    missing = sorted(current.keys() - saved.keys())
+    missing = sorted(current.keys() - saved.keys() - base_weights(module))
     if missing:
         raise CheckpointError(f"{file} lacks {', '.join(missing[:5])}: written for another model")
     module.load_state_dict(
         {
             name: saved[name]
             for name, value in current.items()
-            if not (isinstance(value, nn.Parameter) and value.requires_grad)
+            if name in saved and not (isinstance(value, nn.Parameter) and value.requires_grad)
         },
         strict=False,
     )

@@ -59,6 +59,19 @@ class RunDir:
         return self.root / ".hf.previous"
 
     @property
+    def adapter_export(self) -> Path:
+        """A LoRA run's trained adapters in PEFT's format, with the tokenizer."""
+        return self.root / "adapter"
+
+    @property
+    def adapter_export_partial(self) -> Path:
+        return self.root / ".adapter.partial"
+
+    @property
+    def adapter_export_previous(self) -> Path:
+        return self.root / ".adapter.previous"
+
+    @property
     def tensorboard(self) -> Path:
         """TensorBoard's event files: the run's scalars and texts (the probe's too)."""
         return self.root / "tensorboard"

@@ -158,7 +158,7 @@ def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConf
 
     A model from `builder` gets the shrunk fields and must honour them; a `pretrained_path`
     model is rebuilt from its config with random weights (equivalence is a property of the
-    architecture, not of the weights).
+    architecture, not of the weights). LoRA adapters stay, without dropout.
     """
     fields = _hf_config_of(model)
     heads = fields.get("num_attention_heads")
@@ -194,6 +194,7 @@ def shrink_model_config(model: ModelConfig, options: VerifyOptions) -> ModelConf
         model_type=fields.get("model_type") or model.model_type,
         pretrained_path=None,
         extra=extra,
+        lora=model.lora and dataclasses.replace(model.lora, dropout=0.0),
     )
 
 

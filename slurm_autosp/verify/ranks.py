@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from slurm_autosp.cluster.parallel_dims import ParallelDims, contiguous_parallel_dims
 from slurm_autosp.compile import AutoSPBackend, compile_model
 from slurm_autosp.config import CompileConfig, JobConfig, ModelConfig
+from slurm_autosp.lora import randomize_adapters
 from slurm_autosp.model import build_model
 from slurm_autosp.run_step import run_module_step
 from slurm_autosp.sp import IGNORE_INDEX, set_sp_groups, sp_token_positions
@@ -186,6 +187,7 @@ def compare_sp_step(
 
     torch.manual_seed(options.seed)
     model = build_model(model_cfg).float()
+    randomize_adapters(model, options.seed)
     reference_model = copy.deepcopy(model).to(dims.device) if dims.rank == 0 else None
     model.to(device=dims.device, dtype=dtype)
 
@@ -299,10 +301,16 @@ def _describe(
     ring = f" (Ulysses {sp // ring_size} x ring {ring_size})" if ring_size > 1 else ""
     padded = padded_length(seq_len, sp, ring_size, packed=layout is not None)
     codegen = "" if options.codegen else ", no inductor (verify.codegen=false)"
+    lora = model.lora
+    adapters = (
+        f"; LoRA rank {lora.rank} on {', '.join(lora.target_modules)} (adapters random)"
+        if lora
+        else ""
+    )
     return (
         f"AutoSP verify: {model.model_type}, {heads} query heads / {kv} KV heads (GQA {heads // kv}:1), shrunk to "
         f"{model.num_hidden_layers} layers, head_dim {model.head_dim}, hidden {model.hidden_size}, "
-        f"vocab {model.vocab_size}\n"
+        f"vocab {model.vocab_size}{adapters}\n"
         f"  sp_size={sp}{ring} x dp={dims.dp_size} {dims.device.type} ranks, {str(dtype).removeprefix('torch.')} "
         f"(reference fp32), "
         f"compile.per_layer={compile.per_layer}{codegen}; batch {batch['input_ids'].shape[0]} x {seq_len} tokens "

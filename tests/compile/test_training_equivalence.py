@@ -58,6 +58,20 @@ def test_three_fsdp2_steps_match_torch_adamw_on_one_device(world, request):
     assert_steps_match(result)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
+def test_lora_steps_train_the_single_device_adapters_and_leave_the_base(pool2, zero_stage):
+    """LoRA adapters on every projection, SP=2, two micro-batches a step, under each engine:
+    the losses and the adapters are single-device AdamW's, and every base weight stays as it
+    was (no gradient, no optimizer state for it)."""
+    result = pool2.run(engine_steps, zero_stage, 2, 2, 3, 1, True)[0]
+    assert_steps_match(result)
+    assert result["trained"] and all(".lora_" in name for name in result["trained"]), result
+    assert result["frozen"] > 0 and result["frozen_moved"] == 0.0, result
+    if zero_stage == 3:
+        assert result["grad_rel_error"] <= TOLERANCE, result
+
+
 def test_fsdp2_meta_device_build_draws_whole_tensors_and_restores_buffers(pool2):
     """Not the CPU build's values (its constructors draw too), but its distributions, norms
     and rotary frequencies, and shards that are slices of one draw."""

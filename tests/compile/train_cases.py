@@ -26,9 +26,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.compile import compile_model
+from slurm_autosp.config import LoraConfig
 from slurm_autosp.data import TokenFileSource
 from slurm_autosp.evaluate import Evaluator
 from slurm_autosp.lifecycle.run_dir import RunDir
+from slurm_autosp.lora import add_adapters
 from slurm_autosp.sp import IGNORE_INDEX, loss_scale, prepare_sp_inputs, set_sp_group
 from slurm_autosp.sp.chunked_loss import causal_lm_loss
 from slurm_autosp.verify import make_batch
@@ -75,7 +77,9 @@ def _kwargs(shard, count: torch.Tensor) -> dict:
 
 
 def _grad_error(grad: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((grad - reference).abs().max() / reference.abs().max())
+    """Relative to the reference's largest; a gradient that is zero (LoRA's A while B is) must
+    be zero."""
+    return float((grad - reference).abs().max() / reference.abs().max().clamp(min=1e-30))
 
 
 def grad_accum_step(sp_size: int, grad_accum: int, ring_size: int = 1) -> dict | None:
@@ -141,14 +145,24 @@ def _job_config(world: int, zero_stage: int, grad_accum: int, steps: int):
 
 def _engine(zero_stage: int, cfg):
     """ZeRO-1 over the fixed-seed tiny model; FSDP2 over the same model built on the meta
-    device, so the engine's own sharded initialization is what gets trained."""
+    device, so the engine's own sharded initialization is what gets trained. With
+    `model.lora`, the model has its adapters; under FSDP2 rank 0's whole model is scattered
+    into the shards, as build_engine does."""
     from slurm_autosp.engine import FSDP2Engine, ZeRO1Engine
 
+    def model():
+        built = tiny_model("llama", 2)
+        return add_adapters(built, cfg.model.lora) if cfg.model.lora else built
+
     if zero_stage == 1:
-        return ZeRO1Engine(tiny_model("llama", 2), cfg)
+        return ZeRO1Engine(model(), cfg)
+    whole = model().state_dict() if cfg.model.lora and dist.get_rank() == 0 else {}
     with torch.device("meta"):
-        model = tiny_model("llama", 2)
-    return FSDP2Engine(model, cfg, torch.device("cpu"))
+        skeleton = model()
+    engine = FSDP2Engine(skeleton, cfg, torch.device("cpu"))
+    if cfg.model.lora:
+        engine.load_full_weights(whole)
+    return engine
 
 
 def _whole_weights(engine) -> dict:
@@ -190,7 +204,12 @@ def take_steps(
 
 
 def engine_steps(
-    zero_stage: int, sp_size: int, grad_accum: int, steps: int, ring_size: int = 1
+    zero_stage: int,
+    sp_size: int,
+    grad_accum: int,
+    steps: int,
+    ring_size: int = 1,
+    lora: bool = False,
 ) -> dict | None:
     """`steps` optimizer steps through the engine for `zero_stage` (DeepSpeed ZeRO-1, or FSDP2
     parameter sharding; torch AdamW and our LR schedule in both) on SP x DP ranks, with the
@@ -198,13 +217,18 @@ def engine_steps(
     from the same initial weights with the same lr schedule, betas, eps, weight decay and
     gradient clipping (DeepSpeed scales by clip / (norm + 1e-6) when the norm is above clip,
     which is torch's clip_grad_norm_). Under FSDP2 the first step's reduced gradients are
-    compared too (DeepSpeed's are checked by grad_accum_step, whose reduction emulates it)."""
+    compared too (DeepSpeed's are checked by grad_accum_step, whose reduction emulates it).
+    `lora`: LoRA adapters on every projection train, the rest stays as it was."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
     from slurm_autosp.optim import build_lr_scheduler, build_optimizer
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = _job_config(world, zero_stage, grad_accum, steps)
+    if lora:
+        cfg.model.lora = LoraConfig(rank=4, alpha=8)
+        cfg.train.lr = 2e-2  # the adapters move enough in 3 steps to tell a wrong one
+        cfg.train.grad_clip = 0.1  # the adapters' gradient norms are ~0.2: clipping engages
     rows = world // sp_size * grad_accum
     batches = [make_batch(rows, SEQ, VOCAB, seed=100 + step) for step in range(steps)]
 
@@ -217,7 +241,11 @@ def engine_steps(
     def keep_first_grads(micro: int) -> None:
         if zero_stage == 3 and not first_grads and micro == grad_accum - 1:
             first_grads.update(
-                {name: p.grad.full_tensor() for name, p in engine.module.named_parameters()}
+                {
+                    name: p.grad.full_tensor()
+                    for name, p in engine.module.named_parameters()
+                    if p.requires_grad
+                }
             )
 
     losses, grad_norms = take_steps(
@@ -234,6 +262,8 @@ def engine_steps(
         return None
 
     reference = tiny_model("llama", 2)
+    if cfg.model.lora:
+        reference = add_adapters(reference, cfg.model.lora)
     reference.load_state_dict(initial)
     optimizer = build_optimizer(reference, cfg.train)
     scheduler = build_lr_scheduler(optimizer, cfg.train)
@@ -245,16 +275,20 @@ def engine_steps(
             grad_errors = {
                 name: _grad_error(first_grads[name], p.grad)
                 for name, p in reference.named_parameters()
+                if p.requires_grad
             }
-        ref_norms.append(
-            float(torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.train.grad_clip))
-        )
+        trained = [p for p in reference.parameters() if p.requires_grad]
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(trained, cfg.train.grad_clip)))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         ref_losses.append(float(loss.detach()))
     param_errors = {}
+    frozen_moved = {}
     for name, p_ref in reference.named_parameters():
+        if not p_ref.requires_grad:
+            frozen_moved[name] = float((params[name] - initial[name]).abs().max())
+            continue
         moved = (p_ref.detach() - initial[name]).abs().max()
         param_errors[name] = float((params[name] - p_ref.detach()).abs().max() / moved)
     return {
@@ -267,6 +301,9 @@ def engine_steps(
         "grad_clip": cfg.train.grad_clip,
         "param_rel_error": max(param_errors.values()),
         "worst_param": max(param_errors, key=param_errors.get),
+        "trained": sorted(param_errors),
+        "frozen_moved": max(frozen_moved.values(), default=0.0),
+        "frozen": len(frozen_moved),
     }
 
 
