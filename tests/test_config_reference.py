@@ -75,6 +75,9 @@ def stale_key(section: str, dotted: str) -> bool:
     names = dotted.lstrip(".").split(".")
     if names[-1] in FILE_SUFFIXES or names == ["*"]:
         return False
+    subsection = f"{section}.{names[0]}"  # model.lora.rank
+    if subsection in KEYS and len(names) > 1:
+        return stale_key(subsection, "." + ".".join(names[1:]))
     nested = KEYS[section].get(names[0])
     return nested is None or (len(names) > 1 and not nested)
 
