@@ -73,14 +73,19 @@ def base_weights(model: nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def randomize_adapters(model: nn.Module, seed: int) -> None:
+def randomize_adapters(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Both adapter matrices drawn at random: with B zero, as training starts, A's gradients
-    are zero and a check of them proves nothing."""
+    are zero and a check of them proves nothing. A as PEFT draws it (variance 1 / in), B such
+    that the update (alpha / r) B A is no larger than a weight initialised with `std`: a
+    larger one saturates attention's softmax, and the check would measure that instead."""
     generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if is_adapter(name):
-            drawn = torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5
-            param.copy_(drawn.to(param.dtype))
+    for module in model.modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer) and ADAPTER_NAME in module.lora_A:
+            a = module.lora_A[ADAPTER_NAME].weight
+            b = module.lora_B[ADAPTER_NAME].weight
+            scaling = module.scaling[ADAPTER_NAME]
+            a.copy_(torch.randn(a.shape, generator=generator) / a.shape[1] ** 0.5)
+            b.copy_(torch.randn(b.shape, generator=generator) * std / scaling)
 
 
 def adapter_state(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
