@@ -326,3 +326,36 @@ def test_a_value_yaml_would_cut_at_a_comment_is_refused_with_how_to_quote_it():
         load_config(["cfg=configs/tiny_cpu.yaml", "run.name=exp #1"])
     assert load_config(["run.name='exp #1'"]).run.name == "exp #1"
     assert load_config(["run.name=exp#1"]).run.name == "exp#1"  # no space: not a comment
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["model.lora.dropout=0.1"],
+            "model.lora.dropout=0.1 with parallel.sp_size=2: each rank would draw its own dropout",
+        ),
+        (["model.lora.rank=0"], "model.lora.rank=0 must be > 0"),
+        (["model.lora.target_modules=[]"], "model.lora.target_modules is empty"),
+    ],
+)
+def test_lora_settings_sp_cannot_train_or_that_adapt_nothing_are_refused_by_key(overrides, message):
+    """LoRA dropout at SP > 1 (each rank would draw its own masks for its part of the sequence),
+    a rank of 0 and an empty list of adapted layers: refused at config time, naming the key."""
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            ["cfg=configs/tiny_cpu.yaml", "parallel.sp_size=2", "model.lora={}", *overrides]
+        )
+    assert message in str(err.value)
+
+
+def test_lora_dropout_is_accepted_without_sp():
+    cfg = load_config(
+        [
+            "cfg=configs/tiny_cpu.yaml",
+            "parallel.sp_size=1",
+            "model.lora={}",
+            "model.lora.dropout=0.1",
+        ]
+    )
+    assert cfg.model.lora.dropout == 0.1

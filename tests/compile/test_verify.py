@@ -113,6 +113,70 @@ def test_moe_router_loss_matches_single_device(run_verify, family, layout):
     assert expected in done.stdout, done.stdout
 
 
+LORA_ULYSSES2_RING2 = ("parallel.sp_size=4", "parallel.ring_size=2", "cluster.tasks_per_node=4")
+LORA_CASES = {
+    "llama_sp2": ("parallel.sp_size=2",),  # inductor's kernels too
+    "qwen3_sp2": ("model.model_type=qwen3", "parallel.sp_size=2", "verify.codegen=false"),
+    "llama_ulysses2_ring2": (*LORA_ULYSSES2_RING2, "verify.codegen=false"),
+    "qwen3_ulysses2_ring2": (
+        "model.model_type=qwen3",
+        *LORA_ULYSSES2_RING2,
+        "verify.codegen=false",
+    ),
+    "llama_sp2_documents": ("parallel.sp_size=2", "verify.documents=3", "verify.codegen=false"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LORA_CASES.values(), ids=LORA_CASES.keys())
+def test_lora_adapters_drawn_at_random_train_as_on_one_device(run_verify, case):
+    """Issue #51: a tiny Llama and a tiny Qwen3 with LoRA on every default projection, both
+    adapter matrices random (with B zero A's gradients would be zero), at SP=2, at Ulysses 2 x
+    ring 2 and with packed documents: the adapters' gradients, the only ones trained, within
+    1e-5 of one device's."""
+    done = run_verify("cfg=configs/tiny_cpu.yaml", "model.lora={}", *case)
+    print(done.stdout)  # its errors, for the -rP report
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS" in done.stdout, done.stdout
+    family = "qwen3" if "model.model_type=qwen3" in case else "llama"
+    assert f"AutoSP verify: {family}, " in done.stdout, done.stdout
+    assert (
+        "LoRA rank 16 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
+        "(adapters random)" in done.stdout
+    ), done.stdout
+    # 2 layers x 7 adapted projections x (A, B): the frozen base has no gradients to compare
+    assert "gradients, worst of 28 parameters" in done.stdout, done.stdout
+    listed = done.stdout.split("worst parameters:\n", 1)[1].split("PASS", 1)[0].split()[::2]
+    assert listed and all(".lora_A." in n or ".lora_B." in n for n in listed), listed
+    if "parallel.ring_size=2" in case:
+        assert "sp_size=4 (Ulysses 2 x ring 2) x dp=1" in done.stdout, done.stdout
+    if "verify.documents=3" in case:
+        assert "packed: 3 documents per row (document_ids)" in done.stdout, done.stdout
+
+
+def test_shrunk_model_keeps_the_lora_adapters_without_dropout():
+    """verify checks the configured adapters (rank, alpha, layers) on the shrunk copy, their
+    dropout off: each rank would draw its own masks."""
+    model = load_config(
+        [
+            "cfg=configs/tiny_cpu.yaml",
+            "parallel.sp_size=1",
+            "model.lora={}",
+            "model.lora.rank=4",
+            "model.lora.alpha=8",
+            "model.lora.dropout=0.1",
+            "model.lora.target_modules=[q_proj,v_proj]",
+        ]
+    ).model
+    shrunk = shrink_model_config(model, VerifyOptions())
+    assert shrunk.lora is not None and shrunk.lora.dropout == 0.0
+    assert (shrunk.lora.rank, shrunk.lora.alpha) == (4, 8)
+    assert shrunk.lora.target_modules == ["q_proj", "v_proj"]
+    assert model.lora.dropout == 0.1  # the job's own config untouched
+    plain = load_config(["cfg=configs/tiny_cpu.yaml"]).model
+    assert shrink_model_config(plain, VerifyOptions()).lora is None
+
+
 RING_LAYOUTS = {"ulysses2_ring2": "parallel.ring_size=2", "ring4": "parallel.ring_size=4"}
 
 
