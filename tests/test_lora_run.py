@@ -81,7 +81,7 @@ def last_losses(run_dir: Path) -> dict[int, float]:
 @pytest.mark.slow
 def test_checkpoints_hold_the_adapters_and_no_base_weight(lora_run, base):
     checkpoint = max((lora_run / "checkpoints").glob("step_*"))
-    module = torch.load(checkpoint / "module.pt", weights_only=True)
+    module = torch.load(checkpoint / "engine" / "module.pt", weights_only=True)
     assert module and all(".lora_" in name for name in module), sorted(module)
     assert not any(name.endswith(".base_layer.weight") for name in module)
     held = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
