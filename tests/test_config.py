@@ -7,7 +7,12 @@ import pytest
 
 from slurm_autosp.config import ConfigError, DataSource, JobConfig, load_config
 
-CONFIGS = ["configs/tiny_cpu.yaml", "configs/llama8b_32k.yaml", "configs/llama70b_128k.yaml"]
+CONFIGS = [
+    "configs/tiny_cpu.yaml",
+    "configs/llama8b_32k.yaml",
+    "configs/llama70b_128k.yaml",
+    "configs/llama8b_256k_lora.yaml",
+]
 
 
 @pytest.mark.parametrize("path", CONFIGS)

@@ -44,6 +44,19 @@ def test_llama70b_dry_run_prints_script_environment_and_layout(tmp_path):
     assert not (tmp_path / "llama70b_128k").exists()
 
 
+@pytest.mark.slow
+def test_llama8b_256k_lora_dry_run_plans_the_adapters_on_one_node(tmp_path):
+    proc = submit(
+        "cfg=configs/llama8b_256k_lora.yaml", "dry_run=true", f"run.output_root={tmp_path}"
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "#SBATCH --nodes=1" in out and "zero_stage: 1" in out
+    assert "41.9M of 8.07B parameters trained" in out and "verdict: fits" in out
+    assert "nothing submitted" in out
+    assert not (tmp_path / "llama8b_256k_lora").exists()
+
+
 def test_llama8b_32m_dry_run_shows_ulysses_inside_nodes_and_the_ring_across_them(tmp_path):
     proc = submit("cfg=configs/llama8b_32m.yaml", "dry_run=true", f"run.output_root={tmp_path}")
     assert proc.returncode == 0, proc.stderr

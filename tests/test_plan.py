@@ -714,3 +714,96 @@ def test_offloaded_activations_whose_copies_fall_behind_the_forward_stay_on_the_
         (2 + lag) * trace.activation_bytes + trace.shared_bytes
     )
     assert offload_lag_layers(load_config(["cfg=configs/tiny_cpu.yaml"]), trace, 2) == 0
+
+
+LORA_RANK = 16
+
+
+def _lora_adapters_per_layer(m) -> int:
+    """rank x (in + out) for each of a Llama layer's seven projections."""
+    head_dim = m.hidden_size // m.num_attention_heads
+    q, kv = m.num_attention_heads * head_dim, m.num_key_value_heads * head_dim
+    h, i = m.hidden_size, m.intermediate_size
+    pairs = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+    return LORA_RANK * sum(a + b for a, b in pairs)
+
+
+def test_a_lora_plan_holds_the_frozen_base_without_gradients_or_optimizer_state(llama8b_plan):
+    """Llama-8B with rank-16 adapters on all seven projections: every GPU still holds every
+    weight (bf16 under ZeRO-1, fp32 shards under ZeRO-3), but only the 42M adapter parameters
+    have gradients and Adam's state; the activations are the full fine-tune's."""
+    lora = load_config(["cfg=configs/llama8b_32k.yaml", f"model.lora.rank={LORA_RANK}"])
+    m, world = lora.model, 8
+    full, size = model_size(load_config(["cfg=configs/llama8b_32k.yaml"]).model), model_size(m)
+    adapters = _lora_adapters_per_layer(m) * m.num_hidden_layers
+    assert size.trained == adapters == 41_943_040
+    assert size.total == full.total + adapters and size.frozen == full.total
+    assert size.trained_root == size.trained_head == 0
+    assert size.trained_layer == _lora_adapters_per_layer(m)
+    assert size.trained_largest == LORA_RANK * m.intermediate_size  # gate/up's B, down's A
+    plain = llama8b_plan.configured
+    memories = {
+        stage: (
+            policy_memory(lora, plain.trace, size, stage, plain.rung),
+            llama8b_plan.memories[stage][plain.rung],
+        )
+        for stage in (1, 3)
+    }
+    adapted, whole = memories[1]
+    params = size.total
+    assert adapted.terms["parameters"] == 2 * params  # the bf16 model, adapters included
+    assert adapted.terms["gradients"] == 4 * adapters
+    assert adapted.terms["optimizer_shard"] == 12 * adapters / world
+    assert adapted.terms["gradient_conversion"] == 6 * LORA_RANK * m.intermediate_size
+    # what the full fine-tune holds beyond the frozen base's weights: its gradient and state
+    saved = 4 * full.total + 12 * full.total / world - 4 * adapters - 12 * adapters / world
+    saved += 6 * 128_256 * 4096 - 6 * LORA_RANK * m.intermediate_size - 2 * adapters
+    assert whole.subtotal - adapted.subtotal == pytest.approx(saved)
+    assert whole.total - adapted.total == pytest.approx(saved * 1.05)
+    assert whole.total - adapted.total > 45e9  # 75.4 -> 26.0 GB
+    adapted, whole = memories[3]
+    assert adapted.terms["parameters"] == 4 * params / world
+    assert adapted.terms["gradients"] == 4 * adapters / world
+    assert adapted.terms["optimizer_shard"] == 8 * adapters / world
+    # the root and two layers gathered in bf16; no lm_head gradient; one layer's adapters'
+    assert adapted.terms["gathered_weights"] == 2 * (size.root + 2 * size.layer) + 6 * (
+        size.trained_layer
+    )
+    assert whole.total - adapted.total > 12e9
+    for stage in (1, 3):
+        adapted, whole = memories[stage]
+        for term in ("activations", "logits_and_loss", "communication", "recompute_working"):
+            assert adapted.terms[term] == whole.terms[term], (stage, term)
+        assert adapted.per_token == whole.per_token
+
+
+def test_a_lora_plan_counts_only_the_adapters_in_offloaded_state_and_checkpoints(llama8b_plan):
+    """Optimizer offload moves only the adapters' state; a checkpoint holds the adapters (and
+    their optimizer shard), never the frozen base."""
+    from slurm_autosp.lifecycle.save_time import rank0_checkpoint_bytes
+    from slurm_autosp.memory_plan.terms import MemoryPlan, trained_summary
+
+    lora = load_config(["cfg=configs/llama8b_32k.yaml", "model.lora={}"])
+    size = model_size(lora.model)
+    plain = llama8b_plan.configured
+    rung = next(r for r in llama8b_plan.memories[1] if r.offload_optimizer and not r.offload)
+    offloaded = policy_memory(lora, plain.trace, size, 1, rung)
+    assert offloaded.terms["optimizer_shard"] == 0
+    assert offloaded.host_fixed == (12 + 4 + 2) * size.trained / 8
+    plan = MemoryPlan(lora, size.total, size.trained, 80e9, 1, plain, {})
+    assert rank0_checkpoint_bytes(lora, plan.trained, 1) == 2 * size.trained + 12 * size.trained / 8
+    assert trained_summary(plan) == (
+        "LoRA rank 16 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: 41.9M "
+        "of 8.07B parameters trained (the base frozen: no gradients, no optimizer state)"
+    )
+    assert trained_summary(llama8b_plan) == ""
+
+
+@pytest.mark.slow
+def test_llama8b_256k_lora_fits_one_node_under_zero1_and_says_what_it_trains():
+    plan = build_plan(load_config(["cfg=configs/llama8b_256k_lora.yaml"]))
+    text, fits, _ = verdict(plan)
+    assert fits and plan.zero_stage == 1, text
+    assert plan.configured.terms["gradients"] == 4 * plan.trained
+    assert "41.9M of 8.07B parameters trained" in text
+    assert "41.9M of 8.07B parameters trained" in render(plan)

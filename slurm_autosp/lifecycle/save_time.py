@@ -43,6 +43,8 @@ class SignalDelayTooShort(ConfigError):
 
 
 def rank0_checkpoint_bytes(cfg: JobConfig, parameters: int, zero_stage: int) -> float:
+    """What the rank writing the most saves: `parameters` are those a checkpoint holds, every
+    one, or a LoRA run's adapters (its frozen base is never saved)."""
     if zero_stage == 3:
         return parameters * _ADAM_BYTES / cfg.cluster.world_size
     weights = parameters * (2 if cfg.precision is Precision.bf16 else 4)

@@ -123,7 +123,15 @@ def build_plan(cfg: JobConfig) -> MemoryPlan:
     stage, stage_note = _choose_stage(cfg, memories[1][zero1_rung].fits(gpu_bytes))
     rung, policy_note = _choose_rung(cfg, memories[stage], gpu_bytes)
     return MemoryPlan(
-        cfg, size.total, gpu_bytes, stage, memories[stage][rung], memories, stage_note, policy_note
+        cfg,
+        size.total,
+        size.trained,
+        gpu_bytes,
+        stage,
+        memories[stage][rung],
+        memories,
+        stage_note,
+        policy_note,
     )
 
 
@@ -160,7 +168,7 @@ def choices_from_plan(plan: MemoryPlan) -> TrainingChoices:
     memory = plan.configured
     asynchronous = checkpoint_staging(plan).asynchronous
     step_s, _ = step_time(plan.cfg)
-    save_bytes = rank0_checkpoint_bytes(plan.cfg, plan.parameters, plan.zero_stage)
+    save_bytes = rank0_checkpoint_bytes(plan.cfg, plan.trained, plan.zero_stage)
     stopping = stopping_for(plan.cfg, step_s, save_bytes, asynchronous)
     return TrainingChoices(
         plan.zero_stage,

@@ -57,7 +57,7 @@ def plan_verdict(cfg: JobConfig) -> PlanVerdict:
     layers = hf_config(cfg.model).num_hidden_layers
     delay = signal_delay(
         cfg,
-        plan.parameters,
+        plan.trained,
         plan.zero_stage,
         *step_time(cfg),
         layers,

@@ -43,7 +43,7 @@ class OptimizerOffloadCost:
 def optimizer_offload_cost(plan: MemoryPlan) -> OptimizerOffloadCost:
     cfg, t = plan.cfg, plan.configured.trace
     c, accum = cfg.cluster, cfg.train.grad_accum
-    shard = plan.parameters / c.world_size  # parameters per rank
+    shard = plan.trained / c.world_size  # trained parameters per rank
     link = c.host_link_gb_per_s * GB
     flops = (t.forward_flops + t.backward_flops + t.recompute_flops) * accum
     compute = compute_seconds(cfg.trace, flops * hf_config(cfg.model).num_hidden_layers)

@@ -14,6 +14,7 @@ from slurm_autosp.memory_plan.terms import (
     MemoryPlan,
     bytes_per_element,
     kv_block_per_token,
+    trained_summary,
 )
 from slurm_autosp.memory_plan.verdict import verdict
 from slurm_autosp.model import hf_config
@@ -46,6 +47,7 @@ def render(plan: MemoryPlan) -> str:
         f"seq {cfg.data.seq_len} x micro_batch {cfg.train.micro_batch}, SP={cfg.parallel.sp_size}{split} "
         f"({memory.trace.local_seq} tokens per rank), world {c.world_size}, {cfg.precision.value}",
         f"  {_engine(plan)}; checkpointing {memory.label}{policy_note}",
+        *([f"  {trained_summary(plan)}"] if plan.cfg.model.lora else []),
         f"per GPU ({c.gpu_memory_gb:g} GB):",
     ]
     for name, value in memory.terms.items():

@@ -40,8 +40,8 @@ class Staging:
 def checkpoint_staging(plan: MemoryPlan) -> Staging:
     cfg, memory = plan.cfg, plan.configured
     ranks = cfg.cluster.ranks_per_node
-    rank0 = rank0_checkpoint_bytes(cfg, plan.parameters, plan.zero_stage)
-    other = rank0_checkpoint_bytes(cfg, plan.parameters, 3)  # an optimizer shard, no weights
+    rank0 = rank0_checkpoint_bytes(cfg, plan.trained, plan.zero_stage)
+    other = rank0_checkpoint_bytes(cfg, plan.trained, 3)  # an optimizer shard, no weights
     copies = 2 if plan.zero_stage == 3 else 1
     node = copies * (rank0 + (ranks - 1) * other)
     room = (memory.host_bytes_per_rank - memory.host_bytes) * ranks

@@ -56,12 +56,23 @@ shards and Adam's moments, the gathered weights staying on the GPU. Host memory 
 of `cluster.host_memory_gb` usable) holds offloaded activations and optimizer state together;
 offloaded activations take their exact bytes plus one slab of the offload's host arena
 (sp/host_arena.py: 64 MiB) per rank.
+With `model.lora` (LoRA adapters, the base frozen), P counts every parameter, the frozen base's
+and the adapters', and T the trained ones (the adapters: rank x (in + out) for each adapted
+linear): only those have gradients and optimizer state. So under ZeRO-1 the parameters stay
+b*P but the gradient is 4*T, the optimizer shard 12*T/world and the gradient conversion the
+largest adapter's; under ZeRO-3 the fp32 shards stay 4*P/world but gradients are 4*T/world and
+Adam's moments 8*T/world, and of the gathered terms only a layer's adapters have a gradient (the
+lm_head none, unless adapted). The activations are the full fine-tune's: an adapted linear's
+rank-r intermediate (r values per token, saved for its B) is not counted, nor what a frozen
+linear left unadapted no longer saves (its input, needed only for its weight's gradient; an
+adapted one's input is saved for the adapter's A): an overestimate where few are adapted.
 Per-token terms (activations, logits, communication buffers, working buffers) are linear in
 the local sequence length, so the longest sequence that fits is solved from one trace.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +84,7 @@ from slurm_autosp.memory_plan.compute_time import compute_seconds
 from slurm_autosp.memory_plan.layer_graph import LayerTrace, hf_layer_classes
 from slurm_autosp.memory_plan.policies import Rung, rung_label, tile_tokens_for
 from slurm_autosp.metrics.outside_allocator import OutsideAllocator
-from slurm_autosp.model import hf_config
+from slurm_autosp.model import build_skeleton, hf_config
 from slurm_autosp.sp.host_arena import SLAB_BYTES
 
 GB = 1e9
@@ -201,7 +212,9 @@ HOST_USABLE = 0.8
 @dataclass(frozen=True)
 class ModelSize:
     """Parameter counts by FSDP2 group: the largest decoder layer (where an MoE has dense
-    layers too, an MoE one with every expert), and the root (embedding, final norm, lm_head)."""
+    layers too, an MoE one with every expert), and the root (embedding, final norm, lm_head);
+    and of each, those trained: all of them in a full fine-tune, only the adapters under
+    `model.lora` (the base frozen: no gradient, no optimizer state)."""
 
     layer: int
     layers: int
@@ -209,15 +222,32 @@ class ModelSize:
     head: int  # the lm_head weight (the embedding's when tied)
     in_layers: int  # every decoder layer's parameters together
     largest: int  # the largest single tensor: the embedding, or a layer's (an MoE's experts)
+    trained_layer: int  # of the largest layer's parameters, those trained
+    trained_in_layers: int
+    trained_root: int
+    trained_head: int  # the lm_head's trained parameters: its weight, its adapters, or none
+    trained_largest: int  # the largest trained tensor
 
     @property
     def total(self) -> int:
         return self.in_layers + self.root
 
+    @property
+    def trained(self) -> int:
+        return self.trained_in_layers + self.trained_root
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trained
+
 
 def model_size(model: ModelConfig) -> ModelSize:
     """Parameter counts of the configured model, from its decoder layers built on the meta
-    device (nothing allocated; an MoE's layers hold every expert, not only those a token runs)."""
+    device (nothing allocated; an MoE's layers hold every expert, not only those a token runs).
+    With `model.lora`, from the whole model built on the meta device with its adapters, as
+    training builds it (model.build_skeleton): PEFT decides which linear layers it adapts."""
+    if model.lora is not None:
+        return _adapted_size(model)
     layer_class, _ = hf_layer_classes(model)
     config = hf_config(model)
     with torch.device("meta"):
@@ -233,6 +263,44 @@ def model_size(model: ModelConfig) -> ModelSize:
         embedding,
         int(sum(layers)),
         int(max(embedding, largest)),
+        int(max(layers)),
+        int(sum(layers)),
+        embedding + head + config.hidden_size,
+        embedding,
+        int(max(embedding, largest)),
+    )
+
+
+def _adapted_size(model: ModelConfig) -> ModelSize:
+    """`model_size` of a model with LoRA adapters: every parameter, the frozen base and the
+    adapters, and of them those trained (`requires_grad`: the adapters)."""
+    layer_class, _ = hf_layer_classes(model)
+    skeleton = build_skeleton(model)
+    built = [m for m in skeleton.modules() if isinstance(m, layer_class)]
+    assert built, f"no {layer_class.__name__} in the model"
+
+    def count(params: Iterable[torch.nn.Parameter], trained: bool = False) -> int:
+        return int(sum(p.numel() for p in params if p.requires_grad or not trained))
+
+    layers = [(count(m.parameters()), count(m.parameters(), True)) for m in built]
+    total, trained = count(skeleton.parameters()), count(skeleton.parameters(), True)
+    in_layers, trained_in_layers = (sum(c) for c in zip(*layers, strict=True))
+    layer, trained_layer = max(layers)
+    head = getattr(skeleton, "get_output_embeddings", lambda: None)()
+    head_trained = count(head.parameters(), True) if isinstance(head, torch.nn.Module) else 0
+    config = hf_config(model)
+    return ModelSize(
+        layer,
+        len(built),
+        total - in_layers,
+        config.vocab_size * config.hidden_size,
+        in_layers,
+        max(p.numel() for p in skeleton.parameters()),
+        trained_layer,
+        trained_in_layers,
+        trained - trained_in_layers,
+        head_trained,
+        max((p.numel() for p in skeleton.parameters() if p.requires_grad), default=0),
     )
 
 
@@ -321,6 +389,7 @@ class PolicyMemory:
 class MemoryPlan:
     cfg: JobConfig
     parameters: int
+    trained: int  # the parameters trained: all, or under `model.lora` the adapters'
     gpu_bytes: float
     zero_stage: int  # the stage training runs: configured, or chosen by the plan
     configured: PolicyMemory  # the rung training runs with, under `zero_stage`
@@ -342,20 +411,44 @@ class MemoryPlan:
         return (local * self.cfg.parallel.sp_size) // 1024 * 1024
 
 
+def _count(parameters: int) -> str:
+    """e.g. 42M, 8.03B."""
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:,.1f}M"
+
+
+def trained_summary(plan: MemoryPlan) -> str:
+    """What a LoRA run trains, e.g. "LoRA rank 16 on 7 projections: 42.0M of 8.07B parameters
+    trained"; empty for a full fine-tune."""
+    lora = plan.cfg.model.lora
+    if lora is None:
+        return ""
+    targets = ", ".join(lora.target_modules)
+    return (
+        f"LoRA rank {lora.rank} on {targets}: {_count(plan.trained)} of "
+        f"{_count(plan.parameters)} parameters trained (the base frozen: no gradients, no "
+        "optimizer state)"
+    )
+
+
 def bytes_per_element(precision: Precision) -> int:
     return 2 if precision is Precision.bf16 else 4
 
 
 def _state_terms(cfg: JobConfig, size: ModelSize, zero_stage: int) -> dict[str, float]:
-    """Parameters, gradients and optimizer state per GPU (see the module docstring)."""
-    b, world, params = bytes_per_element(cfg.precision), cfg.cluster.world_size, size.total
+    """Parameters, gradients and optimizer state per GPU (see the module docstring): every
+    parameter is held, only the trained ones have gradients and optimizer state."""
+    b, world = bytes_per_element(cfg.precision), cfg.cluster.world_size
+    params, trained = size.total, size.trained
     if zero_stage == 3:
-        return {name: nbytes * params / world for name, nbytes in FSDP2_STATE_BYTES.items()}
+        per_parameter = {"parameters": params, "gradients": trained, "optimizer_shard": trained}
+        return {
+            name: nbytes * per_parameter[name] / world for name, nbytes in FSDP2_STATE_BYTES.items()
+        }
     partition = ZERO1_GRADIENT_PARTITION_BYTES if b == 4 else 0
     return {
         "parameters": b * params,
-        "gradients": REDUCE_BYTES * params,
-        "optimizer_shard": (ZERO1_OPTIMIZER_BYTES + partition) * params / world,
+        "gradients": REDUCE_BYTES * trained,
+        "optimizer_shard": (ZERO1_OPTIMIZER_BYTES + partition) * trained / world,
     }
 
 
@@ -365,10 +458,12 @@ def _offloaded_state(
     """The state terms left on the GPU under optimizer offload, and the host bytes per rank:
     ZeRO-1 moves the optimizer shard with an fp32 gradient partition of its own, and stages a
     b-byte copy of the parameter partition in pinned host memory (the fp32 gradient stays on
-    the GPU, accumulating); ZeRO-3 moves the fp32 shards, their gradients and Adam's moments."""
+    the GPU, accumulating); ZeRO-3 moves the fp32 shards, their gradients and Adam's moments.
+    Only the trained parameters' state: a LoRA run's frozen base stays where it is under
+    ZeRO-1, and moves with the other shards under ZeRO-3."""
     if zero_stage == 3:
         return {name: 0.0 for name in state}, sum(state.values())
-    shard = size.total / cfg.cluster.world_size
+    shard = size.trained / cfg.cluster.world_size
     host = (
         ZERO1_OPTIMIZER_BYTES + ZERO1_GRADIENT_PARTITION_BYTES + bytes_per_element(cfg.precision)
     ) * shard
@@ -377,9 +472,13 @@ def _offloaded_state(
 
 def _gathered_weights(precision: Precision, size: ModelSize) -> float:
     """FSDP2's unsharded buffers at the peak: the root group and two layers gathered, the
-    lm_head's gradient, one layer's gradient and its fp32 copy for the reduce-scatter."""
+    lm_head's gradient, one layer's gradient and its fp32 copy for the reduce-scatter (of the
+    trained parameters only: a frozen one has no gradient)."""
     b = bytes_per_element(precision)
-    return b * (size.root + 2 * size.layer + size.head) + (b + REDUCE_BYTES) * size.layer
+    return (
+        b * (size.root + 2 * size.layer + size.trained_head)
+        + (b + REDUCE_BYTES) * size.trained_layer
+    )
 
 
 def policy_memory(
@@ -481,5 +580,5 @@ def _zero1_gradient_path(precision: Precision, size: ModelSize, rung: Rung) -> d
     ZeRO optimizer otherwise (runtime/engine.py, _configure_zero_optimizer's choice)."""
     b = bytes_per_element(precision)
     if b == 2 and not rung.offload_optimizer:
-        return {"gradient_conversion": (b + REDUCE_BYTES) * size.largest}
+        return {"gradient_conversion": (b + REDUCE_BYTES) * size.trained_largest}
     return {"reduce_bucket": ZERO_BUCKET_ELEMENTS * REDUCE_BYTES}

@@ -15,6 +15,7 @@ from slurm_autosp.memory_plan.terms import (
     MemoryPlan,
     PolicyMemory,
     ring_blocks_per_token,
+    trained_summary,
 )
 
 
@@ -94,9 +95,10 @@ def verdict(plan: MemoryPlan) -> tuple[str, bool, str]:
     if plan.fits:
         sac = plan.cfg.compile.activation_checkpointing is ActivationCheckpointing.sac
         budget = f" (compile.activation_memory_budget={memory.spec.budget:g})" if sac else ""
+        trained = f"; {trained_summary(plan)}" if plan.cfg.model.lora else ""
         return (
             f"verdict: fits: {memory.total / GB:.1f} of {plan.gpu_bytes / GB:g} GB per GPU under "
-            f"ZeRO-{plan.zero_stage} with {memory.label}{budget}",
+            f"ZeRO-{plan.zero_stage} with {memory.label}{budget}{trained}",
             True,
             "",
         )

@@ -90,15 +90,17 @@ def gradient_reduction(cfg: JobConfig, zero_stage: int) -> Message:
     the average), in fp32 either way (REDUCE_BYTES). FSDP2 reduce-scatters each layer over its
     1-D mesh; DeepSpeed's BF16_Optimizer all-reduces its flat fp32 gradient (one parameter
     group: one tensor, past reduce_bucket_size, so sent whole, in place); ZeRO-1's fp32
-    optimizer reduce-scatters buckets of reduce_bucket_size."""
+    optimizer reduce-scatters buckets of reduce_bucket_size. Only the trained parameters' (a LoRA
+    run's adapters)."""
     size = model_size(cfg.model)
     if zero_stage == 3:
-        what, collective, elements = "layer gradient (fp32)", "reduce_scatter", size.layer
+        what, collective = "layer gradient (fp32)", "reduce_scatter"
+        elements = size.trained_layer
     elif cfg.precision is Precision.bf16:
-        what, collective, elements = "flat gradient (fp32)", "all_reduce", size.total
+        what, collective, elements = "flat gradient (fp32)", "all_reduce", size.trained
     else:
         what, collective = "gradient bucket (fp32)", "reduce_scatter"
-        elements = int(min(size.total, ZERO_BUCKET_ELEMENTS))
+        elements = int(min(size.trained, ZERO_BUCKET_ELEMENTS))
     return Message(collective, what, "world", elements * REDUCE_BYTES, torch.float32)
 
 
