@@ -81,11 +81,16 @@ def randomize_adapters(model: nn.Module, seed: int, std: float = 0.02) -> None:
     generator = torch.Generator().manual_seed(seed)
     for module in model.modules():
         if isinstance(module, peft.tuners.lora.LoraLayer) and ADAPTER_NAME in module.lora_A:
-            a = module.lora_A[ADAPTER_NAME].weight
-            b = module.lora_B[ADAPTER_NAME].weight
+            a, b = _weight(module.lora_A[ADAPTER_NAME]), _weight(module.lora_B[ADAPTER_NAME])
             scaling = module.scaling[ADAPTER_NAME]
             a.copy_(torch.randn(a.shape, generator=generator) / a.shape[1] ** 0.5)
             b.copy_(torch.randn(b.shape, generator=generator) * std / scaling)
+
+
+def _weight(linear: nn.Module) -> torch.Tensor:
+    weight = linear.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 def adapter_state(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

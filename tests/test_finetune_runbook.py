@@ -61,5 +61,6 @@ def test_the_finetune_runbook_runs_from_chats_to_a_generated_reply(tmp_path, bas
     assert "eval at step 2 | loss" in everything and "eval at step 4 | loss" in everything
     assert "held-out evaluation" in everything  # the summary's table
     assert "model.safetensors" in everything and "chat_template.jinja" in everything
-    assert outputs[-1].strip(), "the exported model generated no reply"
+    assert "adapter_model.safetensors" in everything and "adapter_config.json" in everything
+    assert outputs[-1].strip(), "the LoRA adapters generated no reply"
     print("reply:", outputs[-1].strip())
