@@ -172,3 +172,32 @@ def test_a_resubmission_on_another_base_is_refused_naming_both(
     assert done.returncode != 0
     assert "model.pretrained_path" in done.stderr and "model.base" in done.stderr, done.stderr
     assert base_fingerprint(str(other)) in done.stderr
+
+
+@pytest.mark.slow
+def test_tiled_offloaded_lora_layers_train_the_same_losses(
+    tmp_path, lora_run, base, reference_overrides
+):
+    """The adapted MLPs in sequence tiles, recomputed tile by tile in backward, and what
+    backward keeps in host memory: the adapted layers up the memory ladder train what the
+    untiled run trained, within fp32 rounding."""
+    ladder = (
+        "compile.activation_checkpointing=sac",
+        "compile.tile_tokens=48",
+        "compile.offload_activations=true",
+    )
+    done = subprocess.run(
+        lora_cmd(tmp_path, "tiled", base, (*reference_overrides, *ladder)),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "activation offload" in done.stdout + done.stderr
+    losses, reference = last_losses(tmp_path / "tiled"), last_losses(lora_run)
+    assert sorted(losses) == sorted(reference)
+    assert all(abs(losses[s] - reference[s]) <= 1e-5 * reference[s] for s in reference), (
+        losses,
+        reference,
+    )
