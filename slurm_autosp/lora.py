@@ -4,7 +4,11 @@ becomes PEFT's `lora.Linear` (the frozen `base_layer` and the trained `lora_A`, 
 
 What a run keeps of it: the adapters (checkpoints and the `adapter/` export, in PEFT's own
 format), never the base, which every start reads again from `model.pretrained_path`; the
-base's fingerprint, recorded in each checkpoint, refuses a resume on another one."""
+base's fingerprint, recorded in each checkpoint, refuses a resume on another one.
+
+PEFT is imported where adapters are made or drawn: importing it takes seconds (it loads most
+of transformers' model classes), which every rank, command and test process that adapts no
+model would otherwise pay."""
 
 from __future__ import annotations
 
@@ -12,13 +16,16 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import peft
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from slurm_autosp.config import ConfigError, LoraConfig
+
+if TYPE_CHECKING:
+    import peft
 
 ADAPTER_NAME = "default"  # PEFT's, which its state dicts and exports drop from the names
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -30,6 +37,8 @@ SAMPLES_PER_FILE = 16
 
 
 def peft_config(lora: LoraConfig, base: str | None = None) -> peft.LoraConfig:
+    import peft
+
     return peft.LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
@@ -43,6 +52,8 @@ def peft_config(lora: LoraConfig, base: str | None = None) -> peft.LoraConfig:
 def add_adapters(model: nn.Module, lora: LoraConfig) -> nn.Module:
     """The model with adapters on every linear layer `lora.target_modules` names, B zero (the
     model computes what it did), and only the adapters trainable."""
+    import peft
+
     try:
         adapted = peft.inject_adapter_in_model(peft_config(lora), model, ADAPTER_NAME)
     except ValueError as err:  # PEFT's: no module of the model matches the names
@@ -60,7 +71,7 @@ def is_adapter(name: str) -> bool:
 
 
 def has_adapters(model: nn.Module) -> bool:
-    return any(isinstance(m, peft.tuners.lora.LoraLayer) for m in model.modules())
+    return any(is_adapter(name) for name, _ in model.named_parameters())
 
 
 def base_weights(model: nn.Module) -> set[str]:
@@ -78,9 +89,11 @@ def randomize_adapters(model: nn.Module, seed: int, std: float = 0.02) -> None:
     are zero and a check of them proves nothing. A as PEFT draws it (variance 1 / in), B such
     that the update (alpha / r) B A is no larger than a weight initialised with `std`: a
     larger one saturates attention's softmax, and the check would measure that instead."""
+    from peft.tuners.lora import LoraLayer
+
     generator = torch.Generator().manual_seed(seed)
     for module in model.modules():
-        if isinstance(module, peft.tuners.lora.LoraLayer) and ADAPTER_NAME in module.lora_A:
+        if isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A:
             a, b = _weight(module.lora_A[ADAPTER_NAME]), _weight(module.lora_B[ADAPTER_NAME])
             scaling = module.scaling[ADAPTER_NAME]
             a.copy_(torch.randn(a.shape, generator=generator) / a.shape[1] ** 0.5)
