@@ -131,18 +131,28 @@ def signalled_once(cmd: list[str], folder: Path) -> str:
     return output
 
 
+LADDER = (
+    "compile.activation_checkpointing=sac",
+    "compile.tile_tokens=48",
+    "compile.offload_activations=true",
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
+@pytest.mark.parametrize(
+    ("zero_stage", "ladder"), [(1, ()), (3, LADDER)], ids=["zero1", "fsdp2_tiled_offloaded"]
+)
 def test_a_preempted_lora_job_resumes_with_the_uninterrupted_losses(
-    tmp_path, lora_run, base, reference_overrides, zero_stage
+    tmp_path, lora_run, base, reference_overrides, zero_stage, ladder
 ):
-    """ZeRO-1 resumes bit for bit; FSDP2 (its own reductions) trains the same losses within
-    fp32 rounding."""
-    overrides = (*reference_overrides, f"parallel.zero_stage={zero_stage}")
-    output = signalled_once(
-        lora_cmd(tmp_path, "resumed", base, overrides), tmp_path / "resumed" / "submitit"
-    )
+    """ZeRO-1 resumes bit for bit. FSDP2 (its own reductions), with the adapted MLPs in
+    sequence tiles recomputed tile by tile and what backward keeps in host memory, trains the
+    same losses within fp32 rounding."""
+    overrides = (*reference_overrides, f"parallel.zero_stage={zero_stage}", *ladder)
+    folder = tmp_path / "resumed" / "submitit"
+    output = signalled_once(lora_cmd(tmp_path, "resumed", base, overrides), folder)
     assert "stopping at step" in output and "resumed from" in output, output[-4000:]
+    assert ("activation offload" in output) == bool(ladder)
     losses, reference = last_losses(tmp_path / "resumed"), last_losses(lora_run)
     assert sorted(losses) == sorted(reference) == list(range(1, STEPS + 1))
     if zero_stage == 1:
@@ -172,32 +182,3 @@ def test_a_resubmission_on_another_base_is_refused_naming_both(
     assert done.returncode != 0
     assert "model.pretrained_path" in done.stderr and "model.base" in done.stderr, done.stderr
     assert base_fingerprint(str(other)) in done.stderr
-
-
-@pytest.mark.slow
-def test_tiled_offloaded_lora_layers_train_the_same_losses(
-    tmp_path, lora_run, base, reference_overrides
-):
-    """The adapted MLPs in sequence tiles, recomputed tile by tile in backward, and what
-    backward keeps in host memory: the adapted layers up the memory ladder train what the
-    untiled run trained, within fp32 rounding."""
-    ladder = (
-        "compile.activation_checkpointing=sac",
-        "compile.tile_tokens=48",
-        "compile.offload_activations=true",
-    )
-    done = subprocess.run(
-        lora_cmd(tmp_path, "tiled", base, (*reference_overrides, *ladder)),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "activation offload" in done.stdout + done.stderr
-    losses, reference = last_losses(tmp_path / "tiled"), last_losses(lora_run)
-    assert sorted(losses) == sorted(reference)
-    assert all(abs(losses[s] - reference[s]) <= 1e-5 * reference[s] for s in reference), (
-        losses,
-        reference,
-    )

@@ -10,38 +10,45 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from optimizer_offload_cases import _build
 from sp_cases import VOCAB, backend_for, contiguous_sp_group, tiny_model
-from train_cases import _job_config, take_steps
+from train_cases import _engine, _job_config, take_steps
 
 from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.store import CheckpointStore, TrainerState
 from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.compile import compile_model
-from slurm_autosp.config import Precision
+from slurm_autosp.config import LoraConfig, Precision
 from slurm_autosp.sp import set_sp_group
 from slurm_autosp.verify import make_batch
 
 
-def _setup(zero_stage: int, sp_size: int, grad_accum: int, steps: int):
+def _setup(zero_stage: int, sp_size: int, grad_accum: int, steps: int, lora: bool):
     """The engine for SP x DP on this pool, compiled for its SP size, and the settings a job of
-    this layout records (its global batch: grad_accum x data-parallel ranks)."""
+    this layout records (its global batch: grad_accum x data-parallel ranks); with `lora`, the
+    model's LoRA adapters train, the rest frozen."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
     cfg = _job_config(dist.get_world_size(), zero_stage, grad_accum, steps)
     cfg.parallel.sp_size, cfg.parallel.ring_size = sp_size, 1  # Ulysses alone, as compiled
-    engine = _build(zero_stage, cfg, offload=False)
+    cfg.model.lora = LoraConfig(rank=4, alpha=8) if lora else None
+    engine = _engine(zero_stage, cfg)
     compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
     set_sp_group(contiguous_sp_group(sp_size))
     return engine, cfg, run_settings(cfg, layout_for(cfg), zero_stage)
 
 
 def saved_run(
-    zero_stage: int, sp_size: int, grad_accum: int, steps: int, save_after: int, checkpoint: str
+    zero_stage: int,
+    sp_size: int,
+    grad_accum: int,
+    steps: int,
+    save_after: int,
+    checkpoint: str,
+    lora: bool = False,
 ) -> list[float] | None:
     """`steps` optimizer steps, saved through the store after `save_after` of them; rank 0
     returns every step's loss (the uninterrupted run: saving changes nothing)."""
-    engine, cfg, settings = _setup(zero_stage, sp_size, grad_accum, steps)
+    engine, cfg, settings = _setup(zero_stage, sp_size, grad_accum, steps, lora)
     world = dist.get_world_size()
     losses, _ = take_steps(engine, range(save_after), sp_size, grad_accum)
     state = TrainerState(
@@ -59,11 +66,11 @@ def saved_run(
 
 
 def resumed_run(
-    zero_stage: int, sp_size: int, grad_accum: int, steps: int, checkpoint: str
+    zero_stage: int, sp_size: int, grad_accum: int, steps: int, checkpoint: str, lora: bool = False
 ) -> dict | None:
     """Resume the newest checkpoint under `checkpoint` on this pool's SP x DP layout and take the
     remaining steps; rank 0 returns the step it resumed at and the losses."""
-    engine, _, settings = _setup(zero_stage, sp_size, grad_accum, steps)
+    engine, _, settings = _setup(zero_stage, sp_size, grad_accum, steps, lora)
     store = CheckpointStore(Path(checkpoint), dist.get_rank(), dist.get_world_size(), keep=1)
     state = store.load_latest(engine, settings)
     assert state is not None, f"nothing to resume under {checkpoint}"

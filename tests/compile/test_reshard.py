@@ -15,14 +15,22 @@ STEPS, SAVE_AFTER = 4, 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [1, 3], ids=["deepspeed_zero1", "fsdp2"])
+@pytest.mark.parametrize(
+    ("zero_stage", "lora"),
+    [(1, False), (3, False), (3, True)],
+    ids=["deepspeed_zero1", "fsdp2", "fsdp2_lora"],
+)
 def test_saved_as_sp2_dp2_resumes_on_2_ranks_and_as_sp4_with_the_uninterrupted_losses(
-    pool2, pool4, zero_stage, tmp_path
+    pool2, pool4, zero_stage, lora, tmp_path
 ):
+    """LoRA: the checkpoint holds the adapters alone (the frozen base left out of torch's
+    distributed checkpoint), and reshards as the whole model's does. ZeRO-1 finds its pieces
+    by name whatever trains: its LoRA resume is test_lora_run's."""
     checkpoint = str(tmp_path)
-    uninterrupted = pool4.run(saved_run, zero_stage, 2, 1, STEPS, SAVE_AFTER, checkpoint)[0]
+    saved = pool4.run(saved_run, zero_stage, 2, 1, STEPS, SAVE_AFTER, checkpoint, lora)
+    uninterrupted = saved[0]
     for pool, sp_size in ((pool2, 2), (pool4, 4)):  # DP=1: grad_accum 2 keeps the global batch
-        resumed = pool.run(resumed_run, zero_stage, sp_size, 2, STEPS, checkpoint)[0]
+        resumed = pool.run(resumed_run, zero_stage, sp_size, 2, STEPS, checkpoint, lora)[0]
         assert resumed["step"] == SAVE_AFTER
         errors = [
             abs(a - b) / abs(b)
