@@ -6,6 +6,9 @@ FSDP2's all-gathers and reduce-scatters run in its hooks, outside the compiled g
 graph still serves every layer (docs/sharding_spike.md). The optimizer is plain AdamW over the
 local fp32 shards; bf16 runs compute in bf16 and reduce gradients in fp32.
 
+A LoRA model's frozen base is sharded in the compute dtype, its adapters in fp32 with their
+gradients and Adam's moments; checkpoints leave the base out.
+
 Optimizer offload is torch's `CPUOffloadPolicy`: the fp32 shards, their gradients and Adam's
 moments live in host memory, each layer's shards are copied to the GPU for its all-gather and
 its reduced gradients back, and the AdamW step (fused) runs on the host's CPU.
@@ -83,6 +86,8 @@ class FSDP2Engine:
             if offload_optimizer
             else OffloadPolicy()
         )
+        if has_adapters(model):
+            _frozen_in(model, self._compute_dtype)
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload)
         fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
@@ -211,6 +216,16 @@ def _global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tenso
     squares = local.to(device, torch.float32).square()
     dist.all_reduce(squares)
     return squares.sqrt()
+
+
+@torch.no_grad()
+def _frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """A LoRA model's frozen base sharded in the compute dtype (bf16 on GPUs): it has no
+    optimizer step to keep fp32 for, and FSDP2 gathers it in that dtype anyway. FSDP2 needs one
+    dtype among a group's trained parameters only; the adapters stay fp32."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(dtype)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -60,8 +60,8 @@ With `model.lora` (LoRA adapters, the base frozen), P counts every parameter, th
 and the adapters', and T the trained ones (the adapters: rank x (in + out) for each adapted
 linear): only those have gradients and optimizer state. So under ZeRO-1 the parameters stay
 b*P but the gradient is 4*T, the optimizer shard 12*T/world and the gradient conversion the
-largest adapter's; under ZeRO-3 the fp32 shards stay 4*P/world but gradients are 4*T/world and
-Adam's moments 8*T/world, and of the gathered terms only a layer's adapters have a gradient (the
+largest adapter's; under ZeRO-3 the adapters' fp32 shards are 4*T/world and the frozen base's
+b*(P - T)/world (sharded in the compute dtype), gradients 4*T/world and Adam's moments 8*T/world, and of the gathered terms only a layer's adapters have a gradient (the
 lm_head none, unless adapted). The activations are the full fine-tune's: an adapted linear's
 rank-r intermediate (r values per token, saved for its B) is not counted, nor what a frozen
 linear left unadapted no longer saves (its input, needed only for its weight's gradient; an
@@ -438,15 +438,17 @@ def _state_terms(cfg: JobConfig, size: ModelSize, zero_stage: int) -> dict[str, 
     """Parameters, gradients and optimizer state per GPU (see the module docstring): every
     parameter is held, only the trained ones have gradients and optimizer state."""
     b, world = bytes_per_element(cfg.precision), cfg.cluster.world_size
-    params, trained = size.total, size.trained
-    if zero_stage == 3:
-        per_parameter = {"parameters": params, "gradients": trained, "optimizer_shard": trained}
-        return {
+    trained = size.trained
+    if zero_stage == 3:  # a LoRA model's frozen base is sharded in b bytes (engine/fsdp2.py)
+        per_parameter = {"parameters": trained, "gradients": trained, "optimizer_shard": trained}
+        state = {
             name: nbytes * per_parameter[name] / world for name, nbytes in FSDP2_STATE_BYTES.items()
         }
+        state["parameters"] += b * size.frozen / world
+        return state
     partition = ZERO1_GRADIENT_PARTITION_BYTES if b == 4 else 0
     return {
-        "parameters": b * params,
+        "parameters": b * size.total,
         "gradients": REDUCE_BYTES * trained,
         "optimizer_shard": (ZERO1_OPTIMIZER_BYTES + partition) * trained / world,
     }

@@ -3,6 +3,8 @@ SP x DP ranks, steps through the real engines (DeepSpeed ZeRO-1, FSDP2 parameter
 bf16 within single-device bf16 error. Rank-side code is in train_cases.py; the pools and compiled graphs are shared with the
 SP equivalence tests."""
 
+import math
+
 import pytest
 from sp_cases import tiny_model
 from train_cases import (
@@ -11,6 +13,7 @@ from train_cases import (
     fsdp2_export,
     fsdp2_held_bytes,
     grad_accum_step,
+    lora_fsdp2_bf16,
     pretrained_under_fsdp2,
     sharded_init,
 )
@@ -70,6 +73,17 @@ def test_lora_steps_train_the_single_device_adapters_and_leave_the_base(pool2, z
     assert result["frozen"] > 0 and result["frozen_moved"] == 0.0, result
     if zero_stage == 3:
         assert result["grad_rel_error"] <= TOLERANCE, result
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_a_lora_models_frozen_base_in_bf16_and_trains_its_fp32_adapters(pool2):
+    """Half the base's bytes: it has no optimizer step to keep fp32 for. Its checkpoint holds
+    the adapters alone."""
+    result = pool2.run(lora_fsdp2_bf16)[0]
+    assert result["frozen"] == {"torch.bfloat16"} and result["adapters"] == {"torch.float32"}
+    assert all(math.isfinite(loss) for loss in result["losses"]), result
+    assert all(norm > 0 for norm in result["grad_norms"]), result
+    assert result["saved"] and all(".lora_" in name for name in result["saved"]), result
 
 
 def test_fsdp2_meta_device_build_draws_whole_tensors_and_restores_buffers(pool2):

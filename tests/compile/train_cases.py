@@ -580,3 +580,30 @@ def held_out_eval(
         "ref_tokens": samples * (EVAL_SEQ - 1),
         "still_training": model.training,
     }
+
+
+def lora_fsdp2_bf16() -> dict | None:
+    """Two SP=2 steps of a LoRA model under FSDP2 computing in bf16: the dtype of each shard,
+    the losses and gradient norms, and the names its checkpoint holds (rank 0's)."""
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    from slurm_autosp.config import Precision
+
+    cfg = _job_config(dist.get_world_size(), 3, 1, 2)
+    cfg.train.precision = Precision.bf16  # on CPU ranks for tests only (the config refuses it)
+    cfg.model.lora = LoraConfig(rank=4, alpha=8)
+    engine = _engine(3, cfg)
+    dtypes = {name: p.dtype for name, p in engine.module.named_parameters()}
+    compile_model(engine.module, backend_for(2, True), per_layer=True)
+    register_sp_groups(2)
+    losses, grad_norms = take_steps(engine, range(2), 2, 1)
+    saved = sorted(engine.state_files().distributed[""]["model"])
+    engine.close()
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "frozen": {str(d) for n, d in dtypes.items() if ".lora_" not in n},
+        "adapters": {str(d) for n, d in dtypes.items() if ".lora_" in n},
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "saved": saved,
+    }
