@@ -8,22 +8,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from sp_cases import backend_for, contiguous_sp_group, tiny_model
-from train_cases import _job_config, _whole_weights, take_steps
+from sp_cases import backend_for, contiguous_sp_group
+from train_cases import _engine, _job_config, _whole_weights, take_steps
 
 from slurm_autosp.compile import compile_model
+from slurm_autosp.config import LoraConfig
 from slurm_autosp.sp import set_sp_group
-
-
-def _build(zero_stage: int, cfg, offload: bool):
-    """The engines as train_cases builds them (FSDP2 from the meta device), offloaded or not."""
-    from slurm_autosp.engine import FSDP2Engine, ZeRO1Engine
-
-    if zero_stage == 1:
-        return ZeRO1Engine(tiny_model("llama", 2), cfg, offload)
-    with torch.device("meta"):
-        model = tiny_model("llama", 2)
-    return FSDP2Engine(model, cfg, torch.device("cpu"), offload)
 
 
 def _offloaded(engine) -> bool:
@@ -38,11 +28,12 @@ def _offloaded(engine) -> bool:
 
 def _full_grads(engine) -> dict[str, torch.Tensor]:
     """Every parameter's whole reduced gradient before the optimizer step (collective)."""
+    trained = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
     if engine.name == "fsdp2":
-        return {name: p.grad.full_tensor() for name, p in engine.module.named_parameters()}
+        return {name: p.grad.full_tensor() for name, p in trained}
     from deepspeed.utils import safe_get_full_grad
 
-    return {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    return {name: safe_get_full_grad(p).clone() for name, p in trained}
 
 
 def offload_steps(
@@ -52,15 +43,18 @@ def offload_steps(
     steps: int,
     offload: bool,
     checkpoint: str | None = None,
+    lora: bool = False,
 ) -> dict | None:
     """`steps` optimizer steps on SP x DP ranks; with `checkpoint`, the engine saves there after
     the first step and a new engine loads it and takes the rest. Rank 0 returns the step losses
     and gradient norms, the first step's whole gradients, the initial and final whole weights,
-    and whether the optimizer state was offloaded."""
+    and whether the optimizer state was offloaded. `lora`: LoRA adapters train, the rest
+    frozen."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one machine: local rank = rank
     cfg = _job_config(dist.get_world_size(), zero_stage, grad_accum, steps)
-    engine = _build(zero_stage, cfg, offload)
+    cfg.model.lora = LoraConfig(rank=4, alpha=8) if lora else None
+    engine = _engine(zero_stage, cfg, offload)
     initial = _whole_weights(engine)
     offloaded = _offloaded(engine)
     compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
@@ -78,7 +72,7 @@ def offload_steps(
     if checkpoint:
         engine.state_files().write(Path(checkpoint))
         engine.close()
-        engine = _build(zero_stage, cfg, offload)
+        engine = _engine(zero_stage, cfg, offload)
         engine.load(Path(checkpoint))
         compile_model(engine.module, backend_for(sp_size, True), per_layer=True)
         more_losses, more_norms = take_steps(engine, range(1, steps), sp_size, grad_accum)

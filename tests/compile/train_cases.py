@@ -143,11 +143,11 @@ def _job_config(world: int, zero_stage: int, grad_accum: int, steps: int):
     return cfg
 
 
-def _engine(zero_stage: int, cfg):
+def _engine(zero_stage: int, cfg, offload: bool = False):
     """ZeRO-1 over the fixed-seed tiny model; FSDP2 over the same model built on the meta
-    device, so the engine's own sharded initialization is what gets trained. With
-    `model.lora`, the model has its adapters; under FSDP2 rank 0's whole model is scattered
-    into the shards, as build_engine does."""
+    device, so the engine's own sharded initialization is what gets trained; the optimizer
+    state in host memory with `offload`. With `model.lora`, the model has its adapters; under
+    FSDP2 rank 0's whole model is scattered into the shards, as build_engine does."""
     from slurm_autosp.engine import FSDP2Engine, ZeRO1Engine
 
     def model():
@@ -155,11 +155,11 @@ def _engine(zero_stage: int, cfg):
         return add_adapters(built, cfg.model.lora) if cfg.model.lora else built
 
     if zero_stage == 1:
-        return ZeRO1Engine(model(), cfg)
+        return ZeRO1Engine(model(), cfg, offload)
     whole = model().state_dict() if cfg.model.lora and dist.get_rank() == 0 else {}
     with torch.device("meta"):
         skeleton = model()
-    engine = FSDP2Engine(skeleton, cfg, torch.device("cpu"))
+    engine = FSDP2Engine(skeleton, cfg, torch.device("cpu"), offload)
     if cfg.model.lora:
         engine.load_full_weights(whole)
     return engine
