@@ -79,13 +79,25 @@ def last_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_checkpoints_hold_the_adapters_and_no_base_weight(lora_run, base):
+def test_checkpoints_hold_the_adapters_and_no_base_weight_and_status_names_the_export(
+    lora_run, base
+):
     checkpoint = max((lora_run / "checkpoints").glob("step_*"))
     module = torch.load(checkpoint / "engine" / "module.pt", weights_only=True)
     assert module and all(".lora_" in name for name in module), sorted(module)
     assert not any(name.endswith(".base_layer.weight") for name in module)
     held = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
     assert held < (base / "model.safetensors").stat().st_size, held
+    status = subprocess.run(
+        [sys.executable, "-m", "slurm_autosp", "status", str(lora_run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert f"LoRA adapters (PEFT's format, on model.pretrained_path): {lora_run / 'adapter'}" in (
+        status.stdout
+    ), status.stdout + status.stderr
 
 
 @pytest.mark.slow

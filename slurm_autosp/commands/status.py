@@ -69,9 +69,11 @@ def describe(run_dir: Path) -> list[str]:
     lines.append(f"jobs: {', '.join(jobs) if jobs else 'none'}")
     lines.append(f"requeues: {len(recorded_requeues(run_dir))}")
     lines.append(_lock_state(run_dir))
-    export = RunDir(run_dir).hf_export
+    export, adapters = RunDir(run_dir).hf_export, RunDir(run_dir).adapter_export
     if export.is_dir():
         lines.append(f"Hugging Face export: {export}")
+    if adapters.is_dir():
+        lines.append(f"LoRA adapters (PEFT's format, on model.pretrained_path): {adapters}")
     return lines
 
 
