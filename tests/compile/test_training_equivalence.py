@@ -13,7 +13,7 @@ from train_cases import (
     fsdp2_export,
     fsdp2_held_bytes,
     grad_accum_step,
-    lora_fsdp2_bf16,
+    lora_bf16,
     pretrained_under_fsdp2,
     sharded_init,
 )
@@ -76,11 +76,15 @@ def test_lora_steps_train_the_single_device_adapters_and_leave_the_base(pool2, z
 
 
 @pytest.mark.slow
-def test_fsdp2_shards_a_lora_models_frozen_base_in_bf16_and_trains_its_fp32_adapters(pool2):
-    """Half the base's bytes: it has no optimizer step to keep fp32 for. Its checkpoint holds
-    the adapters alone."""
-    result = pool2.run(lora_fsdp2_bf16)[0]
-    assert result["frozen"] == {"torch.bfloat16"} and result["adapters"] == {"torch.float32"}
+@pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "fsdp2"])
+def test_a_lora_model_in_bf16_keeps_its_base_in_bf16_and_trains_its_adapters(pool2, zero_stage):
+    """ZeRO-1: the bf16 model, adapters included, their fp32 masters DeepSpeed's
+    (BF16_Optimizer). FSDP2: the frozen base sharded in bf16 (half its bytes: it has no
+    optimizer step to keep fp32 for), the adapters in fp32. Both checkpoints hold the adapters
+    alone."""
+    result = pool2.run(lora_bf16, zero_stage)[0]
+    adapters = "torch.bfloat16" if zero_stage == 1 else "torch.float32"
+    assert result["frozen"] == {"torch.bfloat16"} and result["adapters"] == {adapters}
     assert all(math.isfinite(loss) for loss in result["losses"]), result
     assert all(norm > 0 for norm in result["grad_norms"]), result
     assert result["saved"] and all(".lora_" in name for name in result["saved"]), result

@@ -28,6 +28,8 @@ from slurm_autosp.checkpoint.export import export_hf
 from slurm_autosp.compile import compile_model
 from slurm_autosp.config import LoraConfig
 from slurm_autosp.data import TokenFileSource
+from slurm_autosp.engine import FSDP2Engine, ZeRO1Engine
+from slurm_autosp.engine.zero1_checkpoint import MODULE_FILE
 from slurm_autosp.evaluate import Evaluator
 from slurm_autosp.lifecycle.run_dir import RunDir
 from slurm_autosp.lora import add_adapters
@@ -143,22 +145,22 @@ def _job_config(world: int, zero_stage: int, grad_accum: int, steps: int):
     return cfg
 
 
+def _adapted_tiny(cfg):
+    """The fixed-seed tiny model, with the adapters of `model.lora` if set."""
+    built = tiny_model("llama", 2)
+    return add_adapters(built, cfg.model.lora) if cfg.model.lora else built
+
+
 def _engine(zero_stage: int, cfg, offload: bool = False):
     """ZeRO-1 over the fixed-seed tiny model; FSDP2 over the same model built on the meta
     device, so the engine's own sharded initialization is what gets trained; the optimizer
     state in host memory with `offload`. With `model.lora`, the model has its adapters; under
     FSDP2 rank 0's whole model is scattered into the shards, as build_engine does."""
-    from slurm_autosp.engine import FSDP2Engine, ZeRO1Engine
-
-    def model():
-        built = tiny_model("llama", 2)
-        return add_adapters(built, cfg.model.lora) if cfg.model.lora else built
-
     if zero_stage == 1:
-        return ZeRO1Engine(model(), cfg, offload)
-    whole = model().state_dict() if cfg.model.lora and dist.get_rank() == 0 else {}
+        return ZeRO1Engine(_adapted_tiny(cfg), cfg, offload)
+    whole = _adapted_tiny(cfg).state_dict() if cfg.model.lora and dist.get_rank() == 0 else {}
     with torch.device("meta"):
-        skeleton = model()
+        skeleton = _adapted_tiny(cfg)
     engine = FSDP2Engine(skeleton, cfg, torch.device("cpu"), offload)
     if cfg.model.lora:
         engine.load_full_weights(whole)
@@ -582,21 +584,28 @@ def held_out_eval(
     }
 
 
-def lora_fsdp2_bf16() -> dict | None:
-    """Two SP=2 steps of a LoRA model under FSDP2 computing in bf16: the dtype of each shard,
-    the losses and gradient norms, and the names its checkpoint holds (rank 0's)."""
+def lora_bf16(zero_stage: int) -> dict | None:
+    """Two SP=2 steps of a LoRA model computing in bf16 under the engine for `zero_stage`: the
+    dtype of each parameter (FSDP2: of each shard), the losses and gradient norms, and the
+    names of the weights its checkpoint holds (rank 0's)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
     from slurm_autosp.config import Precision
 
-    cfg = _job_config(dist.get_world_size(), 3, 1, 2)
+    cfg = _job_config(dist.get_world_size(), zero_stage, 1, 2)
     cfg.train.precision = Precision.bf16  # on CPU ranks for tests only (the config refuses it)
     cfg.model.lora = LoraConfig(rank=4, alpha=8)
-    engine = _engine(3, cfg)
+    if zero_stage == 1:  # as build_engine builds it: the model in the compute dtype
+        engine = ZeRO1Engine(_adapted_tiny(cfg).to(torch.bfloat16), cfg)
+    else:
+        engine = _engine(zero_stage, cfg)
     dtypes = {name: p.dtype for name, p in engine.module.named_parameters()}
     compile_model(engine.module, backend_for(2, True), per_layer=True)
     register_sp_groups(2)
     losses, grad_norms = take_steps(engine, range(2), 2, 1)
-    saved = sorted(engine.state_files().distributed[""]["model"])
+    files = engine.state_files()
+    held = files.distributed[""]["model"] if zero_stage == 3 else files.trees.get(MODULE_FILE, {})
+    saved = sorted(held)
     engine.close()
     if dist.get_rank() != 0:
         return None
