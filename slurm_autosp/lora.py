@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,7 +64,33 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> nn.Module:
         ) from err
     for name, param in adapted.named_parameters():
         param.requires_grad_(is_adapter(name))
+    if problem := _unadaptable(adapted):
+        raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)}: {problem}")
     return adapted
+
+
+def _unadaptable(adapted: nn.Module) -> str | None:
+    """Why a layer PEFT adapted cannot train here: not a linear layer (PEFT's embedding and
+    convolution adapters name their weights otherwise), or a weight tied to another (a tied
+    lm_head: its base is exported and checkpointed under the embedding's name)."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    uses = Counter(id(p) for _, p in adapted.named_parameters(remove_duplicate=False))
+    for name, module in adapted.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer()
+        if not isinstance(module, Linear):
+            return (
+                f"{name} is a {type(base).__name__}, and LoRA here adapts linear layers only; "
+                "leave it out"
+            )
+        if uses[id(base.weight)] > 1:
+            return (
+                f"{name}'s weight is tied to another (tie_word_embeddings): leave it out, or "
+                "adapt the other linear layers"
+            )
+    return None
 
 
 def is_adapter(name: str) -> bool:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_autosp.checkpoint.async_save import CheckpointSaves
-from slurm_autosp.checkpoint.export import export_run
+from slurm_autosp.checkpoint.export import export_run, exported_names
 from slurm_autosp.checkpoint.identity import run_settings
 from slurm_autosp.checkpoint.store import (
     CheckpointStore,
@@ -201,17 +201,12 @@ def train(
     finally:
         saves.close()
         tracer.close()
-    weights = engine.full_state_dict()  # every rank takes each tensor: FSDP2 gathers it
+    tokenizer = prepared_tokenizer(cfg.data)  # before the collective: every rank or none fails
+    # every rank takes each tensor: FSDP2 gathers it
+    weights = engine.full_state_dict(exported_names(cfg.model.lora))
     if dims.rank == 0:
-        tokenizer = prepared_tokenizer(cfg.data)
-        export_run(
-            engine.module,
-            cfg.run.dir,
-            weights,
-            tokenizer,
-            cfg.model.lora,
-            cfg.model.pretrained_path,
-        )
+        lora, base = cfg.model.lora, cfg.model.pretrained_path
+        export_run(engine.module, cfg.run.dir, weights, tokenizer, lora, base)
     else:
         for _ in weights:
             pass

@@ -5,7 +5,9 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from slurm_autosp.checkpoint import export
 from slurm_autosp.checkpoint.identity import refused, run_settings
 from slurm_autosp.cluster.placement import layout_for
 from slurm_autosp.config import ConfigError, LoraConfig, load_config
@@ -41,6 +43,23 @@ def test_only_the_adapters_train_and_the_adapted_model_computes_the_base_at_firs
 def test_target_modules_the_model_lacks_are_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['c_attn'\]"):
         tiny("model.lora.target_modules=[c_attn]")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        (["model.lora.target_modules=[embed_tokens]"], "model.embed_tokens is a Embedding"),
+        (
+            ["model.lora.target_modules=[q_proj,lm_head]", "model.tie_word_embeddings=true"],
+            "lm_head's weight is tied to another",
+        ),
+    ],
+    ids=["embedding", "tied_lm_head"],
+)
+def test_layers_that_cannot_train_as_linear_adapters_are_refused(overrides, refused):
+    with pytest.raises(ConfigError, match="model.lora.target_modules=") as caught:
+        tiny(*overrides)
+    assert refused in str(caught.value)
 
 
 def test_merged_weights_compute_what_the_adapted_model_computes():
@@ -80,3 +99,37 @@ def test_another_checkpoint_copied_over_the_base_is_refused_by_its_fingerprint(t
 def test_a_full_fine_tune_records_no_base():
     cfg = load_config(["cfg=configs/tiny_cpu.yaml"])
     assert "model.base" not in run_settings(cfg, layout_for(cfg), 1)
+
+
+def test_the_adapters_are_exported_when_the_merged_model_fails_and_every_weight_is_taken(
+    tmp_path, monkeypatch
+):
+    """A full disk under hf/ loses the merged model, never the run's adapters; and the stream
+    is taken to its end, as FSDP2's other ranks gather every tensor with rank 0."""
+    adapted = tiny()
+    state = adapted.state_dict()
+    taken = []
+
+    def weights():
+        for name, tensor in state.items():
+            taken.append(name)
+            yield name, tensor
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "save_file", full_disk)
+    lora = LoraConfig(rank=4, alpha=8, export_merged=True)
+    with pytest.raises(OSError, match="No space left"):
+        export.export_run(adapted, tmp_path, weights(), None, lora, "/base")
+    assert taken == list(state)
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert len(saved) == 28 and not (tmp_path / "hf").exists()
+
+
+def test_a_lora_run_without_a_merged_export_gathers_only_the_adapters():
+    keep = export.exported_names(LoraConfig())
+    names = list(tiny().state_dict())
+    assert [n for n in names if keep(n)] == [n for n in names if ".lora_" in n]
+    assert all(map(export.exported_names(None), names))
+    assert all(map(export.exported_names(LoraConfig(export_merged=True)), names))

@@ -58,11 +58,25 @@ def distinct_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
-def whole_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """A model that holds its weights whole (ZeRO-1, or no engine), copied to the host one
-    tensor at a time as they are taken."""
+def every_name(name: str) -> bool:
+    return True
+
+
+def exported_names(lora: LoraConfig | None) -> Callable[[str], bool]:
+    """The weights the end of a run exports: all of them, but only the adapters of a LoRA run
+    that exports no merged model (the base is already on disk: gathering it would cost a
+    70B model's 140 GB of transfers for nothing)."""
+    return is_adapter if lora is not None and not lora.export_merged else every_name
+
+
+def whole_weights(
+    model: nn.Module, keep: Callable[[str], bool] = every_name
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model that holds its weights whole (ZeRO-1, or no engine), those `keep` keeps copied
+    to the host one tensor at a time as they are taken."""
     for name, tensor in distinct_tensors(model):
-        yield name, tensor.detach().cpu()
+        if keep(name):
+            yield name, tensor.detach().cpu()
 
 
 class ShardWriter:
@@ -133,7 +147,8 @@ def export_run(
     """Rank 0 calls this at the end of training: the whole model to `hf/`; a LoRA run's
     adapters to `adapter/` (PEFT's format, `base` recorded as their base) and, with
     `model.lora.export_merged`, the base with the adapters merged in to `hf/`. Takes every
-    tensor of `weights`, as `export_hf` does."""
+    tensor of `weights`, as `export_hf` does, and writes the adapters even when the merged
+    model fails (a full disk)."""
     if lora is None:
         export_hf(model, run_dir, weights, tokenizer_dir)
         return
@@ -146,11 +161,21 @@ def export_run(
             yield name, tensor
 
     stream = kept(weights)
-    if lora.export_merged:
-        export_hf(model, run_dir, merged_weights(stream, lora), tokenizer_dir)
-    else:
+    try:
+        if lora.export_merged:
+            export_hf(model, run_dir, merged_weights(stream, lora), tokenizer_dir)
+    finally:  # the adapters are the run's result, whatever became of the merged model
         _take_all(stream)
+        _export_adapters(run_dir, lora, base, adapters, tokenizer_dir)
 
+
+def _export_adapters(
+    run_dir: Path,
+    lora: LoraConfig,
+    base: str | None,
+    adapters: dict[str, torch.Tensor],
+    tokenizer_dir: Path | None,
+) -> None:
     def write(directory: Path) -> None:
         save_adapter(directory, lora, base, adapter_state(adapters.items()))
         _copy_tokenizer(tokenizer_dir, directory)

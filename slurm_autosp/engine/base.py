@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from slurm_autosp.checkpoint.export import every_name
 from slurm_autosp.checkpoint.state_files import StateFiles
 
 
@@ -48,11 +49,14 @@ class TrainEngine(Protocol):
     def load(self, path: Path) -> None:
         """Collective: restore what `save` wrote."""
 
-    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_state_dict(
+        self, keep: Callable[[str], bool] = every_name
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective, tensor by tensor: every rank takes it to the end. Rank 0 gets the whole
-        model's weights one at a time, each on its host and in the compute dtype, a tied tensor
-        once (as checkpoint.export.distinct_tensors names it); the other ranks get nothing.
-        Never the whole model at once: the export writes each as it comes."""
+        model's weights one at a time (those whose names `keep` keeps: the same on every rank),
+        each on its host and in the compute dtype, a tied tensor once (as
+        checkpoint.export.distinct_tensors names it); the other ranks get nothing. Never the
+        whole model at once: the export writes each as it comes."""
 
     def close(self) -> None:
         """Release what the engine holds beyond the job's process group."""

@@ -4,7 +4,7 @@ is engine.zero1_checkpoint's, which resumes on any world size and layout."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slurm_autosp.checkpoint.export import whole_weights
+from slurm_autosp.checkpoint.export import every_name, whole_weights
 from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.checkpoint.store import CheckpointError
 from slurm_autosp.config import JobConfig, Precision
@@ -139,10 +139,12 @@ class ZeRO1Engine:
         if client_state is None:
             raise CheckpointError(f"DeepSpeed could not load its checkpoint {path}")
 
-    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_state_dict(
+        self, keep: Callable[[str], bool] = every_name
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every rank's module holds the whole weights: rank 0 copies them from its GPU one
         tensor at a time."""
-        return whole_weights(self.module) if dist.get_rank() == 0 else iter(())
+        return whole_weights(self.module, keep) if dist.get_rank() == 0 else iter(())
 
     def close(self) -> None:
         self._engine.destroy()

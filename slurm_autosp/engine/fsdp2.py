@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +42,12 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from slurm_autosp.checkpoint.export import distinct_tensors
+from slurm_autosp.checkpoint.export import distinct_tensors, every_name
 from slurm_autosp.checkpoint.state_files import StateFiles
 from slurm_autosp.compat.torch_api import clear_sharding_prop_cache
 from slurm_autosp.compile import AutoSPCompileError, decoder_layers
 from slurm_autosp.config import ConfigError, JobConfig
-from slurm_autosp.lora import has_adapters
+from slurm_autosp.lora import base_weights, has_adapters
 from slurm_autosp.model import compute_dtype
 from slurm_autosp.optim import (
     apply_hyperparameters,
@@ -152,18 +152,24 @@ class FSDP2Engine:
         The checkpoint records each tensor's whole shape, and `load` reads every rank's slice
         of it: another world size or layout resumes it. A LoRA model's frozen base is left out:
         every start reads it from its checkpoint."""
-        model_state, optim_state = get_state_dict(
-            self.module, self.optimizer, options=self._state_options
-        )
+        model_state, optim_state = self._state()
         files = StateFiles(distributed={"": {"model": model_state, "optimizer": optim_state}})
         if dist.get_rank() == 0:
             files.trees[SCHEDULE_FILE] = self.scheduler.state_dict()
         return files
 
-    def load(self, path: Path) -> None:
+    def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's and the optimizer's state as checkpoints hold them: a LoRA model's
+        without its frozen base (torch leaves out a frozen weight under one name only: a tied
+        lm_head stays, which is left out here)."""
         model_state, optim_state = get_state_dict(
             self.module, self.optimizer, options=self._state_options
         )
+        base = base_weights(self.module)
+        return {k: v for k, v in model_state.items() if k not in base}, optim_state
+
+    def load(self, path: Path) -> None:
+        model_state, optim_state = self._state()
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
         set_state_dict(  # dcp.load filled these dicts in place
             self.module,
@@ -177,12 +183,16 @@ class FSDP2Engine:
         )
         apply_hyperparameters(self.optimizer, self.scheduler, self._train, self._fused)
 
-    def full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each tensor gathered from every rank's shard when it is taken (tied parameters
-        once, in the same order on every rank) and cast to the compute dtype (bf16 runs export
-        bf16, as DeepSpeed's module does) before rank 0 copies it to its host."""
+    def full_state_dict(
+        self, keep: Callable[[str], bool] = every_name
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor `keep` keeps gathered from every rank's shard when it is taken (tied
+        parameters once, in the same order on every rank) and cast to the compute dtype (bf16
+        runs export bf16, as DeepSpeed's module does) before rank 0 copies it to its host."""
         rank0 = dist.get_rank() == 0
         for name, tensor in distinct_tensors(self.module):
+            if not keep(name):
+                continue
             whole = _gathered(tensor, self._device) if isinstance(tensor, DTensor) else tensor
             if rank0:
                 yield name, whole.detach().to(self._compute_dtype).cpu()
