@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from reference_run import tensorboard_losses
+from reference_run import reference_cmd, tensorboard_losses
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -35,21 +35,16 @@ def save_base(directory: Path, seed: int) -> Path:
 
 
 def lora_cmd(root: Path, name: str, base: Path, overrides: tuple[str, ...]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "slurm_autosp.submit",
-        "cfg=configs/tiny_cpu.yaml",
-        "cluster.backend=local",
-        f"run.output_root={root}",
-        f"run.name={name}",
+    """The reference run's submit (reference_run.reference_cmd) as a LoRA fine-tune of `base`:
+    STEPS steps under ZeRO-1, unless `overrides` (given last) say otherwise."""
+    lora = (
         f"model.pretrained_path={base}",
+        "parallel.zero_stage=1",
         f"train.steps={STEPS}",
-        "train.log_every=1",
         "train.lr=1e-2",
         *LORA,
-        *overrides,
-    ]
+    )
+    return reference_cmd(root, name, (*lora, *overrides))
 
 
 @pytest.fixture(scope="module")
